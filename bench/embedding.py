@@ -1,11 +1,12 @@
-"""Embedding lookup: time per call for T = 1, 64, 512 tokens, bytes moved, GB/s, and the floor.
+"""Embedding lookup: time per call for T = 1, 64, 512 (and 16384) tokens, bytes moved, GB/s, and the floor.
 
 Table: Muse Glimmer's token_embd shape (hidden 6656, vocab 202,048) in Q4_K, Q8_0 and F16,
 valid blocks written directly as bytes (random quants, finite f16 scales). The CPU run uses
 a smaller vocab (the gather reads T rows whatever the vocab; only memory use changes).
 
 Launch latency would hide a kernel this small, so each measurement evaluates CALLS
-independent lookups (different ids) in one mx.eval and divides. The ceiling is a large
+independent lookups (different ids) in one mx.eval and divides; T = 16384 shows the
+kernel's own bandwidth once the fixed per-call cost no longer dominates. The ceiling is a large
 device copy measured in the same run; floor = bytes moved / that bandwidth.
 
     python bench/embedding.py [--vocab N] [--calls N]
@@ -34,12 +35,12 @@ def valid_table(rng, ggml_type, vocab) -> mx.array:
     nbytes = vocab * fmt.row_bytes(HIDDEN)
     if ggml_type == GGMLType.F16:
         values = rng.standard_normal(nbytes // 2, dtype=np.float32).astype(np.float16)
-        return mx.array(values.view(np.uint8))
+        return mx.array(values.view(np.uint8).reshape(vocab, -1))
     raw = rng.integers(0, 256, size=nbytes, dtype=np.uint8).reshape(-1, fmt.type_size)
     for start in SCALE_FIELDS[ggml_type]:
         scales = rng.uniform(1e-3, 1e-1, size=raw.shape[0]).astype(np.float16)
         raw[:, start : start + 2] = scales.reshape(-1, 1).view(np.uint8)
-    return mx.array(raw.reshape(-1))
+    return mx.array(raw.reshape(vocab, -1))
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -81,7 +82,7 @@ def main() -> None:
     for ggml_type in (GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.F16):
         table = valid_table(rng, ggml_type, vocab)
         row_bytes = formats.FORMATS[ggml_type].row_bytes(HIDDEN)
-        for tokens in (1, 64, 512):
+        for tokens in (1, 64, 512, 16384):
             ids = [mx.array(rng.integers(0, vocab, size=tokens).astype(np.int32)) for _ in range(calls)]
 
             def lookups():

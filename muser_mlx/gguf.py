@@ -84,9 +84,12 @@ class GGUFTensor:
 
     @property
     def data(self) -> mx.array:
-        """The tensor's raw GGUF bytes, uint8 [nbytes], created on first use."""
+        """The tensor's raw GGUF bytes, uint8 [rows, row_bytes], created on first use.
+
+        Two dimensions, not one: MLX shapes are 32-bit, and a table can exceed 2 GiB
+        (an F16 Muse Glimmer output.weight is 2.69 GB)."""
         if self._data is None:
-            self._data = mx.array(self.numpy())
+            self._data = mx.array(self.numpy().reshape(self.rows, self.row_bytes))
         return self._data
 
     def numpy(self) -> np.ndarray:

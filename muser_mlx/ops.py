@@ -63,7 +63,7 @@ def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden:
     """The gather itself, with no host validation: an id outside the table reads row vocab-1
     (the kernel's clamp). embedding() validates first; tests call this to exercise the clamp.
 
-    table_bytes: uint8 [vocab * row_bytes]; ids: int32 [...]; returns float32 [..., hidden].
+    table_bytes: uint8 [vocab, row_bytes] (or flat); ids: int32 [...]; returns float32 [..., hidden].
     """
     fmt = block_format(ggml_type)
     row_bytes = fmt.row_bytes(hidden)

@@ -55,7 +55,8 @@ def test_round_trip_metadata_and_tensor_bytes(tmp_path, rng):
         table = model.tensors["token_embd.weight"]
         assert table.ggml_type == GGMLType.Q4_K and table.shape == (256, 11)
         assert table.row_bytes == 144 and table.nbytes == 11 * 144
-        np.testing.assert_array_equal(np.array(table.data), tensors["token_embd.weight"][2].reshape(-1))
+        assert table.data.shape == (11, 144)  # [rows, row_bytes]
+        np.testing.assert_array_equal(np.array(table.data), tensors["token_embd.weight"][2].reshape(11, 144))
         assert str(table.data.dtype) == "mlx.core.uint8"
         assert model.bytes_by_type() == {"Q4_K": 11 * 144, "F32": 256 * 4}
 
@@ -166,7 +167,7 @@ def test_custom_alignment_is_honoured(tmp_path, rng):
     with gguf.read(path) as model:
         assert model.alignment == 64 and model.data_offset % 64 == 0
         np.testing.assert_array_equal(
-            np.array(model.tensors["output_norm.weight"].data),
+            np.array(model.tensors["output_norm.weight"].data).reshape(-1),
             tensors["output_norm.weight"][2].reshape(-1),
         )
 
