@@ -45,6 +45,11 @@ inline uint muser_nibble32(const device uint8_t* qs, uint w) {
   return (uint(qs[w % 16]) >> (4 * (w / 16))) & 15u;
 }
 
+// Word i (0..3) of a 16-byte load; i is a compile-time constant in unrolled loops.
+inline uint muser_word(uint4 words, int i) {
+  return i == 0 ? words.x : (i == 1 ? words.y : (i == 2 ? words.z : words.w));
+}
+
 // Q5_0 / Q5_1: bit w of the 32-bit qh field is element w's fifth bit.
 inline uint muser_fifth_bit(const device uint8_t* qh, uint w) {
   return ((uint(qh[w / 8]) >> (w % 8)) & 1u) << 4;

@@ -8,7 +8,7 @@ import numpy as np
 
 from muser_mlx import kernels
 from muser_mlx.dequant import dequantize_rows
-from muser_mlx.formats import block_format
+from muser_mlx.formats import GGMLType, block_format
 
 EMBEDDING_THREADGROUP = 256
 MAX_GRID = 2**31 - 1
@@ -91,3 +91,119 @@ def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden:
             output_dtypes=[mx.float32],
         )
     return out.reshape(*ids.shape, hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers straight from GGUF blocks
+# ---------------------------------------------------------------------------------------------
+
+MATVEC_MAX_TOKENS = 8  # up to this many rows of x, a decode matvec; beyond it, prefill
+MATVEC_ROWS_PER_THREADGROUP = 8
+# On the CPU, MLX's own affine quantized matmul reads these formats' bytes exactly: GGUF's
+# nibble order is a fixed permutation of MLX's within each 32-value block (see _cpu_affine).
+_CPU_AFFINE = {GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q8_0: 8}
+
+
+def linear_path(ggml_type, tokens: int, backend: str | None = None) -> str:
+    """Which implementation `linear` uses for a weight format and a number of rows of x.
+    The one place this is decided."""
+    backend = backend or kernels.backend()
+    ggml_type = block_format(ggml_type).ggml_type
+    if backend == "cpu":
+        return "cpu_affine_qmm" if ggml_type in _CPU_AFFINE else "cpu_dequant_matmul"
+    if tokens > MATVEC_MAX_TOKENS:
+        return "gpu_dequant_matmul"
+    return "matvec_q4k" if ggml_type == GGMLType.Q4_K else "matvec"
+
+
+def linear(x, weight) -> mx.array:
+    """x @ W.T for a GGUF weight kept as raw blocks.
+
+    x: [..., in] float (f32, f16 or bf16); weight: GGUF tensor of GGUF shape [in, out]
+    returns float32 [..., out].
+    """
+    if len(weight.shape) != 2:
+        raise ValueError(f"weight {weight.name!r} must be 2-D, has shape {list(weight.shape)}")
+    in_features, out_features = weight.shape
+    if x.ndim < 1 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"x of shape {list(x.shape)} does not fit weight {weight.name!r} "
+            f"(GGUF shape [{in_features}, {out_features}]: x needs {in_features} features)"
+        )
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, in_features).astype(mx.float32)
+    path = linear_path(weight.ggml_type, rows.shape[0])
+    out = _LINEAR_PATHS[path](rows, weight.data, block_format(weight.ggml_type), in_features, out_features)
+    return out.reshape(*lead, out_features)
+
+
+def _matvec(rows, weight_bytes, fmt, in_features, out_features):
+    name = "matvec_q4k" if fmt.ggml_type == GGMLType.Q4_K else "matvec"
+    template = [("IN", in_features), ("ROW_BYTES", fmt.row_bytes(in_features)),
+                ("OUT", out_features), ("TOKENS", rows.shape[0])]
+    if name == "matvec":
+        template.insert(0, ("FORMAT", int(fmt.ggml_type)))
+    (out,) = kernels.launch(
+        name,
+        inputs=[weight_bytes, rows],
+        template=template,
+        grid=(32 * out_features, 1, 1),
+        threadgroup=(32 * MATVEC_ROWS_PER_THREADGROUP, 1, 1),
+        output_shapes=[(rows.shape[0], out_features)],
+        output_dtypes=[mx.float32],
+    )
+    return out
+
+
+def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int) -> mx.array:
+    """Every row of a GGUF matrix decoded: [out, in] float32 (the embedding gather over all rows)."""
+    ids = mx.arange(out_features, dtype=mx.int32)
+    return embedding_unchecked(weight_bytes, ids, ggml_type, in_features, out_features)
+
+
+def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
+    # Prefill: decode the weight once per call (its cost is shared by all T rows), then the
+    # backend's f16 matmul does the arithmetic.
+    weight = dequantize_weight(weight_bytes, fmt.ggml_type, in_features, out_features).astype(mx.float16)
+    return (rows.astype(mx.float16) @ weight.T).astype(mx.float32)
+
+
+def _cpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
+    weight = dequantize_rows(weight_bytes.reshape(out_features, -1), fmt.ggml_type)
+    return rows @ weight.T
+
+
+def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
+    """Q4_0 / Q4_1 / Q8_0 through mx.quantized_matmul on the same bytes.
+
+    MLX packs a 32-value group's 4-bit codes with values 2k and 2k+1 in byte k; GGUF puts
+    values k and k+16 there. So instead of moving weight bytes, x is permuted within each
+    block (x'[2k + j] = x[k + 16 j]). Each call copies the quant bytes out of their blocks
+    (the d and m fields sit between them), but nothing is dequantized.
+    """
+    blocks = weight_bytes.reshape(out_features, -1, fmt.type_size)
+    d = blocks[..., 0:2].view(mx.float16).astype(mx.float32).squeeze(-1)
+    bits = _CPU_AFFINE[fmt.ggml_type]
+    if fmt.ggml_type == GGMLType.Q8_0:
+        quants = blocks[..., 2:34] ^ 128  # int8 -> MLX's unsigned codes, offset 128
+        bias = -128.0 * d
+        x = rows
+    else:
+        start = 2 if fmt.ggml_type == GGMLType.Q4_0 else 4
+        quants = mx.contiguous(blocks[..., start : start + 16])
+        if fmt.ggml_type == GGMLType.Q4_0:
+            bias = -8.0 * d
+        else:
+            bias = blocks[..., 2:4].view(mx.float16).astype(mx.float32).squeeze(-1)
+        x = rows.reshape(rows.shape[0], -1, 2, 16).swapaxes(-1, -2).reshape(rows.shape)
+    packed = quants.reshape(out_features, -1).view(mx.uint32)
+    return mx.quantized_matmul(x, packed, d, bias, transpose=True, group_size=32, bits=bits)
+
+
+_LINEAR_PATHS = {
+    "matvec": _matvec,
+    "matvec_q4k": _matvec,
+    "gpu_dequant_matmul": _gpu_dequant_matmul,
+    "cpu_dequant_matmul": _cpu_dequant_matmul,
+    "cpu_affine_qmm": _cpu_affine,
+}

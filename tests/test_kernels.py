@@ -21,6 +21,16 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT", 12), ("HIDDEN", 256), ("ROW_BYTES", 144), ("VOCAB", 40)],
     ),
+    "matvec": (
+        [InputSpec(mx.uint8, 2, 24 * 544), InputSpec(mx.float32, 2, 3 * 512)],
+        [mx.float32],
+        [("FORMAT", 14), ("IN", 512), ("ROW_BYTES", 420), ("OUT", 24), ("TOKENS", 3)],
+    ),
+    "matvec_q4k": (
+        [InputSpec(mx.uint8, 2, 24 * 288), InputSpec(mx.float32, 2, 2 * 512)],
+        [mx.float32],
+        [("IN", 512), ("ROW_BYTES", 288), ("OUT", 24), ("TOKENS", 2)],
+    ),
 }
 
 

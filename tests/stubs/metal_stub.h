@@ -34,6 +34,12 @@ struct uint2 {
 struct uint3 {
   uint x, y, z;
 };
+struct uint4 {
+  uint x, y, z, w;
+};
+struct float4 {
+  float x, y, z, w;
+};
 
 template <typename T, typename U>
 T as_type(U);

@@ -1,0 +1,149 @@
+"""linear() from GGUF blocks against the bandwidth floor, MLX's quantized_matmul and f16 matmul.
+
+Shapes (out x in) are Muse Glimmer's projections; on the CPU, SmolLM2-135M's. Weights are
+valid blocks written directly as bytes (random quants, finite scales), several copies of
+each so that repeated calls stream from memory, not from the 60 MB L2.
+
+T = 1: CALLS calls per mx.eval (rotating weight copies and x), time per call, weight bytes,
+GB/s, and time over the floor (weight bytes / the copy bandwidth measured in this run).
+T = 512: TFLOP/s of linear() against an f16 `x @ w.T` of the same shape.
+
+    python bench/linear.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as GGMLType
+
+from muser_mlx import formats, kernels, ops
+
+GPU_SHAPES = [(4096, 6656), (256, 6656), (6656, 4096), (19968, 6656), (6656, 19968), (202048, 6656)]
+CPU_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+SCALE_FIELDS = {GGMLType.Q4_K: (0, 2), GGMLType.Q6_K: (208,), GGMLType.Q8_0: (0,), GGMLType.Q4_1: (0, 2)}
+STREAM_BYTES = 512 << 20  # weight copies per shape add up to at least this
+
+
+class Weight:
+    """Stands in for a GGUF tensor: raw bytes [out, row_bytes] plus type and GGUF shape."""
+
+    def __init__(self, data, ggml_type, in_features, out_features):
+        self.data, self.ggml_type = data, ggml_type
+        self.shape = (in_features, out_features)
+        self.name = f"{ggml_type.name} {out_features}x{in_features}"
+
+
+def valid_weight(rng, ggml_type, out_features, in_features) -> mx.array:
+    fmt = formats.FORMATS[ggml_type]
+    row_bytes = fmt.row_bytes(in_features)
+    raw = np.frombuffer(rng.bytes(out_features * row_bytes), dtype=np.uint8).copy()
+    blocks = raw.reshape(-1, fmt.type_size)
+    for start in SCALE_FIELDS[ggml_type]:
+        scale = rng.uniform(1e-3, 1e-2, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, start : start + 2] = scale.reshape(-1, 1).view(np.uint8)
+    return mx.array(raw.reshape(out_features, row_bytes))
+
+
+def per_call_seconds(make_calls, repeats: int) -> float:
+    calls = make_calls()
+    mx.eval(calls)  # warm-up: builds kernels
+    times = []
+    for _ in range(repeats):
+        calls = make_calls()
+        start = time.perf_counter()
+        mx.eval(calls)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / len(calls)
+
+
+def copy_bandwidth(nbytes: int, repeats: int) -> float:
+    x = mx.random.normal((nbytes // 4,))
+    mx.eval(x)
+    return 2 * nbytes / per_call_seconds(lambda: [x + 1.0], repeats)
+
+
+def row(cells) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=16)
+    args = parser.parse_args()
+    on_gpu = kernels.backend() != "cpu"
+    shapes = GPU_SHAPES if on_gpu else CPU_SHAPES
+    ggml_types = [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0] if on_gpu else [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K]
+    rng = np.random.default_rng(0)
+    bandwidth = copy_bandwidth((4 << 30) if on_gpu else (256 << 20), args.repeats)
+    print(f"backend {kernels.backend()} ({mx.device_info().get('device_name')}); "
+          f"{args.calls} calls per evaluation, median of {args.repeats}")
+    print(f"ceiling: elementwise copy {bandwidth / 1e9:,.0f} GB/s (read + write)\n")
+
+    print("T = 1 (decode)\n")
+    print(row(["shape out x in", "weight", "path", "µs / call", "weight MB", "GB/s", "% of ceiling", "time / floor"]))
+    print(row(["---"] * 2 + ["---"] + ["---:"] * 5))
+    for out_features, in_features in shapes:
+        for ggml_type in ggml_types:
+            if in_features % formats.FORMATS[ggml_type].block_size:
+                continue
+            nbytes = out_features * formats.FORMATS[ggml_type].row_bytes(in_features)
+            copies = max(1, math.ceil(STREAM_BYTES / nbytes)) if on_gpu else 1
+            weights = [Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type, in_features, out_features)
+                       for _ in range(copies)]
+            xs = [mx.random.normal((1, in_features)) for _ in range(4)]
+            seconds = per_call_seconds(
+                lambda: [ops.linear(xs[i % 4], weights[i % copies]) for i in range(args.calls)], args.repeats)
+            path = ops.linear_path(ggml_type, 1)
+            print(row([f"{out_features} x {in_features}", ggml_type.name, path, f"{seconds * 1e6:,.1f}",
+                       f"{nbytes / 1e6:,.1f}", f"{nbytes / seconds / 1e9:,.0f}",
+                       f"{100 * nbytes / seconds / bandwidth:.0f} %", f"{seconds / (nbytes / bandwidth):.2f}x"]))
+            del weights
+        if on_gpu:
+            # MLX's own 4-bit affine quantization and an f16 matvec at the same shape.
+            dense = [mx.random.normal((out_features, in_features)).astype(mx.float16) for _ in range(2)]
+            xs16 = [x.astype(mx.float16) for x in xs]
+            for group in (32, 64):
+                quantized = [mx.quantize(w, group_size=group, bits=4) for w in dense]
+                qbytes = sum(a.nbytes for a in quantized[0])
+                seconds = per_call_seconds(lambda: [
+                    mx.quantized_matmul(xs16[i % 4], *quantized[i % 2], transpose=True, group_size=group, bits=4)
+                    for i in range(args.calls)], args.repeats)
+                print(row([f"{out_features} x {in_features}", f"mx 4-bit g{group}", "quantized_matmul",
+                           f"{seconds * 1e6:,.1f}", f"{qbytes / 1e6:,.1f}", f"{qbytes / seconds / 1e9:,.0f}",
+                           f"{100 * qbytes / seconds / bandwidth:.0f} %", f"{seconds / (qbytes / bandwidth):.2f}x"]))
+            fbytes = dense[0].nbytes
+            seconds = per_call_seconds(lambda: [xs16[i % 4] @ dense[i % 2].T for i in range(args.calls)], args.repeats)
+            print(row([f"{out_features} x {in_features}", "f16", "x @ w.T", f"{seconds * 1e6:,.1f}",
+                       f"{fbytes / 1e6:,.1f}", f"{fbytes / seconds / 1e9:,.0f}",
+                       f"{100 * fbytes / seconds / bandwidth:.0f} %", f"{seconds / (fbytes / bandwidth):.2f}x"]))
+            del dense, quantized
+
+    if not on_gpu:
+        return
+    print("\nT = 512 (prefill)\n")
+    print(row(["shape out x in", "weight", "path", "ms / call", "TFLOP/s", "f16 matmul ms", "f16 TFLOP/s"]))
+    print(row(["---"] * 3 + ["---:"] * 4))
+    for out_features, in_features in shapes:
+        flops = 2 * 512 * in_features * out_features
+        x = mx.random.normal((512, in_features))
+        dense = mx.random.normal((out_features, in_features)).astype(mx.float16)
+        x16 = x.astype(mx.float16)
+        f16_seconds = per_call_seconds(lambda: [x16 @ dense.T for _ in range(4)], args.repeats)
+        for ggml_type in ggml_types:
+            weight = Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type, in_features, out_features)
+            seconds = per_call_seconds(lambda: [ops.linear(x, weight) for _ in range(4)], args.repeats)
+            print(row([f"{out_features} x {in_features}", ggml_type.name, ops.linear_path(ggml_type, 512),
+                       f"{seconds * 1e3:,.3f}", f"{flops / seconds / 1e12:,.1f}",
+                       f"{f16_seconds * 1e3:,.3f}", f"{flops / f16_seconds / 1e12:,.1f}"]))
+        del dense
+
+
+if __name__ == "__main__":
+    main()

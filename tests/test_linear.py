@@ -1,0 +1,71 @@
+"""linear(x, weight) straight from GGUF blocks: every format, decode and prefill sizes, every
+backend, against float64 products of the numpy reference's weights."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GGMLType
+
+from muser_mlx import formats, gguf, kernels, ops, testing
+from tests.conftest import relative_error
+
+FORMATS = [
+    GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1,
+    GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.F16, GGMLType.BF16, GGMLType.F32,
+    GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS,
+]
+# float32 accumulation in another order: ~1e-6; the GPU prefill path rounds weights and x to
+# float16 for the matmul units (relative rounding 2^-11 each).
+BOUND = {"gpu_dequant_matmul": 3e-3}
+DEFAULT_BOUND = 2e-5
+
+
+def weight_file(tmp_path, rng, ggml_type, in_features, out_features):
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    path = testing.write_gguf(tmp_path / "w.gguf", {}, {"w": (ggml_type, (in_features, out_features), raw)})
+    reference = formats.dequantize(raw, ggml_type, [in_features, out_features]).astype(np.float64)
+    return path, reference
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 2, 7, 64, 512])
+def test_linear_matches_reference(backend, rng, tmp_path, ggml_type, tokens):
+    block = formats.FORMATS[ggml_type].block_size
+    in_features = max(block, 256) * int(rng.integers(1, 3))
+    out_features = int(rng.integers(1, 40)) * 3 + 1  # rarely a multiple of 8 rows per threadgroup
+    path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)
+    x = rng.standard_normal((tokens, in_features)).astype(np.float32)
+    with gguf.read(path) as model, kernels.poisoned_outputs():
+        out = ops.linear(mx.array(x), model.tensors["w"])
+        mx.eval(out)
+    out = np.array(out)
+    expected = x.astype(np.float64) @ reference.T
+    path_name = ops.linear_path(ggml_type, tokens)
+    assert out.shape == (tokens, out_features)
+    assert np.isfinite(out).all(), f"{path_name} left an output unwritten"
+    assert relative_error(out, expected) <= BOUND.get(path_name, DEFAULT_BOUND), path_name
+
+
+def test_linear_keeps_leading_dimensions_and_accepts_half_inputs(backend, rng, tmp_path):
+    path, reference = weight_file(tmp_path, rng, GGMLType.Q4_K, 256, 9)
+    x = rng.standard_normal((2, 3, 256)).astype(np.float16)
+    with gguf.read(path) as model:
+        out = np.array(ops.linear(mx.array(x), model.tensors["w"]))
+    assert out.shape == (2, 3, 9)
+    expected = x.astype(np.float64) @ reference.T
+    assert relative_error(out, expected) <= 1e-5
+
+
+def test_linear_refuses_a_mismatched_input(rng, tmp_path):
+    path, _ = weight_file(tmp_path, rng, GGMLType.Q8_0, 64, 5)
+    with gguf.read(path) as model:
+        with pytest.raises(ValueError, match=r"x of shape \[1, 32\] does not fit weight 'w'.*needs 64"):
+            ops.linear(mx.zeros((1, 32)), model.tensors["w"])
+
+
+def test_path_choice():
+    assert ops.linear_path(GGMLType.Q4_K, 1, "cuda") == "matvec_q4k"
+    assert ops.linear_path(GGMLType.Q6_K, 8, "metal") == "matvec"
+    assert ops.linear_path(GGMLType.Q6_K, 9, "cuda") == "gpu_dequant_matmul"
+    assert ops.linear_path(GGMLType.Q4_1, 1, "cpu") == "cpu_affine_qmm"
+    assert ops.linear_path(GGMLType.Q4_K, 1, "cpu") == "cpu_dequant_matmul"
