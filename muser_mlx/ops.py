@@ -59,11 +59,13 @@ def embedding(table, token_ids) -> mx.array:
     return embedding_unchecked(table.data, ids, table.ggml_type, hidden, vocab)
 
 
-def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden: int, vocab: int):
+def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden: int, vocab: int,
+                        dtype=mx.float32):
     """The gather itself, with no host validation: an id outside the table reads row vocab-1
     (the kernel's clamp). embedding() validates first; tests call this to exercise the clamp.
 
-    table_bytes: uint8 [vocab, row_bytes] (or flat); ids: int32 [...]; returns float32 [..., hidden].
+    table_bytes: uint8 [vocab, row_bytes] (or flat); ids: int32 [...];
+    returns [..., hidden] in `dtype` (float32, or float16 for a matmul's operand).
     """
     fmt = block_format(ggml_type)
     row_bytes = fmt.row_bytes(hidden)
@@ -72,7 +74,7 @@ def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden:
     if kernels.backend() == "cpu":
         clamped = mx.minimum(flat.astype(mx.uint32), vocab - 1)
         rows = mx.take(table_bytes.reshape(vocab, row_bytes), clamped, axis=0)
-        out = dequantize_rows(rows, fmt.ggml_type)
+        out = dequantize_rows(rows, fmt.ggml_type).astype(dtype)
     else:
         if tokens * hidden > MAX_GRID:
             raise ValueError(f"{tokens} tokens x {hidden} values exceed one launch; split the batch")
@@ -88,7 +90,7 @@ def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden:
             grid=(tokens * hidden, 1, 1),
             threadgroup=(EMBEDDING_THREADGROUP, 1, 1),
             output_shapes=[(tokens, hidden)],
-            output_dtypes=[mx.float32],
+            output_dtypes=[dtype],
         )
     return out.reshape(*ids.shape, hidden)
 
@@ -98,7 +100,8 @@ def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden:
 # ---------------------------------------------------------------------------------------------
 
 MATVEC_MAX_TOKENS = 8  # up to this many rows of x, a decode matvec; beyond it, prefill
-MATVEC_ROWS_PER_THREADGROUP = 8
+MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup
+Q4K_ROWS_PER_SIMD_GROUP = 4  # rows sharing one load of x in matvec_q4k
 # On the CPU, MLX's own affine quantized matmul reads these formats' bytes exactly: GGUF's
 # nibble order is a fixed permutation of MLX's within each 32-value block (see _cpu_affine).
 _CPU_AFFINE = {GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q8_0: 8}
@@ -138,33 +141,38 @@ def linear(x, weight) -> mx.array:
 
 
 def _matvec(rows, weight_bytes, fmt, in_features, out_features):
-    name = "matvec_q4k" if fmt.ggml_type == GGMLType.Q4_K else "matvec"
     template = [("IN", in_features), ("ROW_BYTES", fmt.row_bytes(in_features)),
                 ("OUT", out_features), ("TOKENS", rows.shape[0])]
-    if name == "matvec":
+    if fmt.ggml_type == GGMLType.Q4_K:
+        name, rows_per_group = "matvec_q4k", Q4K_ROWS_PER_SIMD_GROUP
+        template.append(("ROWS", rows_per_group))
+    else:
+        name, rows_per_group = "matvec", 1
         template.insert(0, ("FORMAT", int(fmt.ggml_type)))
+    simd_groups = -(-out_features // rows_per_group)
     (out,) = kernels.launch(
         name,
         inputs=[weight_bytes, rows],
         template=template,
-        grid=(32 * out_features, 1, 1),
-        threadgroup=(32 * MATVEC_ROWS_PER_THREADGROUP, 1, 1),
+        grid=(32 * simd_groups, 1, 1),
+        threadgroup=(32 * MATVEC_SIMD_GROUPS, 1, 1),
         output_shapes=[(rows.shape[0], out_features)],
         output_dtypes=[mx.float32],
     )
     return out
 
 
-def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int) -> mx.array:
-    """Every row of a GGUF matrix decoded: [out, in] float32 (the embedding gather over all rows)."""
+def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int,
+                      dtype=mx.float32) -> mx.array:
+    """Every row of a GGUF matrix decoded: [out, in] (the embedding gather over all rows)."""
     ids = mx.arange(out_features, dtype=mx.int32)
-    return embedding_unchecked(weight_bytes, ids, ggml_type, in_features, out_features)
+    return embedding_unchecked(weight_bytes, ids, ggml_type, in_features, out_features, dtype)
 
 
 def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
     # Prefill: decode the weight once per call (its cost is shared by all T rows), then the
     # backend's f16 matmul does the arithmetic.
-    weight = dequantize_weight(weight_bytes, fmt.ggml_type, in_features, out_features).astype(mx.float16)
+    weight = dequantize_weight(weight_bytes, fmt.ggml_type, in_features, out_features, mx.float16)
     return (rows.astype(mx.float16) @ weight.T).astype(mx.float32)
 
 
