@@ -24,8 +24,8 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/muser inspect
 
-# On a machine with a GPU and the package importable (see bench/README on the H200):
-# the same suite, where every kernel test now also runs on the GPU backend.
+# On a machine with a GPU and the package importable (README: "On an NVIDIA GPU"):
+# the same suite, where every kernel test also runs on the GPU backend.
 test-gpu:
 	python3 -m pytest -q -p no:cacheprovider
 

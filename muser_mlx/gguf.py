@@ -250,6 +250,7 @@ class GGUFFile:
         self.alignment = alignment
 
         infos = []
+        seen: set[str] = set()
         for index in range(tensor_count):
             name, pos = self._string(pos, f"tensor info {index} (name)")
             n_dims, pos = self._scalar(pos, _SCALAR_DTYPES[4], f"tensor {name!r} (dims)")
@@ -260,8 +261,9 @@ class GGUFFile:
             pos += 8 * n_dims
             type_id, pos = self._scalar(pos, _SCALAR_DTYPES[4], f"tensor {name!r} (type)")
             offset, pos = self._scalar(pos, _SCALAR_DTYPES[10], f"tensor {name!r} (offset)")
-            if name in (info[0] for info in infos):
+            if name in seen:
                 raise TensorLayoutError(f"{self.path}: tensor name {name!r} appears twice")
+            seen.add(name)
             infos.append((name, shape, type_id, offset))
 
         # Refuse unknown types before any tensor is read.

@@ -202,6 +202,18 @@ _METAL_ATTRIBUTES = [
 ]
 
 
+_METAL_SHAPE_TYPES = {"shape": "const constant int*", "strides": "const constant int64_t*", "ndim": "const constant int&"}
+_CUDA_SHAPE_TYPES = {"shape": "Shape", "strides": "Strides", "ndim": "int"}
+
+
+def _shape_suffixes(body: str, arg: str, spec: "InputSpec") -> list[str]:
+    """The shape, strides and ndim parameters MLX adds after an input, in its order: those
+    whose name the body mentions, for inputs of rank >= 1."""
+    if spec.ndim == 0:
+        return []
+    return [suffix for suffix in ("shape", "strides", "ndim") if f"{arg}_{suffix}" in body]
+
+
 @dataclass(frozen=True)
 class InputSpec:
     dtype: mx.Dtype
@@ -220,13 +232,8 @@ def metal_program(name: str, inputs: list[InputSpec], output_dtypes, template) -
         space = "constant" if spec.size < 8 else "device"
         ref = "&" if spec.ndim == 0 else "*"
         params.append(f"  const {space} {_METAL_TYPES[spec.dtype]}{ref} {arg} [[buffer({len(params)})]]")
-        if spec.ndim > 0:
-            if f"{arg}_shape" in kernel.body:
-                params.append(f"  const constant int* {arg}_shape [[buffer({len(params)})]]")
-            if f"{arg}_strides" in kernel.body:
-                params.append(f"  const constant int64_t* {arg}_strides [[buffer({len(params)})]]")
-            if f"{arg}_ndim" in kernel.body:
-                params.append(f"  const constant int& {arg}_ndim [[buffer({len(params)})]]")
+        for suffix in _shape_suffixes(kernel.body, arg, spec):
+            params.append(f"  {_METAL_SHAPE_TYPES[suffix]} {arg}_{suffix} [[buffer({len(params)})]]")
     for arg, dtype in zip(kernel.outputs, output_dtypes):
         params.append(f"  device {_METAL_TYPES[dtype]}* {arg} [[buffer({len(params)})]]")
     for attribute, kind in _METAL_ATTRIBUTES:
@@ -255,13 +262,8 @@ def cuda_program(name: str, inputs: list[InputSpec], output_dtypes, template) ->
     params = []
     for arg, spec in zip(kernel.inputs, inputs):
         params.append(f"    const {_CUDA_TYPES[spec.dtype]}* {arg}")
-        if spec.ndim > 0:
-            if f"{arg}_shape" in kernel.body:
-                params.append(f"    const __grid_constant__ Shape {arg}_shape")
-            if f"{arg}_strides" in kernel.body:
-                params.append(f"    const __grid_constant__ Strides {arg}_strides")
-            if f"{arg}_ndim" in kernel.body:
-                params.append(f"    const __grid_constant__ int {arg}_ndim")
+        for suffix in _shape_suffixes(kernel.body, arg, spec):
+            params.append(f"    const __grid_constant__ {_CUDA_SHAPE_TYPES[suffix]} {arg}_{suffix}")
     for arg, dtype in zip(kernel.outputs, output_dtypes):
         params.append(f"    {_CUDA_TYPES[dtype]}* {arg}")
     constants = "".join(f"  constexpr int {key} = {value};\n" for key, value in template)
