@@ -16,7 +16,6 @@ import contextlib
 import functools
 import re
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,11 +24,11 @@ HELPERS = "blocks"
 
 
 def kernel_dir() -> Path:
-    """kernels/ of a checkout, or the copy shipped inside the wheel (muser_mlx/_kernel_sources)."""
-    checkout = Path(__file__).resolve().parent.parent / "kernels"
-    if checkout.is_dir():
-        return checkout
-    return Path(str(resources.files("muser_mlx._kernel_sources")))
+    """kernels/ of a checkout, or the copy a wheel installs beside this module
+    (pyproject maps kernels/ to muser_mlx/_kernel_sources)."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "kernels"
+    return checkout if checkout.is_dir() else here / "_kernel_sources"
 
 
 @dataclass(frozen=True)
