@@ -3,6 +3,8 @@ math as MLX array ops on the CPU (muser_mlx/dequant.py), on the same raw GGUF by
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
@@ -140,14 +142,15 @@ def linear(x, weight) -> mx.array:
     return out.reshape(*lead, out_features)
 
 
-def _matvec(rows, weight_bytes, fmt, in_features, out_features):
+def _matvec(name, rows, weight_bytes, fmt, in_features, out_features):
+    """Launch matvec kernel `name` (chosen by linear_path) over a few rows of x."""
     template = [("IN", in_features), ("ROW_BYTES", fmt.row_bytes(in_features)),
                 ("OUT", out_features), ("TOKENS", rows.shape[0])]
-    if fmt.ggml_type == GGMLType.Q4_K:
-        name, rows_per_group = "matvec_q4k", Q4K_ROWS_PER_SIMD_GROUP
+    if name == "matvec_q4k":
+        rows_per_group = Q4K_ROWS_PER_SIMD_GROUP
         template.append(("ROWS", rows_per_group))
     else:
-        name, rows_per_group = "matvec", 1
+        rows_per_group = 1
         template.insert(0, ("FORMAT", int(fmt.ggml_type)))
     simd_groups = -(-out_features // rows_per_group)
     (out,) = kernels.launch(
@@ -209,8 +212,8 @@ def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
 
 
 _LINEAR_PATHS = {
-    "matvec": _matvec,
-    "matvec_q4k": _matvec,
+    "matvec": functools.partial(_matvec, "matvec"),
+    "matvec_q4k": functools.partial(_matvec, "matvec_q4k"),
     "gpu_dequant_matmul": _gpu_dequant_matmul,
     "cpu_dequant_matmul": _cpu_dequant_matmul,
     "cpu_affine_qmm": _cpu_affine,
