@@ -111,3 +111,209 @@ _F16_FIELDS = {
     GGMLType.IQ4_NL: (0,),
     GGMLType.IQ4_XS: (0,),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models: every architecture, any weight format, a small real tokenizer
+# ---------------------------------------------------------------------------------------------
+
+# Weight formats per tensor of a "Q4_K_M"-like mix, as llama.cpp's Q4_K_M picks them: most
+# matrices Q4_K, attn_v / ffn_down / the LM head one step up (Q6_K).
+Q4_K_M_MIX = {"attn_v": GGMLType.Q6_K, "ffn_down": GGMLType.Q6_K, "output": GGMLType.Q6_K,
+              "token_embd": GGMLType.Q4_K}
+
+CORPUS = (
+    "the quick brown fox jumps over the lazy dog. the capital of france is paris. "
+    "in the beginning there was the word, and the word was with the model. "
+    "def main():\n    return 42\n"
+)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from each byte to a printable character (the alphabet of byte-level BPE)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _learn_merges(words: list[list[str]], count: int) -> list[tuple[str, str]]:
+    """Plain BPE training: repeatedly merge the most frequent adjacent pair (ties: first seen)."""
+    merges = []
+    for _ in range(count):
+        pairs: dict[tuple[str, str], int] = {}
+        for word in words:
+            for pair in zip(word, word[1:]):
+                pairs[pair] = pairs.get(pair, 0) + 1
+        if not pairs:
+            break
+        best = max(pairs, key=pairs.get)
+        merges.append(best)
+        for i, word in enumerate(words):
+            merged, j = [], 0
+            while j < len(word):
+                if j + 1 < len(word) and (word[j], word[j + 1]) == best:
+                    merged.append(word[j] + word[j + 1])
+                    j += 2
+                else:
+                    merged.append(word[j])
+                    j += 1
+            words[i] = merged
+    return merges
+
+
+MUSE_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start|>", "<|message|>", "<|eom|>", "<|eot|>"]
+MUSE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}"
+    "<|eot|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def bpe_tokenizer_metadata(merges: int = 64, pre: str = "llama4") -> dict:
+    """tokenizer.ggml.* keys of a small byte-level BPE vocabulary (model gpt2): the 256 byte
+    symbols, merges learnt from CORPUS, then Muse Glimmer's special tokens."""
+    byte_chars = bytes_to_unicode()
+    words = [[byte_chars[b] for b in word.encode()] for word in CORPUS.replace(" ", " \0").split("\0")]
+    learnt = _learn_merges(words, merges)
+    tokens = [byte_chars[b] for b in range(256)] + ["".join(pair) for pair in learnt]
+    tokens = list(dict.fromkeys(tokens))
+    types = [1] * len(tokens) + [3] * len(MUSE_SPECIALS)
+    tokens += MUSE_SPECIALS
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": [f"{a} {b}" for a, b in learnt],
+        "tokenizer.ggml.bos_token_id": ("u32", tokens.index("<|begin_of_text|>")),
+        "tokenizer.ggml.eos_token_id": ("u32", tokens.index("<|end_of_text|>")),
+        "tokenizer.ggml.eot_token_id": ("u32", tokens.index("<|eot|>")),
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": MUSE_CHAT_TEMPLATE,
+    }
+
+
+def spm_tokenizer_metadata(pieces: int = 64) -> dict:
+    """tokenizer.ggml.* keys of a small SentencePiece vocabulary (model llama, as Gemma 3):
+    control tokens, 256 byte-fallback tokens, then pieces of CORPUS scored by frequency."""
+    controls = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    words = [list(word) for word in CORPUS.replace(" ", " \0").split("\0")]
+    words = [[("▁" if ch == " " else ch) for ch in word] for word in words]
+    learnt = _learn_merges(words, pieces)
+    chars = sorted({ch for word in CORPUS for ch in word.replace(" ", "▁")})
+    merged = ["".join(pair) for pair in learnt]
+    vocab = list(dict.fromkeys(chars + merged))
+    tokens = controls + byte_tokens + [p for p in vocab if p not in controls]
+    # Later merges score lower, as SentencePiece's BPE scores do; single characters lowest.
+    scores = [0.0] * len(controls) + [0.0] * 256
+    scores += [(-1000.0 - i if p in chars else -float(merged.index(p))) for i, p in
+               enumerate(tokens[len(controls) + 256 :])]
+    types = [3] * len(controls) + [6] * 256 + [1] * (len(tokens) - len(controls) - 256)
+    types[3] = 2  # <unk>
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": ("u32", 2),
+        "tokenizer.ggml.eos_token_id": ("u32", 1),
+        "tokenizer.ggml.unknown_token_id": ("u32", 3),
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": False,
+    }
+
+
+def _weight_type(name: str, weights) -> GGMLType:
+    if weights == "Q4_K_M":
+        for part, ggml_type in Q4_K_M_MIX.items():
+            if name.startswith(part) or f".{part}." in name:
+                return ggml_type
+        return GGMLType.Q4_K
+    return block_format(weights).ggml_type
+
+
+def tiny_model(path, architecture: str, rng: np.random.Generator, weights="F32", layers: int = 4,
+               hidden: int = 256, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
+               ff: int = 512, window: int = 8, pattern="list", context: int = 512,
+               extra_metadata: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """Write a small random model of `architecture` whose weights are valid `weights` blocks
+    (a format name, or "Q4_K_M" for a mix). pattern: "list" (a bool per layer) or "period"
+    (a scalar) for the sliding-window layers. `drop` leaves out metadata keys or tensors."""
+    from muser_mlx.models import ARCHITECTURES
+
+    arch = architecture
+    spm = arch == "gemma3"
+    tokenizer = spm_tokenizer_metadata() if spm else bpe_tokenizer_metadata(
+        pre={"muse-glimmer": "llama4", "llama": "smollm", "qwen2": "qwen2"}.get(arch, "llama4"))
+    vocab = len(tokenizer["tokenizer.ggml.tokens"])
+    period = 4
+    metadata = {
+        "general.architecture": arch,
+        f"{arch}.block_count": ("u32", layers),
+        f"{arch}.context_length": ("u32", context),
+        f"{arch}.embedding_length": ("u32", hidden),
+        f"{arch}.feed_forward_length": ("u32", ff),
+        f"{arch}.attention.head_count": ("u32", heads),
+        f"{arch}.attention.head_count_kv": ("u32", kv_heads),
+        f"{arch}.attention.key_length": ("u32", head_dim),
+        f"{arch}.attention.value_length": ("u32", head_dim),
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+        f"{arch}.rope.freq_base": 10000.0,
+    }
+    if arch in ("muse-glimmer", "gemma3"):
+        metadata[f"{arch}.attention.sliding_window"] = ("u32", window)
+        metadata[f"{arch}.attention.sliding_window_pattern"] = (
+            [layer % period < period - 1 for layer in range(layers)] if pattern == "list"
+            else ("u32", period))
+    if arch == "muse-glimmer":
+        metadata[f"{arch}.logit_scale"] = float(1 / np.sqrt(26))
+        metadata[f"{arch}.final_logit_softcapping"] = 20.0
+    metadata.update(tokenizer)
+    metadata.update(extra_metadata or {})
+
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes = {"token_embd.weight": (hidden, vocab), "output_norm.weight": (hidden,)}
+    if arch in ("muse-glimmer", "qwen2"):
+        shapes["output.weight"] = (hidden, vocab)
+    for i in range(layers):
+        layer = {"attn_norm.weight": (hidden,), "attn_q.weight": (hidden, q),
+                 "attn_k.weight": (hidden, kv), "attn_v.weight": (hidden, kv),
+                 "attn_output.weight": (q, hidden), "ffn_norm.weight": (hidden,),
+                 "ffn_gate.weight": (hidden, ff), "ffn_up.weight": (hidden, ff),
+                 "ffn_down.weight": (ff, hidden)}
+        if arch in ("muse-glimmer", "gemma3"):
+            layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,),
+                          "post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)})
+        if arch == "muse-glimmer":
+            layer["attn_gate.weight"] = (hidden, q)
+        if arch == "qwen2":
+            layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in layer.items()})
+
+    tensors = {}
+    for name, shape in shapes.items():
+        if name in drop:
+            continue
+        if len(shape) == 1:
+            if name.endswith(".bias"):
+                values = 0.1 * rng.standard_normal(shape)
+            else:
+                values = rng.uniform(0.5, 1.5, size=shape)
+            tensors[name] = (GGMLType.F32, shape, values.astype(np.float32).view(np.uint8))
+            continue
+        ggml_type = _weight_type(name, weights)
+        fan_in, rows = shape
+        values = rng.standard_normal((rows, fan_in)).astype(np.float32) / np.sqrt(fan_in)
+        if name == "token_embd.weight":
+            values *= np.sqrt(fan_in)  # embedding rows of unit scale, as trained tables are
+        tensors[name] = (ggml_type, shape, quantize(values, ggml_type))
+    metadata = {k: v for k, v in metadata.items() if k not in drop}
+    assert architecture in ARCHITECTURES, architecture
+    return write_gguf(path, metadata, tensors)

@@ -1,0 +1,213 @@
+"""One config for every decoder this package runs, read out of GGUF metadata.
+
+`ModelConfig` lists what differs between architectures (rope style, norms, gates, window…);
+each `models/<arch>.py` fills it from its own `<arch>.*` keys with `Metadata`. Every refusal
+is a `ModelConfigError` subclass naming the key or tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class ModelConfigError(ValueError):
+    """The file's metadata or tensors do not describe a model we can run."""
+
+
+class MissingKeyError(ModelConfigError):
+    pass
+
+
+class MissingTensorError(ModelConfigError):
+    pass
+
+
+class TensorShapeError(ModelConfigError):
+    pass
+
+
+class UnsupportedArchitectureError(ModelConfigError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ff: int
+    vocab: int  # rows of token_embd
+    context: int
+    eps: float
+    rope_base: float
+    rope_base_swa: float
+    rotary_dim: int
+    rope_traditional: bool  # rotate consecutive pairs (llama.cpp NORM) rather than halves (NEOX)
+    rope_full_layers: bool  # False: full-attention layers use no rotation (NoPE)
+    sliding_window: int | None
+    swa_layers: tuple[bool, ...]  # per layer: sees only the last `sliding_window` positions
+    attention_scale: float
+    qk_norm: bool = False
+    sandwich_norms: bool = False  # post_attention_norm / post_ffw_norm on each branch output
+    post_norm_eps: float | None = None  # eps of the sandwich norms; None: `eps`
+    attn_gate: bool = False  # o = attention ⊙ sigmoid(W_gate h) before W_o
+    qkv_bias: bool = False
+    embed_scale: float = 1.0
+    embed_norm: bool = False  # weightless rms norm of the embedding row
+    activation: str = "silu"  # of the gated FFN: "silu" or "gelu_tanh"
+    tied_embeddings: bool = False
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the graph reads, with its GGUF shape ([in, out] for matrices)."""
+        H, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {"token_embd.weight": (H, self.vocab), "output_norm.weight": (H,)}
+        if not self.tied_embeddings:
+            shapes["output.weight"] = (H, self.vocab)
+        for i in range(self.layers):
+            layer = {
+                "attn_norm.weight": (H,), "attn_q.weight": (H, q), "attn_k.weight": (H, kv),
+                "attn_v.weight": (H, kv), "attn_output.weight": (q, H), "ffn_norm.weight": (H,),
+                "ffn_gate.weight": (H, self.ff), "ffn_up.weight": (H, self.ff),
+                "ffn_down.weight": (self.ff, H),
+            }
+            if self.qkv_bias:
+                layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+            if self.qk_norm:
+                layer.update({"attn_q_norm.weight": (self.head_dim,),
+                              "attn_k_norm.weight": (self.head_dim,)})
+            if self.attn_gate:
+                layer["attn_gate.weight"] = (H, q)
+            if self.sandwich_norms:
+                layer.update({"post_attention_norm.weight": (H,), "post_ffw_norm.weight": (H,)})
+            shapes.update({f"blk.{i}.{name}": shape for name, shape in layer.items()})
+        return shapes
+
+    def check_tensors(self, tensors: dict) -> None:
+        """Refuse a file whose tensors are missing or contradict this config, naming the tensor."""
+        for name, expected in self.tensor_shapes().items():
+            if name not in tensors:
+                raise MissingTensorError(f"{self.architecture} model needs tensor {name!r}, "
+                                         f"which the file does not have")
+            actual = tuple(tensors[name].shape)
+            if actual != expected:
+                raise TensorShapeError(
+                    f"tensor {name!r} has GGUF shape {list(actual)}, but the metadata implies "
+                    f"{list(expected)} (hidden {self.hidden}, heads {self.heads}, kv heads "
+                    f"{self.kv_heads}, head_dim {self.head_dim}, ff {self.ff}, vocab {self.vocab})"
+                )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """f32 keys + values one token adds to every full-attention layer."""
+        return 2 * self.kv_heads * self.head_dim * 4
+
+
+class Metadata:
+    """Typed access to `<architecture>.*` keys, with errors that name the key."""
+
+    def __init__(self, metadata: dict, architecture: str):
+        self.metadata = metadata
+        self.architecture = architecture
+
+    def key(self, suffix: str) -> str:
+        return f"{self.architecture}.{suffix}"
+
+    def has(self, suffix: str) -> bool:
+        return self.key(suffix) in self.metadata
+
+    def int(self, suffix: str, default=None, minimum: int = 1) -> int:
+        value = self._get(suffix, default)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise ModelConfigError(f"metadata key {self.key(suffix)!r} must be an integer >= "
+                                   f"{minimum}, got {value!r}")
+        return int(value)
+
+    def float(self, suffix: str, default=None) -> float:
+        value = self._get(suffix, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
+                or not math.isfinite(value):
+            raise ModelConfigError(f"metadata key {self.key(suffix)!r} must be a finite number, "
+                                   f"got {value!r}")
+        return float(value)
+
+    def _get(self, suffix: str, default):
+        key = self.key(suffix)
+        if key in self.metadata:
+            return self.metadata[key]
+        if default is None:
+            raise MissingKeyError(f"metadata key {key!r} is required for a "
+                                  f"{self.architecture} model and the file does not have it")
+        return default
+
+    def sliding_window_layers(self, layers: int, default_period: int | None = None) -> tuple[bool, ...]:
+        """`attention.sliding_window_pattern`: a bool per layer, or a period P (layer l uses the
+        window when l % P < P - 1). Without the key, `default_period` if the architecture has one."""
+        key = self.key("attention.sliding_window_pattern")
+        pattern = self.metadata.get(key, default_period)
+        if pattern is None:
+            raise MissingKeyError(f"metadata key {key!r} is required for a {self.architecture} "
+                                  f"model (which layers use the sliding window) and is missing")
+        if isinstance(pattern, (list, tuple)):
+            if len(pattern) != layers or not all(isinstance(v, bool) for v in pattern):
+                raise ModelConfigError(f"metadata key {key!r} lists {len(pattern)} values; it "
+                                       f"needs one bool per layer ({layers} layers)")
+            return tuple(pattern)
+        if isinstance(pattern, bool) or not isinstance(pattern, (int, np.integer)) \
+                or not 1 <= pattern <= layers:
+            raise ModelConfigError(f"metadata key {key!r} must be a per-layer bool list or a "
+                                   f"period between 1 and {layers}, got {pattern!r}")
+        return tuple(layer % pattern < pattern - 1 for layer in range(layers))
+
+
+def common_config(meta: Metadata, tensors: dict, **overrides) -> ModelConfig:
+    """The keys every architecture shares; `overrides` states what the architecture changes."""
+    layers = meta.int("block_count")
+    hidden = meta.int("embedding_length")
+    heads = meta.int("attention.head_count")
+    kv_heads = meta.int("attention.head_count_kv", default=heads)
+    if heads % kv_heads:
+        raise ModelConfigError(
+            f"{meta.key('attention.head_count')} = {heads} is not a multiple of "
+            f"{meta.key('attention.head_count_kv')} = {kv_heads}")
+    default_head_dim = hidden // heads if hidden % heads == 0 else None
+    head_dim = meta.int("attention.key_length", default=default_head_dim)
+    value_dim = meta.int("attention.value_length", default=head_dim)
+    if value_dim != head_dim:
+        raise ModelConfigError(f"{meta.key('attention.value_length')} = {value_dim} differs from "
+                               f"key_length {head_dim}; not supported")
+    if "token_embd.weight" not in tensors:
+        raise MissingTensorError("the file has no 'token_embd.weight' (the token embedding table)")
+    embd_shape = tensors["token_embd.weight"].shape
+    if len(embd_shape) != 2:
+        raise TensorShapeError(f"tensor 'token_embd.weight' must be 2-D [hidden, vocab], "
+                               f"has shape {list(embd_shape)}")
+    vocab = embd_shape[1]
+    rotary_dim = meta.int("rope.dimension_count", default=head_dim)
+    if rotary_dim > head_dim or rotary_dim % 2:
+        raise ModelConfigError(f"{meta.key('rope.dimension_count')} = {rotary_dim} must be even "
+                               f"and at most the head dimension {head_dim}")
+    rope_base = meta.float("rope.freq_base", default=10000.0)
+    values = dict(
+        architecture=meta.architecture, layers=layers, hidden=hidden, heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, ff=meta.int("feed_forward_length"), vocab=vocab,
+        context=meta.int("context_length"), eps=meta.float("attention.layer_norm_rms_epsilon"),
+        rope_base=rope_base, rope_base_swa=rope_base, rotary_dim=rotary_dim,
+        rope_traditional=True, rope_full_layers=True, sliding_window=None,
+        swa_layers=(False,) * layers, attention_scale=head_dim**-0.5,
+        tied_embeddings="output.weight" not in tensors,
+    )
+    values.update(overrides)
+    config = ModelConfig(**values)
+    if config.sliding_window is None and any(config.swa_layers):
+        raise MissingKeyError(f"metadata key {meta.key('attention.sliding_window')!r} is required: "
+                              f"some layers use a sliding window")
+    config.check_tensors(tensors)
+    return config

@@ -1,0 +1,194 @@
+"""The decoder every architecture here shares: attention, gated FFN, norms, the whole step.
+
+A `ModelConfig` says what differs (rope style, sandwich norms, gates, windows, softcap); the
+modules below read it and nothing else. Weights stay raw GGUF blocks (`GGUFTensor`), handed
+to `ops.linear` / `ops.embedding_unchecked`; only the small norm vectors and biases are
+decoded to float32 at load.
+
+Calling convention (mlx-lm's): `model(token_ids [B, T], cache=model.make_cache()) -> logits
+[B, T, vocab]`. The same call serves a one-token decode step and a prefill chunk.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from muser_mlx import ops
+from muser_mlx.cache import KVCache, SlidingWindowCache, attention_mask
+from muser_mlx.dequant import dequantize_rows
+from muser_mlx.models.config import ModelConfig
+
+
+def vector(tensor) -> mx.array:
+    """A 1-D GGUF tensor (norm weight, bias) decoded to float32 [n]."""
+    return dequantize_rows(tensor.data, tensor.ggml_type).reshape(-1)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """x / sqrt(mean(x²) + eps) · weight, in float32 (an eps of 1e-8 vanishes in float16)."""
+    return mx.fast.rms_norm(x.astype(mx.float32), weight, eps)
+
+
+class Linear(nn.Module):
+    """y = x W.T (+ b) with W kept as the GGUF tensor's raw blocks."""
+
+    def __init__(self, weight, bias=None):
+        super().__init__()
+        self.weight_tensor = weight  # a GGUFTensor: not an MLX parameter, its bytes stay raw
+        if bias is not None:
+            self.bias = vector(bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = ops.linear(x, self.weight_tensor)
+        return y + self.bias if "bias" in self else y
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight_tensor.nbytes
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, tensors: dict):
+        super().__init__()
+        self.config = config
+        self.sliding = config.swa_layers[layer]
+        self.window = config.sliding_window if self.sliding else None
+        self.rope_base = config.rope_base_swa if self.sliding else config.rope_base
+        self.rotates = self.sliding or config.rope_full_layers
+        t = lambda name: tensors.get(f"blk.{layer}.{name}")  # noqa: E731
+        bias = config.qkv_bias
+        self.q_proj = Linear(t("attn_q.weight"), t("attn_q.bias") if bias else None)
+        self.k_proj = Linear(t("attn_k.weight"), t("attn_k.bias") if bias else None)
+        self.v_proj = Linear(t("attn_v.weight"), t("attn_v.bias") if bias else None)
+        self.o_proj = Linear(t("attn_output.weight"))
+        if config.attn_gate:
+            self.gate_proj = Linear(t("attn_gate.weight"))
+        if config.qk_norm:
+            self.q_norm = vector(t("attn_q_norm.weight"))
+            self.k_norm = vector(t("attn_k_norm.weight"))
+
+    def __call__(self, h: mx.array, cache) -> mx.array:
+        """h: [B, T, hidden] (normed) -> [B, T, hidden]."""
+        c = self.config
+        batch, tokens, _ = h.shape
+        split = lambda y, heads: y.reshape(batch, tokens, heads, c.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
+        q = split(self.q_proj(h), c.heads)  # [B, heads, T, head_dim]
+        k = split(self.k_proj(h), c.kv_heads)  # [B, kv_heads, T, head_dim]
+        v = split(self.v_proj(h), c.kv_heads)
+        if c.qk_norm:
+            q = rms_norm(q, self.q_norm, c.eps)
+            k = rms_norm(k, self.k_norm, c.eps)
+        start = cache.offset
+        if self.rotates:
+            rope = dict(traditional=c.rope_traditional, base=self.rope_base, scale=1.0, offset=start)
+            q = mx.fast.rope(q, c.rotary_dim, **rope)
+            k = mx.fast.rope(k, c.rotary_dim, **rope)
+        keys, values, key_positions = cache.update_and_fetch(k, v)
+        mask = None
+        if tokens > 1:
+            query_positions = mx.arange(start, start + tokens, dtype=mx.int32)
+            mask = attention_mask(query_positions, key_positions, self.window)
+        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=c.attention_scale, mask=mask)
+        o = o.transpose(0, 2, 1, 3).reshape(batch, tokens, c.heads * c.head_dim)
+        if c.attn_gate:
+            o = o * mx.sigmoid(self.gate_proj(h))
+        return self.o_proj(o)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, tensors: dict):
+        super().__init__()
+        self.activation = nn.silu if config.activation == "silu" else nn.gelu_approx
+        self.gate_proj = Linear(tensors[f"blk.{layer}.ffn_gate.weight"])
+        self.up_proj = Linear(tensors[f"blk.{layer}.ffn_up.weight"])
+        self.down_proj = Linear(tensors[f"blk.{layer}.ffn_down.weight"])
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return self.down_proj(self.activation(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, tensors: dict):
+        super().__init__()
+        self.config = config
+        norm = lambda name: vector(tensors[f"blk.{layer}.{name}.weight"])  # noqa: E731
+        self.attn_norm = norm("attn_norm")
+        self.ffn_norm = norm("ffn_norm")
+        if config.sandwich_norms:
+            self.post_attention_norm = norm("post_attention_norm")
+            self.post_ffw_norm = norm("post_ffw_norm")
+        self.attention = Attention(config, layer, tensors)
+        self.feed_forward = FeedForward(config, layer, tensors)
+
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        c = self.config
+        post_eps = c.eps if c.post_norm_eps is None else c.post_norm_eps
+        a = self.attention(rms_norm(x, self.attn_norm, c.eps), cache)
+        if c.sandwich_norms:
+            a = rms_norm(a, self.post_attention_norm, post_eps)
+        x = x + a
+        f = self.feed_forward(rms_norm(x, self.ffn_norm, c.eps))
+        if c.sandwich_norms:
+            f = rms_norm(f, self.post_ffw_norm, post_eps)
+        return x + f
+
+
+class Transformer(nn.Module):
+    """The whole decoder. tensors: GGUF name -> GGUFTensor, already checked against config."""
+
+    def __init__(self, config: ModelConfig, tensors: dict):
+        super().__init__()
+        self.config = config
+        self.token_embd = tensors["token_embd.weight"]
+        self.output = tensors["token_embd.weight" if config.tied_embeddings else "output.weight"]
+        self.output_norm = vector(tensors["output_norm.weight"])
+        self.layers = [Block(config, i, tensors) for i in range(config.layers)]
+
+    def make_cache(self) -> list:
+        c = self.config
+        return [SlidingWindowCache(c.sliding_window) if sliding else KVCache()
+                for sliding in c.swa_layers]
+
+    def embed(self, ids: mx.array) -> mx.array:
+        """ids: validated int32 [B, T] -> float32 [B, T, hidden]."""
+        c = self.config
+        x = ops.embedding_unchecked(self.token_embd.data, ids, self.token_embd.ggml_type,
+                                    c.hidden, c.vocab)
+        if c.embed_norm:
+            x = rms_norm(x, None, c.eps)
+        if c.embed_scale != 1.0:
+            x = x * c.embed_scale
+        return x
+
+    def __call__(self, token_ids, cache=None) -> mx.array:
+        """token_ids: [B, T] (or [T]) ints, checked on the host; cache: from make_cache()
+        (None: a fresh one, for a one-shot forward). Returns float32 logits [B, T, vocab]."""
+        c = self.config
+        ids = ops.check_token_ids(token_ids, c.vocab)
+        if ids.ndim == 1:
+            ids = ids[None]
+        cache = self.make_cache() if cache is None else cache
+        if len(cache) != c.layers:
+            raise ValueError(f"cache has {len(cache)} layers; the model has {c.layers}")
+        end = cache[0].offset + ids.shape[1]
+        if end > c.context:
+            raise ValueError(f"{end} positions exceed the model's context of {c.context} tokens")
+        x = self.embed(ids)
+        for layer, layer_cache in zip(self.layers, cache):
+            x = layer(x, layer_cache)
+        logits = ops.linear(rms_norm(x, self.output_norm, c.eps), self.output)
+        if c.logit_scale != 1.0:
+            logits = logits * c.logit_scale
+        if c.softcap is not None:
+            logits = c.softcap * mx.tanh(logits / c.softcap)
+        return logits
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every matrix once, one embedding row
+        (an untied head reads the whole output table; a tied one reads token_embd whole)."""
+        total = self.output.nbytes + self.token_embd.row_bytes
+        for layer in self.layers:
+            for module in (layer.attention, layer.feed_forward):
+                total += sum(m.nbytes for m in module.children().values() if isinstance(m, Linear))
+        return total

@@ -1,0 +1,129 @@
+"""The numpy reference forward pass: float64, one whole sequence at a time, written to be read.
+
+It computes what ../shared/MUSE_GLIMMER.md (and the llama / gemma3 / qwen2 variants of the
+same decoder) says, from the GGUF's weights decoded by `formats.dequantize`. Slow and obviously
+correct: tests judge the MLX graph and every kernel against it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from muser_mlx.formats import dequantize
+from muser_mlx.models.config import ModelConfig
+
+
+def rms(x: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, base: float, consecutive: bool):
+    """Rotate the first rotary_dim channels of x [T, heads, head_dim] by angle p·base^(-2i/rotary).
+    consecutive: channels (2i, 2i+1) form pair i; otherwise (i, i + rotary/2) do."""
+    half = rotary_dim // 2
+    angles = positions[:, None] * base ** (-2.0 * np.arange(half) / rotary_dim)  # [T, half]
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    out = x.copy()
+    if consecutive:
+        first, second = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+        out[..., 0:rotary_dim:2] = first * cos - second * sin
+        out[..., 1:rotary_dim:2] = first * sin + second * cos
+    else:
+        first, second = x[..., :half], x[..., half:rotary_dim]
+        out[..., :half] = first * cos - second * sin
+        out[..., half:rotary_dim] = first * sin + second * cos
+    return out
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+class Reference:
+    """Decoded float64 weights of one model. weights(name) -> [out, in] (matrices) or [n]."""
+
+    def __init__(self, config: ModelConfig, tensors: dict):
+        self.config = config
+        self.tensors = tensors
+        self._cache = {}
+
+    def weight(self, name: str) -> np.ndarray:
+        if name not in self._cache:
+            t = self.tensors[name]
+            values = dequantize(t.numpy(), t.ggml_type, t.shape).astype(np.float64)
+            self._cache[name] = values.reshape(-1) if len(t.shape) == 1 else values
+        return self._cache[name]
+
+    def forward(self, token_ids) -> np.ndarray:
+        """token_ids: [T] ints, positions 0 … T-1. Returns float64 logits [T, vocab]."""
+        c = self.config
+        ids = np.asarray(token_ids)
+        positions = np.arange(ids.size, dtype=np.float64)
+        x = self.weight("token_embd.weight")[ids]  # [T, hidden]
+        if c.embed_norm:
+            x = rms(x, c.eps)
+        x = x * c.embed_scale
+        for layer in range(c.layers):
+            x = self.block(layer, x, positions)
+        y = rms(x, c.eps) * self.weight("output_norm.weight")
+        head = "token_embd.weight" if c.tied_embeddings else "output.weight"
+        logits = y @ self.weight(head).T * c.logit_scale
+        if c.softcap is not None:
+            logits = c.softcap * np.tanh(logits / c.softcap)
+        return logits
+
+    def block(self, layer: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        c = self.config
+        w = lambda name: self.weight(f"blk.{layer}.{name}")  # noqa: E731
+        post_eps = c.eps if c.post_norm_eps is None else c.post_norm_eps
+        a = self.attention(layer, rms(x, c.eps) * w("attn_norm.weight"), positions)
+        if c.sandwich_norms:
+            a = rms(a, post_eps) * w("post_attention_norm.weight")
+        x = x + a
+        h = rms(x, c.eps) * w("ffn_norm.weight")
+        act = silu if c.activation == "silu" else gelu_tanh
+        f = (act(h @ w("ffn_gate.weight").T) * (h @ w("ffn_up.weight").T)) @ w("ffn_down.weight").T
+        if c.sandwich_norms:
+            f = rms(f, post_eps) * w("post_ffw_norm.weight")
+        return x + f
+
+    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """h: [T, hidden] -> [T, hidden]; a loop over query heads, the mask spelled out."""
+        c = self.config
+        w = lambda name: self.weight(f"blk.{layer}.{name}")  # noqa: E731
+        T = h.shape[0]
+        q, k, v = h @ w("attn_q.weight").T, h @ w("attn_k.weight").T, h @ w("attn_v.weight").T
+        if c.qkv_bias:
+            q, k, v = q + w("attn_q.bias"), k + w("attn_k.bias"), v + w("attn_v.bias")
+        q = q.reshape(T, c.heads, c.head_dim)
+        k = k.reshape(T, c.kv_heads, c.head_dim)
+        v = v.reshape(T, c.kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms(q, c.eps) * w("attn_q_norm.weight")
+            k = rms(k, c.eps) * w("attn_k_norm.weight")
+        sliding = c.swa_layers[layer]
+        if sliding or c.rope_full_layers:
+            base = c.rope_base_swa if sliding else c.rope_base
+            q = rope(q, positions, c.rotary_dim, base, c.rope_traditional)
+            k = rope(k, positions, c.rotary_dim, base, c.rope_traditional)
+        query_pos, key_pos = positions[:, None], positions[None, :]
+        visible = key_pos <= query_pos
+        if sliding:
+            visible &= key_pos > query_pos - c.sliding_window
+        group = c.heads // c.kv_heads
+        out = np.empty((T, c.heads, c.head_dim))
+        for head in range(c.heads):
+            kv = head // group
+            scores = q[:, head] @ k[:, kv].T * c.attention_scale  # [T, T]
+            scores = np.where(visible, scores, -np.inf)
+            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            probs /= probs.sum(axis=-1, keepdims=True)
+            out[:, head] = probs @ v[:, kv]
+        o = out.reshape(T, c.heads * c.head_dim)
+        if c.attn_gate:
+            o = o / (1.0 + np.exp(-(h @ w("attn_gate.weight").T)))
+        return o @ w("attn_output.weight").T

@@ -1,0 +1,181 @@
+"""The model graph (muser_mlx/models) against the float64 numpy reference, on tiny files."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from muser_mlx import gguf
+from muser_mlx.models import build_model, config_for
+from muser_mlx.models.config import MissingKeyError, MissingTensorError, ModelConfigError, TensorShapeError
+from muser_mlx.reference import Reference
+from muser_mlx.testing import tiny_model
+
+from conftest import relative_error
+
+ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2"]
+WEIGHTS = ["F32", "F16", "Q8_0", "Q4_K", "Q4_K_M"]
+WINDOW = 8
+# CPU: the graph is float32 and the reference float64 over the same decoded weights, so only
+# float32 rounding separates them. GPU: prefill rows (T > 8) multiply in float16.
+TOLERANCE = {"cpu": 1e-4, "gpu": 5e-3}
+
+
+@pytest.fixture
+def tiny(tmp_path, rng):
+    def make(architecture, weights="F32", **kwargs):
+        path = tiny_model(tmp_path / f"{architecture}-{weights}.gguf", architecture, rng,
+                          weights=weights, window=WINDOW, **kwargs)
+        file = gguf.read(path)
+        return file, build_model(file)
+    return make
+
+
+def random_ids(rng, model, tokens):
+    return rng.integers(0, model.config.vocab, size=tokens)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_logits_match_the_reference(tiny, rng, backend, architecture, weights):
+    file, model = tiny(architecture, weights)
+    ids = random_ids(rng, model, 5 * WINDOW + 3)  # long enough that window layers drop keys
+    logits = model(ids[None])
+    mx.eval(logits)
+    expected = Reference(model.config, file.tensors).forward(ids)
+    assert logits.shape == (1, ids.size, model.config.vocab)
+    assert relative_error(logits[0], expected) <= TOLERANCE[backend]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_chunked_prefill_decode_and_a_mix_give_the_same_logits(tiny, rng, backend, architecture):
+    _, model = tiny(architecture, "Q8_0")
+    ids = random_ids(rng, model, 4 * WINDOW + 5)
+    whole = np.array(model(ids[None]))
+
+    def run(bounds):
+        cache = model.make_cache()
+        pieces = [model(ids[None, a:b], cache) for a, b in zip(bounds, bounds[1:])]
+        return np.array(mx.concatenate(pieces, axis=1))
+
+    one_by_one = run(list(range(ids.size + 1)))
+    chunks_of_7 = run(list(range(0, ids.size, 7)) + [ids.size])
+    mixed = run([0, 11, 12, 13, 30, 31, ids.size])
+    for logits in (one_by_one, chunks_of_7, mixed):
+        assert relative_error(logits, whole) <= TOLERANCE[backend]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_greedy_tokens_match_the_reference_for_32_steps(tiny, rng, architecture):
+    file, model = tiny(architecture, "Q4_K_M")
+    reference = Reference(model.config, file.tensors)
+    prompt = list(random_ids(rng, model, 5))
+    cache = model.make_cache()
+    logits = model(np.array(prompt)[None], cache)
+    ours, theirs = list(prompt), list(prompt)
+    for _ in range(32):
+        ours.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model(np.array(ours[-1:])[None], cache)
+        theirs.append(int(np.argmax(reference.forward(np.array(theirs))[-1])))
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
+def test_sliding_window_layers_see_exactly_window_keys(tiny, rng, architecture):
+    """The model must match a reference with the file's window and clearly differ from
+    references whose window is one key wider or narrower."""
+    file, model = tiny(architecture, "F32")
+    ids = random_ids(rng, model, 5 * WINDOW)
+    cache = model.make_cache()
+    model(ids[None, :WINDOW], cache)
+    decoded = np.array(mx.concatenate([model(ids[None, t : t + 1], cache)
+                                       for t in range(WINDOW, ids.size)], axis=1))[0]
+
+    def reference(window):
+        config = dataclasses.replace(model.config, sliding_window=window)
+        return Reference(config, file.tensors).forward(ids)[WINDOW:]
+
+    assert relative_error(decoded, reference(WINDOW)) <= 1e-4
+    assert relative_error(decoded, reference(WINDOW + 1)) > 1e-2
+    assert relative_error(decoded, reference(WINDOW - 1)) > 1e-2
+
+
+def test_sliding_window_caches_hold_at_most_the_window(tiny, rng):
+    _, model = tiny("muse-glimmer", "Q8_0")
+    cache = model.make_cache()
+    tokens = 6 * WINDOW + 1
+    model(random_ids(rng, model, 3 * WINDOW)[None], cache)
+    for t in range(3 * WINDOW, tokens):
+        model(random_ids(rng, model, 1)[None], cache)
+    for sliding, layer_cache in zip(model.config.swa_layers, cache):
+        assert layer_cache.size == (WINDOW if sliding else tokens)
+        assert layer_cache.offset == tokens
+
+
+def test_both_forms_of_the_window_pattern_give_the_same_layers(tiny):
+    _, listed = tiny("muse-glimmer", pattern="list", layers=8)
+    _, periodic = tiny("muse-glimmer", pattern="period", layers=8)
+    assert listed.config.swa_layers == periodic.config.swa_layers
+    assert listed.config.swa_layers == (True, True, True, False) * 2
+
+
+# --- refusals at load -------------------------------------------------------------------------
+
+def load(path):
+    file = gguf.read(path)
+    return config_for(file.metadata, file.tensors)
+
+
+@pytest.mark.parametrize("key", ["muse-glimmer.attention.sliding_window_pattern",
+                                 "muse-glimmer.logit_scale",
+                                 "muse-glimmer.attention.layer_norm_rms_epsilon",
+                                 "muse-glimmer.attention.sliding_window"])
+def test_a_missing_required_key_is_refused_by_name(tmp_path, rng, key):
+    path = tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, drop=(key,))
+    with pytest.raises(MissingKeyError, match=key.replace(".", r"\.")):
+        load(path)
+
+
+@pytest.mark.parametrize("tensor", ["output.weight", "blk.2.attn_gate.weight", "blk.0.attn_q_norm.weight"])
+def test_a_missing_tensor_is_refused_by_name(tmp_path, rng, tensor):
+    path = tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, drop=(tensor,))
+    with pytest.raises(MissingTensorError, match=tensor.replace(".", r"\.")):
+        load(path)
+
+
+def test_head_counts_that_contradict_the_projections_are_refused(tmp_path, rng):
+    path = tiny_model(tmp_path / "m.gguf", "llama", rng,
+                      extra_metadata={"llama.attention.head_count": ("u32", 8)})
+    with pytest.raises(TensorShapeError, match=r"blk\.0\.attn_q\.weight"):
+        load(path)
+
+
+def test_a_window_pattern_of_the_wrong_length_is_refused(tmp_path, rng):
+    path = tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, extra_metadata={
+        "muse-glimmer.attention.sliding_window_pattern": [True, False, True]})
+    with pytest.raises(ModelConfigError, match="one bool per layer"):
+        load(path)
+
+
+def test_an_unknown_architecture_is_refused(tmp_path, rng):
+    path = tiny_model(tmp_path / "m.gguf", "llama", rng,
+                      extra_metadata={"general.architecture": "mamba9"})
+    with pytest.raises(ModelConfigError, match="mamba9"):
+        load(path)
+
+
+def test_positions_past_the_context_are_refused(tiny, rng):
+    _, model = tiny("llama", context=32)
+    cache = model.make_cache()
+    model(random_ids(rng, model, 30)[None], cache)
+    with pytest.raises(ValueError, match="context of 32"):
+        model(random_ids(rng, model, 3)[None], cache)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tiny):
+    _, model = tiny("qwen2")
+    with pytest.raises(ValueError, match=f"vocabulary \\(size {model.config.vocab}"):
+        model(np.array([[1, model.config.vocab]]))
