@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(VENV)/bin/muser inspect
+	$(VENV)/bin/muser generate --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 48
 
 # On a machine with a GPU and the package importable (README: "On an NVIDIA GPU"):
 # the same suite, where every kernel test also runs on the GPU backend.
@@ -30,7 +30,7 @@ test-gpu:
 	python3 -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
-	$(PY) bench/embedding.py
+	$(PY) bench/generate.py
 
 notebooks: $(STAMP)
 	$(PY) -m pip install -q jupyter

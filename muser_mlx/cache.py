@@ -42,6 +42,12 @@ class KVCache:
         end = self.offset
         return self.keys[:, :, :end], self.values[:, :, :end], self.positions[:end]
 
+    def trim(self, tokens: int) -> None:
+        """Forget the last `tokens` positions (their slots are overwritten by what comes next)."""
+        if not 0 <= tokens <= self.offset:
+            raise ValueError(f"cannot trim {tokens} of {self.offset} cached positions")
+        self.offset -= tokens
+
     @staticmethod
     def _grow(stored, new, capacity):
         batch, heads, _, dim = new.shape

@@ -1,12 +1,19 @@
-"""`muser` command line: `muser inspect [FILE.gguf]`."""
+"""`muser` command line: inspect, generate, chat, perplexity."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
 
 from muser_mlx import gguf, packaged
+from muser_mlx.cache import KVCache
 from muser_mlx.formats import block_format
+from muser_mlx.generate import MODEL_LOCK, load, stream_generate, summary
 
 # Metadata keys worth a line each; long arrays are summarised by their length.
 _ARRAY_PREVIEW = 8
@@ -67,6 +74,121 @@ def inspect(path) -> str:
     return "\n".join(lines)
 
 
+def perplexity(model, tokenizer, text: str, context: int, prefill_step: int):
+    """Teacher-forced scoring: the text's tokens in windows of `context`, each window run in
+    prefill chunks with a fresh cache; every token after a window's first is predicted from
+    the ones before it. Returns (perplexity, tokens scored, seconds)."""
+    ids = tokenizer.encode(text)
+    if len(ids) < 2:
+        raise ValueError("the text has fewer than 2 tokens: nothing to score")
+    nll, scored = 0.0, 0
+    tic = time.perf_counter()
+    for start in range(0, len(ids) - 1, context):
+        window = ids[start : start + context]
+        if len(window) < 2:
+            break
+        cache = model.make_cache()
+        for chunk_start in range(0, len(window) - 1, prefill_step):
+            chunk = window[chunk_start : chunk_start + prefill_step]
+            targets = window[chunk_start + 1 : chunk_start + 1 + len(chunk)]
+            with MODEL_LOCK:
+                logits = model(mx.array([chunk], dtype=mx.int32), cache)[0, : len(targets)]
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)
+                nll -= mx.sum(picked).item()
+            scored += len(targets)
+    return math.exp(nll / scored), scored, time.perf_counter() - tic
+
+
+def _add_sampling(parser):
+    parser.add_argument("--model", help="a .gguf file (default: the packaged SmolLM2-135M-Instruct)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--system", help="system message (chat)")
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def _messages(args, user: str) -> list[dict]:
+    return ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": user}]
+
+
+def _stream(model, tokenizer, prompt, args, cache=None):
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, args.max_tokens, cache=cache,
+                                    **_sampling(args)):
+        print(response.text, end="", flush=True)
+    print()
+    return response
+
+
+def run_generate(args) -> None:
+    model, tokenizer = load(args.model)
+    prompt = args.prompt
+    if args.chat:
+        prompt = tokenizer.apply_chat_template(_messages(args, prompt), tokenize=True)
+    response = _stream(model, tokenizer, prompt, args)
+    if response is not None:
+        print("=" * 10)
+        print(summary(response))
+
+
+def run_chat(args) -> None:
+    """Interactive chat. The cache lives across turns: each turn feeds only the tokens that
+    extend what the cache already holds (the whole conversation is re-rendered, then the
+    common prefix is skipped); if the rendering diverges, the conversation is re-read."""
+    model, tokenizer = load(args.model)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    cache, cached = model.make_cache(), []
+    print("muser chat: an empty line or Ctrl-D ends the session.")
+    while True:
+        try:
+            user = input(">> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        common = next((i for i, (a, b) in enumerate(zip(ids, cached)) if a != b), min(len(ids), len(cached)))
+        if common < len(cached):
+            # The re-rendered history differs from what was fed (e.g. the reply re-tokenizes
+            # differently): full caches step back to the common prefix; a sliding window cannot.
+            if all(isinstance(c, KVCache) for c in cache) and common > 0:
+                for layer_cache in cache:
+                    layer_cache.trim(len(cached) - common)
+                cached = cached[:common]
+            else:
+                cache, cached = model.make_cache(), []
+        tokens = []
+        response = None
+        for response in stream_generate(model, tokenizer, ids[len(cached):], args.max_tokens,
+                                        cache=cache, **_sampling(args)):
+            print(response.text, end="", flush=True)
+            tokens.append(response.token)
+        print()
+        cached = ids + tokens[:-1]  # the last sampled token was never fed
+        messages.append({"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)})
+
+
+def run_perplexity(args) -> None:
+    model, tokenizer = load(args.model)
+    text = Path(args.text_file).read_text(encoding="utf-8")
+    context = min(args.context, model.config.context)
+    value, scored, seconds = perplexity(model, tokenizer, text, context, args.prefill_step)
+    print(f"perplexity {value:.4f} over {scored} tokens (windows of {context}), "
+          f"{scored / seconds:.1f} tokens/s")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="muser", description="Run and study GGUF models with MLX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -74,12 +196,30 @@ def main(argv=None) -> int:
     inspect_parser.add_argument(
         "file", nargs="?", help=f"a .gguf file (default: the packaged {packaged.DEFAULT_MODEL} model)"
     )
+    generate_parser = commands.add_parser("generate", help="generate text, streaming it as it comes")
+    _add_sampling(generate_parser)
+    generate_parser.add_argument("--prompt", required=True)
+    generate_parser.add_argument("--chat", action="store_true",
+                                 help="wrap the prompt in the model's chat template")
+    chat_parser = commands.add_parser("chat", help="interactive chat (the cache is kept between turns)")
+    _add_sampling(chat_parser)
+    ppl_parser = commands.add_parser("perplexity", help="teacher-forced perplexity of a text file")
+    ppl_parser.add_argument("--model", help="a .gguf file (default: the packaged SmolLM2-135M-Instruct)")
+    ppl_parser.add_argument("--text-file", required=True)
+    ppl_parser.add_argument("--context", type=int, default=512, help="tokens per scored window")
+    ppl_parser.add_argument("--prefill-step", type=int, default=512, help="rows per model call")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
             path = args.file or packaged.model_path()
             print(inspect(path))
-    except (gguf.GGUFError, packaged.ModelNotInstalledError, FileNotFoundError) as error:
+        elif args.command == "generate":
+            run_generate(args)
+        elif args.command == "chat":
+            run_chat(args)
+        elif args.command == "perplexity":
+            run_perplexity(args)
+    except (ValueError, packaged.ModelNotInstalledError, FileNotFoundError) as error:
         print(f"muser: {error}", file=sys.stderr)
         return 1
     return 0

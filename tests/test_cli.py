@@ -38,3 +38,88 @@ def test_inspect_defaults_to_the_packaged_model(capsys, smollm2_path):
     out = capsys.readouterr().out
     assert "architecture: llama" in out and "Q8_0" in out
     assert "row_bytes = (576 / 32) x 34 = 612 B" in out
+
+
+# --- generate / chat / perplexity -------------------------------------------------------------
+
+@pytest.fixture(params=["muse-glimmer", "llama"])
+def tiny_path(tmp_path, request):
+    from muser_mlx.testing import tiny_model
+    return tiny_model(tmp_path / "m.gguf", request.param, np.random.default_rng(), weights="Q8_0")
+
+
+def prompt_tokens(path, text, chat=False, system=None):
+    from muser_mlx.generate import load
+    _, tokenizer = load(path)
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return len(tokenizer.apply_chat_template(messages, tokenize=True))
+    return len(tokenizer.encode(text))
+
+
+def test_generate_streams_text_and_ends_with_speeds_and_memory(tiny_path, capsys):
+    assert cli.main(["generate", "--model", str(tiny_path), "--prompt", "the fox", "--max-tokens", "5",
+                 "--temp", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"Prompt: {prompt_tokens(tiny_path, 'the fox')} tokens" in out and "tokens-per-sec" in out and "Peak memory" in out
+
+
+def test_generate_chat_uses_the_template(tiny_path, capsys):
+    assert cli.main(["generate", "--model", str(tiny_path), "--prompt", "hi", "--chat", "--system", "be brief",
+                 "--max-tokens", "3"]) == 0
+    expected = prompt_tokens(tiny_path, "hi", chat=True, system="be brief")
+    assert expected > prompt_tokens(tiny_path, "hi") + 5  # the template's tokens are there
+    assert f"Prompt: {expected} tokens" in capsys.readouterr().out
+
+
+def test_generate_reports_bad_settings_without_a_traceback(tiny_path, capsys):
+    assert cli.main(["generate", "--model", str(tiny_path), "--prompt", "x", "--temp", "-1"]) == 1
+    assert "temperature must be" in capsys.readouterr().err
+
+
+def test_chat_keeps_the_cache_between_turns(tiny_path, capsys, monkeypatch):
+    """The second turn continues the first turn's cache (a window model re-reads only when
+    the re-rendered history differs from what it was fed)."""
+    from muser_mlx import cli
+    turns = iter(["hello there", "and again", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(turns))
+    fed = []
+    real = cli.stream_generate
+
+    def spy(model, tokenizer, prompt, *args, cache=None, **kwargs):
+        fed.append((len(prompt), cache[0].offset))
+        return real(model, tokenizer, prompt, *args, cache=cache, **kwargs)
+
+    monkeypatch.setattr(cli, "stream_generate", spy)
+    assert cli.main(["chat", "--model", str(tiny_path), "--max-tokens", "4"]) == 0
+    (first_fed, first_offset), (second_fed, second_offset) = fed
+    assert first_offset == 0
+    from muser_mlx.generate import load
+    if load(tiny_path)[0].config.architecture == "llama":
+        assert second_offset > 0  # full caches step back at most to the common prefix
+
+
+def test_perplexity_prints_a_value_and_speed(tiny_path, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    assert cli.main(["perplexity", "--model", str(tiny_path), "--text-file", str(text),
+                 "--context", "64", "--prefill-step", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("perplexity ") and "tokens/s" in out
+
+
+def test_perplexity_matches_the_reference_forward(tiny_path):
+    """Teacher forcing in prefill chunks scores what a one-shot float64 forward scores."""
+    from muser_mlx import cli, gguf
+    from muser_mlx.generate import load
+    from muser_mlx.reference import Reference
+    model, tokenizer = load(tiny_path)
+    text = "the capital of france is paris. the quick brown fox."
+    value, scored, _ = cli.perplexity(model, tokenizer, text, context=512, prefill_step=5)
+    ids = tokenizer.encode(text)
+    logits = Reference(model.config, gguf.read(tiny_path).tensors).forward(ids)
+    logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    expected = np.exp(-np.mean(logprobs[np.arange(len(ids) - 1), ids[1:]]))
+    assert scored == len(ids) - 1
+    assert abs(value - expected) / expected < 1e-4
