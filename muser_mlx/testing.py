@@ -49,15 +49,11 @@ def _value(value, value_type: int) -> bytes:
     return struct.pack(_PACK[value_type], value)
 
 
-def gguf_bytes(
-    metadata: dict,
-    tensors: dict[str, tuple[GGMLType, tuple[int, ...], np.ndarray]],
-    alignment: int = 32,
-    version: int = 3,
-) -> bytes:
-    """A GGUF file as bytes. tensors: name -> (ggml_type, GGUF shape, raw uint8 bytes).
-    A metadata value given as (type_name, value), e.g. ("u32", 7), fixes its integer type."""
-    head = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(metadata))
+def gguf_header(metadata: dict, infos, alignment: int = 32, version: int = 3) -> tuple[bytes, list[int]]:
+    """The bytes before the tensor data, and each tensor's padded size. infos: a list of
+    (name, ggml_type, GGUF shape, nbytes). A metadata value given as (type_name, value),
+    e.g. ("u32", 7), fixes its integer type."""
+    head = b"GGUF" + struct.pack("<IQQ", version, len(infos), len(metadata))
     for key, value in metadata.items():
         if isinstance(value, tuple) and len(value) == 2 and value[0] in _INT_TYPES:
             value_type = _INT_TYPES[value[0]]
@@ -66,22 +62,51 @@ def gguf_bytes(
             value_type = _value_type(value)
         head += _string(key) + struct.pack("<I", value_type) + _value(value, value_type)
     offset = 0
-    blobs = []
-    for name, (ggml_type, shape, raw) in tensors.items():
-        raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    padded_sizes = []
+    for name, ggml_type, shape, nbytes in infos:
         head += _string(name) + struct.pack("<I", len(shape))
         head += struct.pack(f"<{len(shape)}Q", *shape)
         head += struct.pack("<IQ", int(ggml_type), offset)
-        padded = -(-raw.size // alignment) * alignment
-        blobs.append(raw.tobytes() + bytes(padded - raw.size))
-        offset += padded
+        padded_sizes.append(-(-nbytes // alignment) * alignment)
+        offset += padded_sizes[-1]
     head += bytes(-len(head) % alignment)
+    return head, padded_sizes
+
+
+def gguf_bytes(
+    metadata: dict,
+    tensors: dict[str, tuple[GGMLType, tuple[int, ...], np.ndarray]],
+    alignment: int = 32,
+    version: int = 3,
+) -> bytes:
+    """A GGUF file as bytes. tensors: name -> (ggml_type, GGUF shape, raw uint8 bytes)."""
+    raws = {name: np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+            for name, (_, _, raw) in tensors.items()}
+    infos = [(name, t, shape, raws[name].size) for name, (t, shape, _) in tensors.items()]
+    head, padded = gguf_header(metadata, infos, alignment, version)
+    blobs = [raws[name].tobytes() + bytes(size - raws[name].size) for (name, *_), size in zip(infos, padded)]
     return head + b"".join(blobs)
 
 
 def write_gguf(path, metadata: dict, tensors: dict, alignment: int = 32) -> Path:
     path = Path(path)
     path.write_bytes(gguf_bytes(metadata, tensors, alignment))
+    return path
+
+
+def write_gguf_streaming(path, metadata: dict, infos, fill, alignment: int = 32) -> Path:
+    """Write a GGUF too large to build in memory: infos as for gguf_header; fill(name,
+    ggml_type, nbytes) returns each tensor's bytes (a uint8 array) when its turn comes."""
+    path = Path(path)
+    head, padded = gguf_header(metadata, infos, alignment)
+    with open(path, "wb") as out:
+        out.write(head)
+        for (name, ggml_type, _, nbytes), size in zip(infos, padded):
+            raw = fill(name, ggml_type, nbytes)
+            if raw.size != nbytes:
+                raise ValueError(f"fill gave {raw.size} bytes for {name!r}, which needs {nbytes}")
+            out.write(memoryview(np.ascontiguousarray(raw)))
+            out.write(bytes(size - nbytes))
     return path
 
 

@@ -1,0 +1,214 @@
+"""Muse Glimmer at full scale: decode ms/token and prefill tokens/s, next to the floor.
+
+Writes a full-size random-weight `muse-glimmer` GGUF (52 layers, hidden 6656, vocab 202048; a
+q4_k_xl-like mix sized close to the pinned artifact's 16,756,681,056 bytes) as valid blocks,
+straight from random bytes (only the f16 scale fields are set, to small finite values), loads
+it with our loader and times:
+- decode: one token per evaluation (the whole step: 52 layers, LM head, argmax), at context
+  0, 2048 and 8192, median of N steps after warm-up;
+- prefill: 512-row chunks (`model.hidden` + the last row's logits), tokens/s.
+Floor = weight bytes one decode step reads / copy bandwidth measured in the same run
+(an elementwise device copy of 4 GiB, read + write bytes counted).
+
+    python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from muser_mlx import gguf  # noqa: E402
+from muser_mlx.formats import GGMLType, tensor_bytes  # noqa: E402
+from muser_mlx.generate import load  # noqa: E402
+from muser_mlx.testing import bpe_tokenizer_metadata, write_gguf_streaming  # noqa: E402
+
+ARTIFACT_BYTES = 16_756_681_056
+H, FF, VOCAB, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 6656, 19968, 202048, 52, 32, 2, 128
+# Byte offsets of f16 scale fields inside one block, per format: set to small finite values.
+F16_FIELDS = {GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,), GGMLType.Q8_0: (0,)}
+BLOCK_BYTES = {GGMLType.Q4_K: 144, GGMLType.Q5_K: 176, GGMLType.Q6_K: 210, GGMLType.Q8_0: 34}
+
+
+def tensor_infos(q6k_ffn_down_layers: int, layers: int = LAYERS):
+    """(name, type, GGUF shape, nbytes) of every tensor; the mix: Q4_K everywhere, the LM head
+    Q6_K, attn_k/attn_v Q8_0, ffn_down Q6_K on the first `q6k_ffn_down_layers` layers."""
+    infos = []
+
+    def add(name, ggml_type, shape):
+        infos.append((name, ggml_type, shape, tensor_bytes(ggml_type, shape)))
+
+    add("token_embd.weight", GGMLType.Q4_K, (H, VOCAB))
+    for i in range(layers):
+        p = f"blk.{i}."
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            add(p + norm + ".weight", GGMLType.F32, (H,))
+        add(p + "attn_q_norm.weight", GGMLType.F32, (HEAD_DIM,))
+        add(p + "attn_k_norm.weight", GGMLType.F32, (HEAD_DIM,))
+        add(p + "attn_q.weight", GGMLType.Q4_K, (H, HEADS * HEAD_DIM))
+        add(p + "attn_gate.weight", GGMLType.Q4_K, (H, HEADS * HEAD_DIM))
+        add(p + "attn_k.weight", GGMLType.Q8_0, (H, KV_HEADS * HEAD_DIM))
+        add(p + "attn_v.weight", GGMLType.Q8_0, (H, KV_HEADS * HEAD_DIM))
+        add(p + "attn_output.weight", GGMLType.Q4_K, (HEADS * HEAD_DIM, H))
+        add(p + "ffn_gate.weight", GGMLType.Q4_K, (H, FF))
+        add(p + "ffn_up.weight", GGMLType.Q4_K, (H, FF))
+        add(p + "ffn_down.weight", GGMLType.Q6_K if i < q6k_ffn_down_layers else GGMLType.Q4_K, (FF, H))
+    add("output_norm.weight", GGMLType.F32, (H,))
+    add("output.weight", GGMLType.Q6_K, (H, VOCAB))
+    return infos
+
+
+def closest_mix(layers: int = LAYERS):
+    """The number of Q6_K ffn_down layers that brings the file nearest the artifact's size."""
+    target = ARTIFACT_BYTES * layers / LAYERS
+    sizes = [(abs(sum(i[3] for i in tensor_infos(n, layers)) - target), n) for n in range(layers + 1)]
+    return min(sizes)[1]
+
+
+def random_pools(rng, pool_bytes: int):
+    """One pool of valid random blocks per format; tensors are cut from these."""
+    pools = {}
+    for ggml_type, block in BLOCK_BYTES.items():
+        blocks = rng.integers(0, 256, size=(pool_bytes // block, block), dtype=np.uint8)
+        for start in F16_FIELDS[ggml_type]:
+            scale = rng.uniform(1e-4, 4e-3, size=blocks.shape[0]).astype(np.float16)
+            blocks[:, start : start + 2] = scale.view(np.uint8).reshape(-1, 2)
+        pools[ggml_type] = blocks.reshape(-1)
+    return pools
+
+
+def write_file(path: Path, rng, layers: int = LAYERS) -> int:
+    pools = random_pools(rng, 256 << 20)
+
+    def fill(name, ggml_type, nbytes):
+        if ggml_type == GGMLType.F32:
+            return rng.uniform(0.5, 1.5, size=nbytes // 4).astype(np.float32).view(np.uint8)
+        pool = pools[ggml_type]  # whole blocks; repeated for tensors larger than the pool
+        return pool[:nbytes] if nbytes <= pool.size else np.resize(pool, nbytes)
+
+    metadata = {
+        "general.architecture": "muse-glimmer",
+        "muse-glimmer.block_count": ("u32", layers),
+        "muse-glimmer.context_length": ("u32", 131072),
+        "muse-glimmer.embedding_length": ("u32", H),
+        "muse-glimmer.feed_forward_length": ("u32", FF),
+        "muse-glimmer.attention.head_count": ("u32", HEADS),
+        "muse-glimmer.attention.head_count_kv": ("u32", KV_HEADS),
+        "muse-glimmer.attention.key_length": ("u32", HEAD_DIM),
+        "muse-glimmer.attention.value_length": ("u32", HEAD_DIM),
+        "muse-glimmer.attention.layer_norm_rms_epsilon": 1e-5,
+        "muse-glimmer.rope.freq_base": 500000.0,
+        "muse-glimmer.attention.sliding_window": ("u32", 2048),
+        "muse-glimmer.attention.sliding_window_pattern": [i % 4 < 3 for i in range(layers)],
+        "muse-glimmer.logit_scale": 0.19611613513818404,
+        "muse-glimmer.final_logit_softcapping": 20.0,
+    }
+    metadata.update(bpe_tokenizer_metadata())
+    infos = tensor_infos(closest_mix(layers), layers)
+    write_gguf_streaming(path, metadata, infos, fill)
+    return path.stat().st_size
+
+
+def copy_bandwidth(gib: int = 4) -> float:
+    """Bytes per second of an elementwise device copy (read + write counted)."""
+    x = mx.zeros((gib << 30) // 4, dtype=mx.float32)
+    mx.eval(x)
+    times = []
+    for _ in range(6):
+        tic = time.perf_counter()
+        mx.eval(x + 1)
+        times.append(time.perf_counter() - tic)
+    del x
+    return 2 * (gib << 30) / statistics.median(times[1:])
+
+
+def decode_ms(model, cache, steps: int) -> float:
+    token = mx.array([[7]], dtype=mx.int32)
+    times = []
+    for _ in range(steps + 3):
+        tic = time.perf_counter()
+        token = mx.argmax(model(token, cache)[:, -1:], axis=-1).astype(mx.int32)
+        mx.eval(token)
+        times.append(time.perf_counter() - tic)
+    return 1e3 * statistics.median(times[3:])
+
+
+def fill_context(model, cache, tokens: int, rng, chunk: int = 512) -> None:
+    while cache[0].offset < tokens:
+        n = min(chunk, tokens - cache[0].offset)
+        mx.eval(model.hidden(mx.array(rng.integers(0, 1000, size=(1, n)), dtype=mx.int32), cache))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prefill-chunks", type=int, default=6)
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="fewer layers: a quick smoke run")
+    parser.add_argument("--contexts", default="0,2048,8192")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
+    print(f"device: {mx.default_device()}", flush=True)
+    tic = time.perf_counter()
+    if not path.exists():
+        size = write_file(path, rng, args.layers)
+        print(f"wrote {path}: {size:,} B ({size / ARTIFACT_BYTES:.4f} of the artifact's size) in "
+              f"{time.perf_counter() - tic:.1f} s", flush=True)
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth (4 GiB elementwise, read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
+
+    tic = time.perf_counter()
+    model, _ = load(path)
+    for tensor in model.file.tensors.values():
+        mx.eval(tensor.data)
+    print(f"loaded in {time.perf_counter() - tic:.1f} s; by type: "
+          f"{ {k: f'{v / 1e9:.2f} GB' for k, v in gguf.read(path).bytes_by_type().items()} }", flush=True)
+    weight_bytes = model.weight_bytes()
+    floor_ms = 1e3 * weight_bytes / bandwidth
+    print(f"weight bytes per decode step: {weight_bytes:,} -> floor {floor_ms:.2f} ms/token", flush=True)
+
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        cache = model.make_cache()
+        fill_context(model, cache, context, rng)
+        ms = decode_ms(model, cache, args.steps)
+        kv = sum(c.nbytes for c in cache)
+        rows.append((context, ms))
+        print(f"decode at context {context:5d}: {ms:7.2f} ms/token  ({ms / floor_ms:.2f}x the floor "
+              f"{floor_ms:.2f} ms; {1e3 / ms:.1f} tokens/s; KV cache {kv / 1e6:.0f} MB)", flush=True)
+
+    cache = model.make_cache()
+    chunk = 512
+    times = []
+    for _ in range(args.prefill_chunks):
+        ids = mx.array(rng.integers(0, 1000, size=(1, chunk)), dtype=mx.int32)
+        tic = time.perf_counter()
+        hidden = model.hidden(ids, cache)
+        mx.eval(model.logits(hidden[:, -1:]))
+        times.append(time.perf_counter() - tic)
+    per_chunk = statistics.median(times[1:])
+    layer_weights = sum(t.rows * t.row_length for n, t in model.file.tensors.items()
+                        if n.startswith("blk.") and len(t.shape) == 2)
+    flops = 2 * chunk * layer_weights
+    print(f"prefill, {chunk}-row chunks from context 0: {chunk / per_chunk:,.0f} tokens/s "
+          f"({1e3 * per_chunk:.1f} ms per chunk, {flops / per_chunk / 1e12:.0f} TFLOP/s in the matmuls)",
+          flush=True)
+    print(f"peak memory {mx.get_peak_memory() / 1e9:.2f} GB; file {path.stat().st_size / 1e9:.2f} GB",
+          flush=True)
+    if not args.keep:
+        path.unlink()
+
+
+if __name__ == "__main__":
+    main()
