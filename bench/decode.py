@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from muser_mlx import gguf  # noqa: E402
+from muser_mlx import gguf, ops  # noqa: E402
 from muser_mlx.formats import GGMLType, tensor_bytes  # noqa: E402
 from muser_mlx.generate import load  # noqa: E402
 from muser_mlx.testing import bpe_tokenizer_metadata, write_gguf_streaming  # noqa: E402
@@ -142,6 +142,22 @@ def decode_ms(model, cache, steps: int) -> float:
     return 1e3 * statistics.median(times[3:])
 
 
+def linears_only_ms(model, steps: int) -> float:
+    """The same step's matrix products alone (every layer's 8 matvecs and the LM head, on
+    random activations, one evaluation): the part of a step the weight bytes pay for."""
+    from muser_mlx.models.transformer import Linear
+    linears = [m for _, m in model.named_modules() if isinstance(m, Linear)]
+    x = {n: mx.random.normal((1, n)) for n in {m.weight_tensor.shape[0] for m in linears}}
+    times = []
+    for _ in range(steps + 3):
+        tic = time.perf_counter()
+        outs = [m(x[m.weight_tensor.shape[0]]) for m in linears]
+        outs.append(ops.linear(x[model.config.hidden], model.output))
+        mx.eval(outs)
+        times.append(time.perf_counter() - tic)
+    return 1e3 * statistics.median(times[3:])
+
+
 def fill_context(model, cache, tokens: int, rng, chunk: int = 512) -> None:
     while cache[0].offset < tokens:
         n = min(chunk, tokens - cache[0].offset)
@@ -178,6 +194,9 @@ def main() -> None:
     floor_ms = 1e3 * weight_bytes / bandwidth
     print(f"weight bytes per decode step: {weight_bytes:,} -> floor {floor_ms:.2f} ms/token", flush=True)
 
+    linear_ms = linears_only_ms(model, args.steps)
+    print(f"matrix products alone (all linears of one step, one evaluation): {linear_ms:.2f} ms "
+          f"({weight_bytes / linear_ms / 1e9:,.0f} GB/s)", flush=True)
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         cache = model.make_cache()
