@@ -90,6 +90,7 @@ class GGUFTensor:
         (an F16 Muse Glimmer output.weight is 2.69 GB)."""
         if self._data is None:
             self._data = mx.array(self.numpy().reshape(self.rows, self.row_bytes))
+            self._file._release(self.offset, self.nbytes)
         return self._data
 
     def numpy(self) -> np.ndarray:
@@ -161,6 +162,16 @@ class GGUFFile:
         return totals
 
     # -- parsing --------------------------------------------------------------------------
+
+    def _release(self, offset: int, length: int) -> None:
+        """Drop the map's resident pages of a range just copied into MLX memory, so that a
+        loaded model costs its size once in resident memory, not twice (file pages + copy).
+        The map stays valid: a later read faults the pages back in from the file."""
+        page = mmap.PAGESIZE
+        start = -(-offset // page) * page
+        end = (offset + length) // page * page
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def _view(self, offset: int, length: int) -> np.ndarray:
         if self._bytes is None:

@@ -205,3 +205,38 @@ def test_gemma3_continues_sensibly_and_deterministically(gemma3_path):
     assert text.startswith(" Paris")
     assert text == generate(model, tokenizer, "The Eiffel Tower is located in the city of", 6)
     assert generate(model, tokenizer, "1, 2, 3, 4, 5,", 8).startswith(" 6, 7, 8")
+
+
+def test_a_2000_token_generation_keeps_window_caches_at_the_window(tmp_path, rng):
+    path = tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q8_0", window=8,
+                      context=4096, layers=4)
+    model, tokenizer = load(path)
+    tokenizer.eos_token_ids = []
+    cache = model.make_cache()
+    responses = list(stream_generate(model, tokenizer, "the fox", 2000, cache=cache))
+    assert len(responses) == 2000
+    for sliding, layer_cache in zip(model.config.swa_layers, cache):
+        if sliding:
+            assert layer_cache.size == 8 and layer_cache.keys.shape[2] == 8
+        else:
+            assert layer_cache.size == layer_cache.offset
+    assert cache[0].offset == len(tokenizer.encode("the fox")) + 1999
+
+
+def test_byte_tokens_that_are_not_utf8_decode_without_error(tiny):
+    _, tokenizer = tiny
+    for token in range(256):  # single bytes: half are not valid UTF-8 alone
+        text = tokenizer.decode([token])
+        assert isinstance(text, str) and text
+
+
+@pytest.mark.parametrize("ids, message", [
+    (np.array([[1.0, 2.0]]), "must be integers"),
+    (np.zeros((1, 1, 2), dtype=np.int32), "shaped \\[T\\] or \\[B, T\\]"),
+    (np.array([[-3]]), "token id -3"),
+    (np.array([], dtype=np.int32), "no token ids"),
+])
+def test_bad_token_ids_are_refused_before_any_kernel_runs(tiny, ids, message):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=message):
+        model(ids)

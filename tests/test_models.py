@@ -14,7 +14,7 @@ from muser_mlx.models.config import MissingKeyError, MissingTensorError, ModelCo
 from muser_mlx.reference import Reference
 from muser_mlx.testing import tiny_model
 
-from conftest import relative_error
+from tests.conftest import relative_error
 
 ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2"]
 WEIGHTS = ["F32", "F16", "Q8_0", "Q4_K", "Q4_K_M"]

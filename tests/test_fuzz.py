@@ -1,0 +1,168 @@
+"""Hostile GGUF files: every mutated or truncated input must end in a documented GGUFError or
+load cleanly (and then every tensor's bytes must be readable). Never another exception, a
+crash, a hang or a huge allocation.
+
+`make test` runs a few hundred inputs per test; `make fuzz` (HYPOTHESIS_PROFILE=fuzz) runs
+10,000 per test.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from muser_mlx import gguf
+from muser_mlx.formats import GGMLType, quantize
+from muser_mlx.testing import gguf_bytes
+
+settings.register_profile("default", max_examples=150, deadline=None,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture])
+settings.register_profile("fuzz", max_examples=10_000, deadline=None,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def base_file() -> bytes:
+    rng = np.random.default_rng(1)
+    metadata = {
+        "general.architecture": "llama",
+        "general.name": "fuzz base",
+        "llama.block_count": ("u32", 1),
+        "llama.rope.freq_base": 10000.0,
+        "tokenizer.ggml.tokens": ["a", "b", "<s>", "日本"],
+        "tokenizer.ggml.scores": [0.0, -1.0, -2.0, -3.0],
+        "tokenizer.ggml.add_bos_token": True,
+        "general.alignment": ("u32", 32),
+        "nested": [[1, 2], [3]],
+    }
+    values = rng.standard_normal((4, 256)).astype(np.float32)
+    tensors = {
+        "norm.weight": (GGMLType.F32, (64,), values[0, :64].view(np.uint8)),
+        "q4k.weight": (GGMLType.Q4_K, (256, 4), quantize(values, GGMLType.Q4_K)),
+        "q8.weight": (GGMLType.Q8_0, (256, 4), quantize(values, GGMLType.Q8_0)),
+    }
+    return gguf_bytes(metadata, tensors)
+
+
+BASE = base_file()
+
+
+def structural_fields(data: bytes) -> list[tuple[int, int]]:
+    """(offset, size) of every count, length, type, dimension and offset field of the header."""
+    fields = [(4, 4), (8, 8), (16, 8)]
+    tensors, kvs = struct.unpack_from("<QQ", data, 8)
+    pos = 24
+
+    def string(pos):
+        fields.append((pos, 8))
+        return pos + 8 + struct.unpack_from("<Q", data, pos)[0]
+
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+    def value(pos, value_type):
+        if value_type == 8:
+            return string(pos)
+        if value_type == 9:
+            fields.extend([(pos, 4), (pos + 4, 8)])
+            item_type, count = struct.unpack_from("<IQ", data, pos)
+            pos += 12
+            for _ in range(count):
+                pos = value(pos, item_type)
+            return pos
+        fields.append((pos, sizes[value_type]))
+        return pos + sizes[value_type]
+
+    for _ in range(kvs):
+        pos = string(pos)
+        fields.append((pos, 4))
+        value_type = struct.unpack_from("<I", data, pos)[0]
+        pos = value(pos + 4, value_type)
+    for _ in range(tensors):
+        pos = string(pos)
+        fields.append((pos, 4))
+        dims = struct.unpack_from("<I", data, pos)[0]
+        pos += 4
+        fields.extend((pos + 8 * i, 8) for i in range(dims))
+        pos += 8 * dims
+        fields.extend([(pos, 4), (pos + 4, 8)])
+        pos += 12
+    return fields
+
+
+FIELDS = structural_fields(BASE)
+INTERESTING = [0, 1, 2, 3, 7, 8, 9, 12, 31, 32, 33, 255, 256, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
+               2**40, 2**60, 2**63 - 1, 2**64 - 1]
+
+
+def must_fail_cleanly_or_load(path, data: bytes) -> None:
+    path.write_bytes(data)
+    tic = time.perf_counter()
+    try:
+        file = gguf.read(path)
+    except gguf.GGUFError:
+        return
+    finally:
+        assert time.perf_counter() - tic < 5, "reading took too long"
+    with file:
+        for tensor in file.tensors.values():
+            assert tensor.data.nbytes == tensor.nbytes
+            assert tensor.offset + tensor.nbytes <= len(data)
+
+
+def test_the_base_file_loads(tmp_path):
+    with gguf.read(_write(tmp_path, BASE)) as file:
+        assert set(file.tensors) == {"norm.weight", "q4k.weight", "q8.weight"}
+    assert len(FIELDS) > 40
+
+
+def _write(tmp_path, data):
+    path = tmp_path / "f.gguf"
+    path.write_bytes(data)
+    return path
+
+
+def test_every_truncation_is_a_gguf_error(tmp_path):
+    """Cut at every byte up to the end of the last tensor: each must be refused."""
+    path = tmp_path / "cut.gguf"
+    for length in range(len(BASE) - 1):
+        path.write_bytes(BASE[:length])
+        with pytest.raises(gguf.GGUFError):
+            gguf.read(path)
+
+
+@given(field=st.sampled_from(FIELDS), value=st.one_of(st.sampled_from(INTERESTING),
+                                                      st.integers(0, 2**64 - 1)))
+def test_structural_fields_set_to_any_value(tmp_path, field, value):
+    offset, size = field
+    data = bytearray(BASE)
+    data[offset : offset + size] = (value % (1 << (8 * size))).to_bytes(size, "little")
+    must_fail_cleanly_or_load(tmp_path / "f.gguf", bytes(data))
+
+
+@given(edits=st.lists(st.tuples(st.integers(0, len(BASE) - 1), st.integers(0, 255)), min_size=1, max_size=8))
+def test_random_byte_edits(tmp_path, edits):
+    data = bytearray(BASE)
+    for position, byte in edits:
+        data[position] = byte
+    must_fail_cleanly_or_load(tmp_path / "f.gguf", bytes(data))
+
+
+@given(cut=st.integers(0, len(BASE)), extra=st.binary(max_size=64))
+def test_truncated_then_padded_with_garbage(tmp_path, cut, extra):
+    must_fail_cleanly_or_load(tmp_path / "f.gguf", BASE[:cut] + extra)
+
+
+def test_a_huge_declared_array_in_a_small_file_is_refused_at_once(tmp_path):
+    data = bytearray(gguf_bytes({"big": [1, 2, 3]}, {}))
+    count_at = 24 + 8 + 3 + 4 + 4  # key length, "big", value type, item type
+    data[count_at : count_at + 8] = (2**60).to_bytes(8, "little")
+    tic = time.perf_counter()
+    with pytest.raises(gguf.TruncatedFileError, match="1152921504606846976"):
+        gguf.read(_write(tmp_path, bytes(data)))
+    assert time.perf_counter() - tic < 1
