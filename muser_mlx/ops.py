@@ -103,7 +103,9 @@ def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden:
 
 MATVEC_MAX_TOKENS = 8  # up to this many rows of x, a decode matvec; beyond it, prefill
 MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup
-Q4K_ROWS_PER_SIMD_GROUP = 4  # rows sharing one load of x in matvec_q4k
+# Dedicated decode kernels, and the output rows each SIMD group computes (sharing its x loads).
+MATVEC_KERNELS = {GGMLType.Q4_K: ("matvec_q4k", 4), GGMLType.Q6_K: ("matvec_q6k", 2),
+                  GGMLType.Q8_0: ("matvec_q8_0", 2)}
 # On the CPU, MLX's own affine quantized matmul reads these formats' bytes exactly: GGUF's
 # nibble order is a fixed permutation of MLX's within each 32-value block (see _cpu_affine).
 _CPU_AFFINE = {GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q8_0: 8}
@@ -115,10 +117,14 @@ def linear_path(ggml_type, tokens: int, backend: str | None = None) -> str:
     backend = backend or kernels.backend()
     ggml_type = block_format(ggml_type).ggml_type
     if backend == "cpu":
-        return "cpu_affine_qmm" if ggml_type in _CPU_AFFINE else "cpu_dequant_matmul"
+        # MLX's CPU quantized_matmul handles one row well enough but many rows poorly; for a
+        # prefill chunk, decoding the weight once and using the BLAS matmul is far faster.
+        if ggml_type in _CPU_AFFINE and tokens <= MATVEC_MAX_TOKENS:
+            return "cpu_affine_qmm"
+        return "cpu_dequant_matmul"
     if tokens > MATVEC_MAX_TOKENS:
         return "gpu_dequant_matmul"
-    return "matvec_q4k" if ggml_type == GGMLType.Q4_K else "matvec"
+    return MATVEC_KERNELS[ggml_type][0] if ggml_type in MATVEC_KERNELS else "matvec"
 
 
 def linear(x, weight) -> mx.array:
@@ -146,8 +152,8 @@ def _matvec(name, rows, weight_bytes, fmt, in_features, out_features):
     """Launch matvec kernel `name` (chosen by linear_path) over a few rows of x."""
     template = [("IN", in_features), ("ROW_BYTES", fmt.row_bytes(in_features)),
                 ("OUT", out_features), ("TOKENS", rows.shape[0])]
-    if name == "matvec_q4k":
-        rows_per_group = Q4K_ROWS_PER_SIMD_GROUP
+    if name != "matvec":
+        rows_per_group = MATVEC_KERNELS[fmt.ggml_type][1]
         template.append(("ROWS", rows_per_group))
     else:
         rows_per_group = 1
@@ -213,7 +219,7 @@ def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
 
 _LINEAR_PATHS = {
     "matvec": functools.partial(_matvec, "matvec"),
-    "matvec_q4k": functools.partial(_matvec, "matvec_q4k"),
+    **{name: functools.partial(_matvec, name) for name, _ in MATVEC_KERNELS.values()},
     "gpu_dequant_matmul": _gpu_dequant_matmul,
     "cpu_dequant_matmul": _cpu_dequant_matmul,
     "cpu_affine_qmm": _cpu_affine,

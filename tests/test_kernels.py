@@ -40,6 +40,18 @@ LAUNCHES = {
         [mx.float32],
         [("IN", 512), ("ROW_BYTES", 288), ("OUT", 24), ("TOKENS", 2), ("ROWS", 4)],
     ),
+    "matvec_q6k": (
+        "matvec_q6k",
+        [InputSpec(mx.uint8, 2, 24 * 420), InputSpec(mx.float32, 2, 3 * 512)],
+        [mx.float32],
+        [("IN", 512), ("ROW_BYTES", 420), ("OUT", 24), ("TOKENS", 3), ("ROWS", 2)],
+    ),
+    "matvec_q8_0": (
+        "matvec_q8_0",
+        [InputSpec(mx.uint8, 2, 24 * 544), InputSpec(mx.float32, 2, 1 * 512)],
+        [mx.float32],
+        [("IN", 512), ("ROW_BYTES", 544), ("OUT", 24), ("TOKENS", 1), ("ROWS", 2)],
+    ),
 }
 
 

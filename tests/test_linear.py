@@ -65,7 +65,10 @@ def test_linear_refuses_a_mismatched_input(rng, tmp_path):
 
 def test_path_choice():
     assert ops.linear_path(GGMLType.Q4_K, 1, "cuda") == "matvec_q4k"
-    assert ops.linear_path(GGMLType.Q6_K, 8, "metal") == "matvec"
+    assert ops.linear_path(GGMLType.Q6_K, 8, "metal") == "matvec_q6k"
+    assert ops.linear_path(GGMLType.Q8_0, 1, "cuda") == "matvec_q8_0"
+    assert ops.linear_path(GGMLType.Q5_K, 1, "cuda") == "matvec"
     assert ops.linear_path(GGMLType.Q6_K, 9, "cuda") == "gpu_dequant_matmul"
     assert ops.linear_path(GGMLType.Q4_1, 1, "cpu") == "cpu_affine_qmm"
+    assert ops.linear_path(GGMLType.Q4_1, 64, "cpu") == "cpu_dequant_matmul"
     assert ops.linear_path(GGMLType.Q4_K, 1, "cpu") == "cpu_dequant_matmul"
