@@ -186,8 +186,10 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
 
 
 def _cpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
-    weight = dequantize_rows(weight_bytes.reshape(out_features, -1), fmt.ggml_type)
-    return rows @ weight.T
+    weight = dequantize_rows(weight_bytes.reshape(out_features, -1), fmt.ggml_type)  # [out, in]
+    # MLX's CPU matmul is several times faster on a contiguous [in, out] operand than on a
+    # transposed view (measured 44 vs 117 ms for 127 x 576 x 1536): pay one transpose copy.
+    return rows @ mx.contiguous(weight.T)
 
 
 def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
