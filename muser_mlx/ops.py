@@ -171,6 +171,44 @@ def _matvec(name, rows, weight_bytes, fmt, in_features, out_features):
     return out
 
 
+RESIDUAL_NORM_THREADS = 256
+
+
+def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weight: mx.array,
+                  branch_eps: float, next_eps: float) -> tuple[mx.array, mx.array]:
+    """The seam between two branches of a layer, in one pass on a GPU (kernels/residual_norm):
+
+        sum    = residual + rms(branch, branch_eps) * branch_weight   (branch_weight given:
+                                                                        a sandwich post-norm)
+        sum    = residual + branch                                    (branch_weight None)
+        normed = rms(sum, next_eps) * next_weight
+
+    residual, branch: float32 [..., hidden]; weights: float32 [hidden]. Returns (sum, normed).
+    """
+    hidden = residual.shape[-1]
+    sandwich = branch_weight is not None
+    if kernels.backend() == "cpu":
+        branch = branch.astype(mx.float32)
+        if sandwich:
+            branch = mx.fast.rms_norm(branch, branch_weight, branch_eps)
+        total = residual + branch
+        return total, mx.fast.rms_norm(total, next_weight, next_eps)
+    rows = residual.size // hidden
+    eps = mx.array([branch_eps, next_eps], dtype=mx.float32)
+    total, normed = kernels.launch(
+        "residual_norm",
+        inputs=[residual.reshape(rows, hidden).astype(mx.float32),
+                branch.reshape(rows, hidden).astype(mx.float32),
+                branch_weight if sandwich else next_weight, next_weight, eps],
+        template=[("HIDDEN", hidden), ("THREADS", RESIDUAL_NORM_THREADS), ("SANDWICH", int(sandwich))],
+        grid=(rows * RESIDUAL_NORM_THREADS, 1, 1),
+        threadgroup=(RESIDUAL_NORM_THREADS, 1, 1),
+        output_shapes=[(rows, hidden), (rows, hidden)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    return total.reshape(residual.shape), normed.reshape(residual.shape)
+
+
 def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int,
                       dtype=mx.float32) -> mx.array:
     """Every row of a GGUF matrix decoded: [out, in] (the embedding gather over all rows)."""

@@ -121,17 +121,19 @@ class Block(nn.Module):
         self.attention = Attention(config, layer, tensors)
         self.feed_forward = FeedForward(config, layer, tensors)
 
-    def __call__(self, x: mx.array, cache) -> mx.array:
+    def __call__(self, x: mx.array, h: mx.array, cache, next_norm: mx.array):
+        """x: the residual stream [B, T, hidden]; h: x normed for this layer's attention.
+        Returns the new residual stream and it normed by `next_norm` (the next layer's
+        attn_norm, or output_norm after the last layer)."""
         c = self.config
         post_eps = c.eps if c.post_norm_eps is None else c.post_norm_eps
-        a = self.attention(rms_norm(x, self.attn_norm, c.eps), cache)
-        if c.sandwich_norms:
-            a = rms_norm(a, self.post_attention_norm, post_eps)
-        x = x + a
-        f = self.feed_forward(rms_norm(x, self.ffn_norm, c.eps))
-        if c.sandwich_norms:
-            f = rms_norm(f, self.post_ffw_norm, post_eps)
-        return x + f
+        sandwich = c.sandwich_norms
+        a = self.attention(h, cache)
+        x, h = ops.residual_norm(x, a, self.post_attention_norm if sandwich else None,
+                                 self.ffn_norm, post_eps, c.eps)
+        f = self.feed_forward(h)
+        return ops.residual_norm(x, f, self.post_ffw_norm if sandwich else None, next_norm,
+                                 post_eps, c.eps)
 
 
 class Transformer(nn.Module):
@@ -180,9 +182,11 @@ class Transformer(nn.Module):
         if end > c.context:
             raise ValueError(f"{end} positions exceed the model's context of {c.context} tokens")
         x = self.embed(ids)
-        for layer, layer_cache in zip(self.layers, cache):
-            x = layer(x, layer_cache)
-        return rms_norm(x, self.output_norm, c.eps)
+        h = rms_norm(x, self.layers[0].attn_norm, c.eps)
+        next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.output_norm]
+        for layer, layer_cache, next_norm in zip(self.layers, cache, next_norms):
+            x, h = layer(x, h, layer_cache, next_norm)
+        return h
 
     def logits(self, hidden: mx.array) -> mx.array:
         """[B, T, hidden] -> float32 [B, T, vocab]: LM head, logit scale, softcap."""

@@ -1,0 +1,33 @@
+"""ops.residual_norm (kernels/residual_norm.metal on a GPU) against numpy float64."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from muser_mlx import kernels, ops
+from tests.conftest import relative_error
+
+
+def reference(residual, branch, branch_weight, next_weight, branch_eps, next_eps):
+    rms = lambda v, e: v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + e)  # noqa: E731
+    added = rms(branch, branch_eps) * branch_weight if branch_weight is not None else branch
+    total = residual + added
+    return total, rms(total, next_eps) * next_weight
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0])  # at 1e-3, the fixed 1e-8 eps matters
+@pytest.mark.parametrize("sandwich", [True, False])
+@pytest.mark.parametrize("rows, hidden", [(1, 6656), (7, 640), (3, 576), (2, 100)])
+def test_residual_norm_matches_numpy(backend, rng, sandwich, rows, hidden, scale):
+    residual = rng.standard_normal((rows, hidden)) * 3
+    branch = rng.standard_normal((rows, hidden)) * scale
+    branch_weight = rng.uniform(0.5, 1.5, hidden) if sandwich else None
+    next_weight = rng.uniform(0.5, 1.5, hidden)
+    as_mx = lambda v: None if v is None else mx.array(v.astype(np.float32))  # noqa: E731
+    with kernels.poisoned_outputs():
+        total, normed = ops.residual_norm(as_mx(residual), as_mx(branch), as_mx(branch_weight),
+                                          as_mx(next_weight), 1e-8, 1e-5)
+        mx.eval(total, normed)
+    expected_total, expected_normed = reference(residual, branch, branch_weight, next_weight, 1e-8, 1e-5)
+    assert relative_error(total, expected_total) <= 1e-5
+    assert relative_error(normed, expected_normed) <= 1e-5
