@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from muser_mlx import generate as gen
 from muser_mlx.generate import generate, load, stream_generate
 from muser_mlx.testing import tiny_model
+
+gen = importlib.import_module("muser_mlx.generate")  # the module (the package exports the function)
 
 
 @pytest.fixture
