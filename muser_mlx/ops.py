@@ -174,6 +174,11 @@ def _matvec(name, rows, weight_bytes, fmt, in_features, out_features):
 RESIDUAL_NORM_THREADS = 256
 
 
+def _float_bits(value: float) -> int:
+    """A float32's bit pattern as a template constant (templates take integers, not floats)."""
+    return int(np.array(value, dtype=np.float32).view(np.int32))
+
+
 def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weight: mx.array,
                   branch_eps: float, next_eps: float) -> tuple[mx.array, mx.array]:
     """The seam between two branches of a layer, in one pass on a GPU (kernels/residual_norm):
@@ -194,13 +199,13 @@ def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weig
         total = residual + branch
         return total, mx.fast.rms_norm(total, next_weight, next_eps)
     rows = residual.size // hidden
-    eps = mx.array([branch_eps, next_eps], dtype=mx.float32)
     total, normed = kernels.launch(
         "residual_norm",
         inputs=[residual.reshape(rows, hidden).astype(mx.float32),
                 branch.reshape(rows, hidden).astype(mx.float32),
-                branch_weight if sandwich else next_weight, next_weight, eps],
-        template=[("HIDDEN", hidden), ("THREADS", RESIDUAL_NORM_THREADS), ("SANDWICH", int(sandwich))],
+                branch_weight if sandwich else next_weight, next_weight],
+        template=[("HIDDEN", hidden), ("THREADS", RESIDUAL_NORM_THREADS), ("SANDWICH", int(sandwich)),
+                  ("EPS_BRANCH_BITS", _float_bits(branch_eps)), ("EPS_NEXT_BITS", _float_bits(next_eps))],
         grid=(rows * RESIDUAL_NORM_THREADS, 1, 1),
         threadgroup=(RESIDUAL_NORM_THREADS, 1, 1),
         output_shapes=[(rows, hidden), (rows, hidden)],

@@ -43,9 +43,10 @@ LAUNCHES = {
     "residual_norm": (
         "residual_norm",
         [InputSpec(mx.float32, 2, 3 * 640), InputSpec(mx.float32, 2, 3 * 640),
-         InputSpec(mx.float32, 1, 640), InputSpec(mx.float32, 1, 640), InputSpec(mx.float32, 1, 2)],
+         InputSpec(mx.float32, 1, 640), InputSpec(mx.float32, 1, 640)],
         [mx.float32, mx.float32],
-        [("HIDDEN", 640), ("THREADS", 256), ("SANDWICH", 1)],
+        [("HIDDEN", 640), ("THREADS", 256), ("SANDWICH", 1), ("EPS_BRANCH_BITS", 841731191),
+         ("EPS_NEXT_BITS", 925353388)],
     ),
     "matvec_q6k": (
         "matvec_q6k",
