@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -54,10 +55,11 @@ def synthetic(path: Path, gigabytes: float) -> Path:
     sys.path.insert(0, str(ROOT))
     from muser_mlx.testing import tiny_model
 
-    per_layer = 12 * 2048 * 2048 * 144 // 256  # q,k,v,o (4 H²) + ffn (3 · H · 8H/3 ≈ 8 H²)
-    layers = max(1, round(gigabytes * 1e9 / per_layer))
+    hidden, kv, ff = 2048, 4 * 128, 5632
+    per_layer = (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ff) * 144 // 256  # Q4_K bytes
+    layers = max(1, math.ceil(gigabytes * 1e9 / per_layer))
     return tiny_model(path, "llama", np.random.default_rng(0), weights="Q4_K", layers=layers,
-                      hidden=2048, heads=16, kv_heads=4, head_dim=128, ff=5632)
+                      hidden=hidden, heads=16, kv_heads=4, head_dim=128, ff=ff)
 
 
 def main() -> None:

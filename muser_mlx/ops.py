@@ -4,6 +4,7 @@ math as MLX array ops on the CPU (muser_mlx/dequant.py), on the same raw GGUF by
 from __future__ import annotations
 
 import functools
+import logging
 
 import mlx.core as mx
 import numpy as np
@@ -111,6 +112,15 @@ MATVEC_KERNELS = {GGMLType.Q4_K: ("matvec_q4k", 4), GGMLType.Q6_K: ("matvec_q6k"
 _CPU_AFFINE = {GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q8_0: 8}
 
 
+_log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _note_generic_matvec(ggml_type) -> None:
+    _log.warning("%s weights have no dedicated decode kernel: the generic per-element matvec "
+                 "serves them (several times slower than matvec_q4k/q6k/q8_0)", ggml_type.name)
+
+
 def linear_path(ggml_type, tokens: int, backend: str | None = None) -> str:
     """Which implementation `linear` uses for a weight format and a number of rows of x.
     The one place this is decided."""
@@ -124,7 +134,10 @@ def linear_path(ggml_type, tokens: int, backend: str | None = None) -> str:
         return "cpu_dequant_matmul"
     if tokens > MATVEC_MAX_TOKENS:
         return "gpu_dequant_matmul"
-    return MATVEC_KERNELS[ggml_type][0] if ggml_type in MATVEC_KERNELS else "matvec"
+    if ggml_type in MATVEC_KERNELS:
+        return MATVEC_KERNELS[ggml_type][0]
+    _note_generic_matvec(ggml_type)  # logged once per format: never a silent slow path
+    return "matvec"
 
 
 def linear(x, weight) -> mx.array:
@@ -171,17 +184,9 @@ def _matvec(name, rows, weight_bytes, fmt, in_features, out_features):
     return out
 
 
-RESIDUAL_NORM_THREADS = 256
-
-
-def _float_bits(value: float) -> int:
-    """A float32's bit pattern as a template constant (templates take integers, not floats)."""
-    return int(np.array(value, dtype=np.float32).view(np.int32))
-
-
 def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weight: mx.array,
                   branch_eps: float, next_eps: float) -> tuple[mx.array, mx.array]:
-    """The seam between two branches of a layer, in one pass on a GPU (kernels/residual_norm):
+    """The seam between two branches of a decoder layer:
 
         sum    = residual + rms(branch, branch_eps) * branch_weight   (branch_weight given:
                                                                         a sandwich post-norm)
@@ -189,29 +194,14 @@ def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weig
         normed = rms(sum, next_eps) * next_weight
 
     residual, branch: float32 [..., hidden]; weights: float32 [hidden]. Returns (sum, normed).
+    MLX's own ops on every backend: a fused kernel for this seam measured slower on the H200
+    (bench/RESULTS.md, session 3), so it did not replace them.
     """
-    hidden = residual.shape[-1]
-    sandwich = branch_weight is not None
-    if kernels.backend() == "cpu":
-        branch = branch.astype(mx.float32)
-        if sandwich:
-            branch = mx.fast.rms_norm(branch, branch_weight, branch_eps)
-        total = residual + branch
-        return total, mx.fast.rms_norm(total, next_weight, next_eps)
-    rows = residual.size // hidden
-    total, normed = kernels.launch(
-        "residual_norm",
-        inputs=[residual.reshape(rows, hidden).astype(mx.float32),
-                branch.reshape(rows, hidden).astype(mx.float32),
-                branch_weight if sandwich else next_weight, next_weight],
-        template=[("HIDDEN", hidden), ("THREADS", RESIDUAL_NORM_THREADS), ("SANDWICH", int(sandwich)),
-                  ("EPS_BRANCH_BITS", _float_bits(branch_eps)), ("EPS_NEXT_BITS", _float_bits(next_eps))],
-        grid=(rows * RESIDUAL_NORM_THREADS, 1, 1),
-        threadgroup=(RESIDUAL_NORM_THREADS, 1, 1),
-        output_shapes=[(rows, hidden), (rows, hidden)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    return total.reshape(residual.shape), normed.reshape(residual.shape)
+    branch = branch.astype(mx.float32)
+    if branch_weight is not None:
+        branch = mx.fast.rms_norm(branch, branch_weight, branch_eps)
+    total = residual + branch
+    return total, mx.fast.rms_norm(total, next_weight, next_eps)
 
 
 def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int,

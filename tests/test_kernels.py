@@ -40,14 +40,6 @@ LAUNCHES = {
         [mx.float32],
         [("IN", 512), ("ROW_BYTES", 288), ("OUT", 24), ("TOKENS", 2), ("ROWS", 4)],
     ),
-    "residual_norm": (
-        "residual_norm",
-        [InputSpec(mx.float32, 2, 3 * 640), InputSpec(mx.float32, 2, 3 * 640),
-         InputSpec(mx.float32, 1, 640), InputSpec(mx.float32, 1, 640)],
-        [mx.float32, mx.float32],
-        [("HIDDEN", 640), ("THREADS", 256), ("SANDWICH", 1), ("EPS_BRANCH_BITS", 841731191),
-         ("EPS_NEXT_BITS", 925353388)],
-    ),
     "matvec_q6k": (
         "matvec_q6k",
         [InputSpec(mx.uint8, 2, 24 * 420), InputSpec(mx.float32, 2, 3 * 512)],

@@ -72,3 +72,13 @@ def test_path_choice():
     assert ops.linear_path(GGMLType.Q4_1, 1, "cpu") == "cpu_affine_qmm"
     assert ops.linear_path(GGMLType.Q4_1, 64, "cpu") == "cpu_dequant_matmul"
     assert ops.linear_path(GGMLType.Q4_K, 1, "cpu") == "cpu_dequant_matmul"
+
+
+def test_the_generic_gpu_matvec_is_logged_once_per_format(caplog):
+    ops._note_generic_matvec.cache_clear()
+    with caplog.at_level("WARNING", logger="muser_mlx.ops"):
+        for _ in range(3):
+            ops.linear_path(GGMLType.Q5_K, 1, "cuda")
+        ops.linear_path(GGMLType.Q4_K, 1, "cuda")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and messages[0].startswith("Q5_K weights have no dedicated decode kernel")
