@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
+import numpy as np
 
 from muser_mlx import gguf, packaged
 from muser_mlx.models import build_model
@@ -115,10 +116,15 @@ class Sampling:
 # --- generation --------------------------------------------------------------------------------
 
 def _prompt_ids(tokenizer, prompt) -> list[int]:
+    """Text -> ids by the tokenizer's BOS rule; a sequence of ids is checked, never coerced."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    ids = [int(i) for i in prompt]
-    return ids
+    values = np.asarray(prompt.tolist() if isinstance(prompt, mx.array) else prompt)
+    if values.size and values.dtype.kind not in "iu":
+        raise ValueError(f"prompt token ids must be integers, got {values.dtype} values")
+    if values.ndim != 1:
+        raise ValueError(f"a prompt of ids must be one sequence [T], got shape {list(values.shape)}")
+    return values.astype(np.int64).tolist()
 
 
 def prefill(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP) -> mx.array:

@@ -130,10 +130,13 @@ def test_settings_out_of_range_are_refused(tiny, setting, message):
         list(stream_generate(model, tokenizer, PROMPT, **kwargs))
 
 
-@pytest.mark.parametrize("ids", [[1, -1], [1, 10**6]])
-def test_prompt_ids_outside_the_vocabulary_are_refused(tiny, ids):
+@pytest.mark.parametrize("ids, message", [([1, -1], "outside the vocabulary"),
+                                          ([1, 10**6], "outside the vocabulary"),
+                                          ([1.5, 2.0], "must be integers"),
+                                          ([[1, 2]], "one sequence")])
+def test_bad_prompt_ids_are_refused(tiny, ids, message):
     model, tokenizer = tiny
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match=message):
         generate(model, tokenizer, ids, 3)
 
 
