@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ceiling import copy_bandwidth  # noqa: E402
 from muser_mlx import gguf, ops  # noqa: E402
 from muser_mlx.formats import GGMLType, tensor_bytes  # noqa: E402
 from muser_mlx.generate import load  # noqa: E402
@@ -118,19 +119,6 @@ def write_file(path: Path, rng, layers: int = LAYERS) -> int:
     return path.stat().st_size
 
 
-def copy_bandwidth(gib: int = 4) -> float:
-    """Bytes per second of an elementwise device copy (read + write counted)."""
-    x = mx.zeros((gib << 30) // 4, dtype=mx.float32)
-    mx.eval(x)
-    times = []
-    for _ in range(6):
-        tic = time.perf_counter()
-        mx.eval(x + 1)
-        times.append(time.perf_counter() - tic)
-    del x
-    return 2 * (gib << 30) / statistics.median(times[1:])
-
-
 def decode_ms(model, cache, steps: int) -> float:
     token = mx.array([[7]], dtype=mx.int32)
     times = []
@@ -181,7 +169,7 @@ def main() -> None:
         size = write_file(path, rng, args.layers)
         print(f"wrote {path}: {size:,} B ({size / ARTIFACT_BYTES:.4f} of the artifact's size) in "
               f"{time.perf_counter() - tic:.1f} s", flush=True)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(4 << 30)
     print(f"copy bandwidth (4 GiB elementwise, read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
 
     tic = time.perf_counter()

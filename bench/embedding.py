@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
+from ceiling import copy_bandwidth
 from muser_mlx import formats, kernels, ops
 
 HIDDEN = 6656
@@ -51,14 +52,6 @@ def median_seconds(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def copy_bandwidth(nbytes: int, repeats: int) -> float:
-    """Bytes read + written per second by an elementwise pass over `nbytes` of float32."""
-    x = mx.random.normal((nbytes // 4,))
-    mx.eval(x)
-    seconds = median_seconds(lambda: mx.eval(x + 1.0), repeats)
-    return 2 * nbytes / seconds
 
 
 def main() -> None:

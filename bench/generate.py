@@ -11,31 +11,19 @@ the floor they imply at the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ceiling import copy_bandwidth  # noqa: E402
 from muser_mlx import packaged  # noqa: E402
 from muser_mlx.generate import load, stream_generate  # noqa: E402
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders "
         "from the north and the south met to exchange salt, grain and cloth. ")
-
-
-def copy_bandwidth(mib: int = 512) -> float:
-    x = mx.zeros((mib << 20) // 4, dtype=mx.float32)
-    mx.eval(x)
-    times = []
-    for _ in range(5):
-        tic = time.perf_counter()
-        mx.eval(x + 1)
-        times.append(time.perf_counter() - tic)
-    return 2 * (mib << 20) / statistics.median(times[1:])
 
 
 def run(path: Path, prompt_tokens: int, new_tokens: int, bandwidth: float) -> str:
@@ -71,7 +59,7 @@ def main() -> None:
                 paths.append(packaged.model_path(name))
             except packaged.ModelNotInstalledError as error:
                 print(f"skipping {name}: {error}")
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(512 << 20)
     print(f"device {mx.default_device()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write)")
     for path in paths:
         print(run(path, args.prompt_tokens, args.new_tokens, bandwidth), flush=True)

@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
+from ceiling import copy_bandwidth
 from muser_mlx import formats, kernels, ops
 
 GPU_SHAPES = [(4096, 6656), (256, 6656), (6656, 4096), (19968, 6656), (6656, 19968), (202048, 6656)]
@@ -60,12 +61,6 @@ def per_call_seconds(make_calls, repeats: int) -> float:
         mx.eval(calls)
         times.append(time.perf_counter() - start)
     return statistics.median(times) / len(calls)
-
-
-def copy_bandwidth(nbytes: int, repeats: int) -> float:
-    x = mx.random.normal((nbytes // 4,))
-    mx.eval(x)
-    return 2 * nbytes / per_call_seconds(lambda: [x + 1.0], repeats)
 
 
 def row(cells) -> str:
