@@ -67,15 +67,17 @@ class GGUFTokenizer:
 
     def __init__(self, metadata: dict):
         self.metadata = metadata
-        self.kind = self._require(metadata, "tokenizer.ggml.model")
-        self.tokens: list[str] = list(self._require(metadata, "tokenizer.ggml.tokens"))
-        self.token_types = list(metadata.get("tokenizer.ggml.token_type", [NORMAL] * len(self.tokens)))
+        self.kind = self._require(metadata, "tokenizer.ggml.model", str)
+        self.tokens: list[str] = self._require(metadata, "tokenizer.ggml.tokens", list, str)
+        if not self.tokens:
+            raise TokenizerError("tokenizer.ggml.tokens is empty")
+        self.token_types = self._optional("tokenizer.ggml.token_type", [NORMAL] * len(self.tokens), list, int)
         if len(self.token_types) != len(self.tokens):
             raise TokenizerError(f"tokenizer.ggml.token_type has {len(self.token_types)} entries for "
                                  f"{len(self.tokens)} tokens")
         self.bos_token_id = self._token_id("bos")
         self.eos_token_id = self._token_id("eos")
-        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", self.kind == "llama"))
+        self.add_bos = self._optional("tokenizer.ggml.add_bos_token", self.kind == "llama", bool)
         if self.add_bos and self.bos_token_id is None:
             raise TokenizerError("tokenizer.ggml.add_bos_token is set but the file has no "
                                  "tokenizer.ggml.bos_token_id")
@@ -91,14 +93,30 @@ class GGUFTokenizer:
             AddedToken(self.tokens[i], special=True, normalized=False) for i in sorted(self.special_ids)
         ])
         self.eos_token_ids = self._end_of_generation_ids()
-        self.chat_template = metadata.get("tokenizer.chat_template")
+        self.chat_template = self._optional("tokenizer.chat_template", None, str)
         self._lock = threading.Lock()  # encode_special_tokens is a setting of the shared object
 
     @staticmethod
-    def _require(metadata, key):
+    def _require(metadata, key, kind, item_kind=None):
         if key not in metadata:
             raise TokenizerError(f"metadata key {key!r} is required to build the tokenizer")
-        return metadata[key]
+        return GGUFTokenizer._typed(key, metadata[key], kind, item_kind)
+
+    def _optional(self, key, default, kind, item_kind=None):
+        if key not in self.metadata:
+            return default
+        return self._typed(key, self.metadata[key], kind, item_kind)
+
+    @staticmethod
+    def _typed(key, value, kind, item_kind=None):
+        """value, checked to be a `kind` (of `item_kind` items); bools are not ints here."""
+        def fits(v, k):
+            return isinstance(v, k) and not (k is int and isinstance(v, bool))
+        if not fits(value, kind) or (item_kind and not all(fits(v, item_kind) for v in value)):
+            what = kind.__name__ + (f" of {item_kind.__name__}" if item_kind else "")
+            raise TokenizerError(f"metadata key {key!r} must be a {what}, got {type(value).__name__}"
+                                 f" {str(value)[:60]}")
+        return value
 
     def _token_id(self, name: str) -> int | None:
         key = f"tokenizer.ggml.{name}_token_id"
@@ -115,12 +133,16 @@ class GGUFTokenizer:
     # --- building ------------------------------------------------------------------------------
 
     def _byte_level_bpe(self) -> Tokenizer:
-        pre = self.metadata.get("tokenizer.ggml.pre", "default")
+        pre = self._optional("tokenizer.ggml.pre", "default", str)
         if pre not in PRE_TOKENIZERS:
             raise TokenizerError(f"tokenizer.ggml.pre {pre!r} is not supported "
                                  f"(supported: {sorted(PRE_TOKENIZERS)})")
         patterns, ignore_merges = PRE_TOKENIZERS[pre]
-        merges = [tuple(m.split(" ", 1)) for m in self._require(self.metadata, "tokenizer.ggml.merges")]
+        merges = self._require(self.metadata, "tokenizer.ggml.merges", list, str)
+        bad = next((m for m in merges if m.count(" ") != 1 or m.startswith(" ") or m.endswith(" ")), None)
+        if bad is not None:
+            raise TokenizerError(f"tokenizer.ggml.merges has {bad!r}, not two pieces separated by one space")
+        merges = [tuple(m.split(" ")) for m in merges]
         vocab = {token: i for i, token in enumerate(self.tokens)}
         for left, right in merges:
             if left not in vocab or right not in vocab or left + right not in vocab:
@@ -134,7 +156,7 @@ class GGUFTokenizer:
         return tokenizer
 
     def _sentencepiece_bpe(self) -> Tokenizer:
-        scores = self._require(self.metadata, "tokenizer.ggml.scores")
+        scores = self._require(self.metadata, "tokenizer.ggml.scores", list, (int, float))
         if len(scores) != len(self.tokens):
             raise TokenizerError(f"tokenizer.ggml.scores has {len(scores)} entries for "
                                  f"{len(self.tokens)} tokens")
@@ -154,7 +176,7 @@ class GGUFTokenizer:
         tokenizer = Tokenizer(models.BPE(vocab, [(m[3], m[4]) for m in ranked], byte_fallback=True,
                                          unk_token=self.tokens[unk] if unk is not None else None))
         steps = [normalizers.Replace(" ", "▁")]
-        space_prefix = bool(self.metadata.get("tokenizer.ggml.add_space_prefix", True))
+        space_prefix = self._optional("tokenizer.ggml.add_space_prefix", True, bool)
         if space_prefix:
             steps.insert(0, normalizers.Prepend("▁"))
         tokenizer.normalizer = normalizers.Sequence(steps)

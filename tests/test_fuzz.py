@@ -166,3 +166,67 @@ def test_a_huge_declared_array_in_a_small_file_is_refused_at_once(tmp_path):
     with pytest.raises(gguf.TruncatedFileError, match="1152921504606846976"):
         gguf.read(_write(tmp_path, bytes(data)))
     assert time.perf_counter() - tic < 1
+
+
+# --- architecture configs: hostile metadata values ---------------------------------------------
+
+from muser_mlx.models import config_for  # noqa: E402
+from muser_mlx.models.config import ModelConfigError  # noqa: E402
+from muser_mlx.testing import tiny_model  # noqa: E402
+from muser_mlx.tokenizer import GGUFTokenizer, TokenizerError  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["muse-glimmer", "llama", "gemma3"])
+def tiny_file(tmp_path_factory, request):
+    path = tiny_model(tmp_path_factory.mktemp("tiny") / "m.gguf", request.param,
+                      np.random.default_rng(0), layers=2, hidden=256, ff=256, pattern="period")
+    file = gguf.read(path)
+    return request.param, dict(file.metadata), file.tensors
+
+
+CONFIG_KEYS = ["block_count", "embedding_length", "feed_forward_length", "context_length",
+               "attention.head_count", "attention.head_count_kv", "attention.key_length",
+               "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
+               "rope.dimension_count", "attention.sliding_window", "attention.sliding_window_pattern",
+               "logit_scale", "final_logit_softcapping", "rope.freq_base_swa"]
+HOSTILE = st.one_of(st.integers(-(2**63), 2**64 - 1), st.sampled_from([0, 1, 2, 3, 2**31, 2**40, 2**62]),
+                    st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.text(max_size=8),
+                    st.lists(st.booleans(), max_size=5), st.lists(st.integers(-3, 3), max_size=3))
+
+
+@given(key=st.sampled_from(CONFIG_KEYS), value=HOSTILE)
+def test_hostile_config_values_are_refused_by_name_or_accepted(tiny_file, key, value):
+    architecture, metadata, tensors = tiny_file
+    tic = time.perf_counter()
+    try:
+        config_for({**metadata, f"{architecture}.{key}": value}, tensors)
+    except ModelConfigError:
+        pass
+    assert time.perf_counter() - tic < 2, "config took too long"
+
+
+TOKENIZER_KEYS = ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                  "tokenizer.ggml.add_bos_token", "tokenizer.ggml.pre", "tokenizer.ggml.model",
+                  "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.tokens",
+                  "tokenizer.chat_template"]
+
+
+@given(key=st.sampled_from(TOKENIZER_KEYS), value=HOSTILE)
+def test_hostile_tokenizer_values_are_refused_by_name_or_accepted(tiny_file, key, value):
+    _, metadata, _ = tiny_file
+    try:
+        GGUFTokenizer({**metadata, key: value})
+    except TokenizerError:
+        pass
+
+
+@given(text=st.text(max_size=200))
+def test_any_text_round_trips_through_the_tiny_tokenizers(tiny_file, text):
+    architecture, metadata, _ = tiny_file
+    if architecture not in _TOKENIZERS:
+        _TOKENIZERS[architecture] = GGUFTokenizer(metadata)
+    tokenizer = _TOKENIZERS[architecture]
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+_TOKENIZERS = {}  # built once per vocabulary: the SentencePiece one derives its merges

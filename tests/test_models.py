@@ -182,3 +182,12 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny):
     _, model = tiny("qwen2")
     with pytest.raises(ValueError, match=f"vocabulary \\(size {model.config.vocab}"):
         model(np.array([[1, model.config.vocab]]))
+
+
+@pytest.mark.parametrize("layers, message", [(2**40, r"no tensor 'blk\.1099511627775\.attn_norm\.weight'"),
+                                             (2, r"tensor 'blk\.2\.attn_norm\.weight' for a layer beyond")])
+def test_a_block_count_that_contradicts_the_tensors_is_refused_at_once(tmp_path, rng, layers, message):
+    path = tiny_model(tmp_path / "m.gguf", "llama", rng, layers=4,
+                      extra_metadata={"llama.block_count": ("u64", layers)})
+    with pytest.raises(ModelConfigError, match=message):
+        load(path)

@@ -138,6 +138,19 @@ class Metadata:
                                    f"got {value!r}")
         return float(value)
 
+    def block_count(self, tensors: dict) -> int:
+        """`block_count`, checked against the tensors before anything loops over layers (a
+        hostile 2^40 must be an error, not an hour of work)."""
+        layers = self.int("block_count")
+        last, next_one = f"blk.{layers - 1}.attn_norm.weight", f"blk.{layers}.attn_norm.weight"
+        if last not in tensors:
+            raise MissingTensorError(f"{self.key('block_count')} = {layers}, but the file has no "
+                                     f"tensor {last!r}")
+        if next_one in tensors:
+            raise ModelConfigError(f"{self.key('block_count')} = {layers}, but the file has "
+                                   f"tensor {next_one!r} for a layer beyond it")
+        return layers
+
     def _get(self, suffix: str, default):
         key = self.key(suffix)
         if key in self.metadata:
@@ -169,7 +182,7 @@ class Metadata:
 
 def common_config(meta: Metadata, tensors: dict, **overrides) -> ModelConfig:
     """The keys every architecture shares; `overrides` states what the architecture changes."""
-    layers = meta.int("block_count")
+    layers = meta.block_count(tensors)
     hidden = meta.int("embedding_length")
     heads = meta.int("attention.head_count")
     kv_heads = meta.int("attention.head_count_kv", default=heads)

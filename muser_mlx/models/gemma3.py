@@ -15,7 +15,7 @@ SWA_ROPE_BASE = 10000.0
 
 def config(metadata: dict, tensors: dict) -> ModelConfig:
     meta = Metadata(metadata, ARCHITECTURE)
-    layers = meta.int("block_count")
+    layers = meta.block_count(tensors)
     hidden = meta.int("embedding_length")
     return common_config(
         meta, tensors,

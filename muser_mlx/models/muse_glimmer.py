@@ -15,7 +15,7 @@ DEFAULT_SOFTCAP = 30.0  # llama.cpp's default when final_logit_softcapping is ab
 
 def config(metadata: dict, tensors: dict) -> ModelConfig:
     meta = Metadata(metadata, ARCHITECTURE)
-    layers = meta.int("block_count")
+    layers = meta.block_count(tensors)
     rope_base = meta.float("rope.freq_base")
     return common_config(
         meta, tensors,
