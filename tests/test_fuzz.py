@@ -19,7 +19,10 @@ from hypothesis import strategies as st
 
 from muser_mlx import gguf
 from muser_mlx.formats import GGMLType, quantize
-from muser_mlx.testing import gguf_bytes
+from muser_mlx.models import config_for
+from muser_mlx.models.config import ModelConfigError
+from muser_mlx.testing import gguf_bytes, tiny_model
+from muser_mlx.tokenizer import GGUFTokenizer, TokenizerError
 
 settings.register_profile("default", max_examples=150, deadline=None,
                           suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -169,12 +172,6 @@ def test_a_huge_declared_array_in_a_small_file_is_refused_at_once(tmp_path):
 
 
 # --- architecture configs: hostile metadata values ---------------------------------------------
-
-from muser_mlx.models import config_for  # noqa: E402
-from muser_mlx.models.config import ModelConfigError  # noqa: E402
-from muser_mlx.testing import tiny_model  # noqa: E402
-from muser_mlx.tokenizer import GGUFTokenizer, TokenizerError  # noqa: E402
-
 
 @pytest.fixture(scope="module", params=["muse-glimmer", "llama", "gemma3"])
 def tiny_file(tmp_path_factory, request):
