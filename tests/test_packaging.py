@@ -1,6 +1,7 @@
 """A non-editable install (`pip install .`) carries the kernel sources and finds them."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,13 @@ def local_setuptools_is_recent() -> bool:
 
 def test_wheel_install_finds_its_kernel_sources(tmp_path):
     isolation = ["--no-build-isolation"] if local_setuptools_is_recent() else []
-    pip("wheel", "-q", "--no-deps", *isolation, "-w", str(tmp_path / "wheels"), str(ROOT))
+    # Build from a copy of the sources: setuptools reuses a checkout's build/ directory, where a
+    # kernel deleted since the last build would still sit and end up in the wheel.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        "build", "*.egg-info", ".venv", ".device", ".git", ".hypothesis", ".pytest_cache",
+        "__pycache__", "tests", "examples", "bench"))
+    pip("wheel", "-q", "--no-deps", *isolation, "-w", str(tmp_path / "wheels"), str(source))
     target = tmp_path / "site"
     pip("install", "-q", "--no-deps", "--target", str(target), str(next((tmp_path / "wheels").glob("*.whl"))))
     probe = (
