@@ -167,6 +167,81 @@ _DECODERS = {
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# The same blocks as affine codes: value = scale * code + bias, one (scale, bias) per 32 values.
+# Every format whose scales cover 32 values fits (the K formats with 16-value scales and the
+# lookup-table formats do not); the CPU matvec hands these to MLX's quantized_matmul at 8 bits.
+# ---------------------------------------------------------------------------------------------
+
+
+def _scale_bias(scale: mx.array, offset: float | mx.array) -> tuple[mx.array, mx.array]:
+    """[R, nb, 1] f32 scale and an offset in codes (or a bias array) -> per-group pair."""
+    bias = offset if isinstance(offset, mx.array) else scale * offset
+    return scale, bias
+
+
+def _codes_q4_0(b):
+    return _nibbles32(b[..., 2:18]), *_scale_bias(_f16(b, 0), -8.0)
+
+
+def _codes_q4_1(b):
+    return _nibbles32(b[..., 4:20]), _f16(b, 0), _f16(b, 2)
+
+
+def _codes_q5_0(b):
+    return _nibbles32(b[..., 6:22]) | (_bits32(b[..., 2:6]) << 4), *_scale_bias(_f16(b, 0), -16.0)
+
+
+def _codes_q5_1(b):
+    return _nibbles32(b[..., 8:24]) | (_bits32(b[..., 4:8]) << 4), _f16(b, 0), _f16(b, 2)
+
+
+def _codes_q8_0(b):
+    return b[..., 2:34] ^ 128, *_scale_bias(_f16(b, 0), -128.0)
+
+
+def _codes_k4(b, q):
+    """q [R, nb, 8, 32] -> codes [R, nb*8, 32] with d*scale and -dmin*min per sub-block."""
+    scale, minimum = _k4_scales(b[..., 4:16])
+    lead = b.shape[:-2]
+    groups = b.shape[-2] * 8
+    return (q.reshape(*lead, groups, 32), (_f16(b, 0) * scale).reshape(*lead, groups, 1),
+            (-_f16(b, 2) * minimum).reshape(*lead, groups, 1))
+
+
+def _codes_q4_k(b):
+    return _codes_k4(b, _k4_nibbles(b[..., 16:144]))
+
+
+def _codes_q5_k(b):
+    qh = mx.expand_dims(b[..., 16:48], -2)
+    fifth = (qh >> mx.expand_dims(_shifts(8, 1), -1)) & 1
+    return _codes_k4(b, _k4_nibbles(b[..., 48:176]) | (fifth << 4))
+
+
+_CODERS = {
+    GGMLType.Q4_0: _codes_q4_0,
+    GGMLType.Q4_1: _codes_q4_1,
+    GGMLType.Q5_0: _codes_q5_0,
+    GGMLType.Q5_1: _codes_q5_1,
+    GGMLType.Q8_0: _codes_q8_0,
+    GGMLType.Q4_K: _codes_q4_k,
+    GGMLType.Q5_K: _codes_q5_k,
+}
+AFFINE_CODE_TYPES = frozenset(_CODERS)
+
+
+def affine_codes(rows: mx.array, ggml_type) -> tuple[mx.array, mx.array, mx.array]:
+    """rows [R, row_bytes] uint8 (raw GGUF) of a format in AFFINE_CODE_TYPES ->
+    codes uint8 [R, row_length] (0..255), scale and bias float32 [R, row_length / 32],
+    such that value = scale[g] * code + bias[g] for the 32 values of group g."""
+    fmt = block_format(ggml_type)
+    count, row_bytes = rows.shape
+    blocks = rows.reshape(count, row_bytes // fmt.type_size, fmt.type_size)
+    codes, scale, bias = _CODERS[fmt.ggml_type](blocks)
+    return codes.reshape(count, -1), scale.reshape(count, -1), bias.reshape(count, -1)
+
+
 def dequantize_rows(rows: mx.array, ggml_type) -> mx.array:
     """rows [R, row_bytes] uint8 (raw GGUF) -> [R, row_length] float32."""
     fmt = block_format(ggml_type)

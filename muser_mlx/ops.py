@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from muser_mlx import kernels
-from muser_mlx.dequant import dequantize_rows
+from muser_mlx.dequant import AFFINE_CODE_TYPES, affine_codes, dequantize_rows
 from muser_mlx.formats import GGMLType, block_format
 
 EMBEDDING_THREADGROUP = 256
@@ -107,9 +107,16 @@ MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup
 # Dedicated decode kernels, and the output rows each SIMD group computes (sharing its x loads).
 MATVEC_KERNELS = {GGMLType.Q4_K: ("matvec_q4k", 4), GGMLType.Q6_K: ("matvec_q6k", 2),
                   GGMLType.Q8_0: ("matvec_q8_0", 2)}
-# On the CPU, MLX's own affine quantized matmul reads these formats' bytes exactly: GGUF's
-# nibble order is a fixed permutation of MLX's within each 32-value block (see _cpu_affine).
-_CPU_AFFINE = {GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q8_0: 8}
+# On the CPU, MLX's own quantized_matmul serves every format with one scale and bias per 32
+# values: Q4_0/Q4_1 as 4-bit codes (GGUF's nibble order is a fixed permutation of MLX's within
+# each block, see _cpu_affine), the rest as 8-bit codes unpacked per call (dequant.affine_codes).
+_CPU_4BIT = (GGMLType.Q4_0, GGMLType.Q4_1)
+# A CPU product is split into pieces of about this many weights along the output rows, and the
+# pieces alternate between two CPU streams (MLX runs each stream on its own thread, so both
+# cores work). Decode pieces stay small (their unpacked codes stay in cache); prefill pieces
+# bound the decoded f32 weight a matmul needs.
+CPU_DECODE_PIECE = 1 << 18
+CPU_PREFILL_PIECE = 1 << 22
 
 
 _log = logging.getLogger(__name__)
@@ -129,7 +136,7 @@ def linear_path(ggml_type, tokens: int, backend: str | None = None) -> str:
     if backend == "cpu":
         # MLX's CPU quantized_matmul handles one row well enough but many rows poorly; for a
         # prefill chunk, decoding the weight once and using the BLAS matmul is far faster.
-        if ggml_type in _CPU_AFFINE and tokens <= MATVEC_MAX_TOKENS:
+        if ggml_type in AFFINE_CODE_TYPES and tokens <= MATVEC_MAX_TOKENS:
             return "cpu_affine_qmm"
         return "cpu_dequant_matmul"
     if tokens > MATVEC_MAX_TOKENS:
@@ -218,38 +225,65 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
     return (rows.astype(mx.float16) @ weight.T).astype(mx.float32)
 
 
-def _cpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
+@functools.lru_cache(maxsize=None)
+def _cpu_streams() -> tuple:
+    return mx.default_stream(mx.cpu), mx.new_stream(mx.cpu)
+
+
+def _cpu_pieces(product, piece_weights, rows, weight_bytes, fmt, in_features, out_features):
+    """product(rows, weight_bytes[a:b], fmt, in_features, b - a) over pieces of the weight's
+    output rows, alternating between the two CPU streams; the pieces' outputs concatenated."""
+    pieces = max(1, round(out_features * in_features / piece_weights))
+    step = -(-out_features // pieces)
+    if step >= out_features:
+        return product(rows, weight_bytes, fmt, in_features, out_features)
+    parts = []
+    for i, start in enumerate(range(0, out_features, step)):
+        count = min(step, out_features - start)
+        with mx.stream(_cpu_streams()[i % 2]):
+            parts.append(product(rows, weight_bytes[start : start + count], fmt, in_features, count))
+    return mx.concatenate(parts, axis=-1)
+
+
+def _dequant_matmul_piece(rows, weight_bytes, fmt, in_features, out_features):
     weight = dequantize_rows(weight_bytes.reshape(out_features, -1), fmt.ggml_type)  # [out, in]
+    if rows.shape[0] <= MATVEC_MAX_TOKENS:
+        return rows @ weight.T
     # MLX's CPU matmul is several times faster on a contiguous [in, out] operand than on a
     # transposed view (measured 44 vs 117 ms for 127 x 576 x 1536): pay one transpose copy.
     return rows @ mx.contiguous(weight.T)
 
 
-def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
-    """Q4_0 / Q4_1 / Q8_0 through mx.quantized_matmul on the same bytes.
+def _affine_piece(rows, weight_bytes, fmt, in_features, out_features):
+    """Formats with a scale and bias per 32 values, through mx.quantized_matmul.
 
-    MLX packs a 32-value group's 4-bit codes with values 2k and 2k+1 in byte k; GGUF puts
-    values k and k+16 there. So instead of moving weight bytes, x is permuted within each
-    block (x'[2k + j] = x[k + 16 j]). Each call copies the quant bytes out of their blocks
-    (the d and m fields sit between them), but nothing is dequantized.
+    Q4_0 / Q4_1 go in as 4-bit codes on their own bytes: MLX packs a 32-value group's codes
+    with values 2k and 2k+1 in byte k, GGUF puts values k and k+16 there, so x is permuted
+    within each block instead (x'[2k + j] = x[k + 16 j]); only the quant bytes are copied out
+    of their blocks. The others are unpacked to 8-bit codes (dequant.affine_codes).
     """
+    if fmt.ggml_type not in _CPU_4BIT:
+        codes, scale, bias = affine_codes(weight_bytes.reshape(out_features, -1), fmt.ggml_type)
+        return mx.quantized_matmul(rows, codes.view(mx.uint32), scale, bias, transpose=True,
+                                   group_size=32, bits=8)
     blocks = weight_bytes.reshape(out_features, -1, fmt.type_size)
     d = blocks[..., 0:2].view(mx.float16).astype(mx.float32).squeeze(-1)
-    bits = _CPU_AFFINE[fmt.ggml_type]
-    if fmt.ggml_type == GGMLType.Q8_0:
-        quants = blocks[..., 2:34] ^ 128  # int8 -> MLX's unsigned codes, offset 128
-        bias = -128.0 * d
-        x = rows
+    if fmt.ggml_type == GGMLType.Q4_0:
+        quants, bias = blocks[..., 2:18], -8.0 * d
     else:
-        start = 2 if fmt.ggml_type == GGMLType.Q4_0 else 4
-        quants = mx.contiguous(blocks[..., start : start + 16])
-        if fmt.ggml_type == GGMLType.Q4_0:
-            bias = -8.0 * d
-        else:
-            bias = blocks[..., 2:4].view(mx.float16).astype(mx.float32).squeeze(-1)
-        x = rows.reshape(rows.shape[0], -1, 2, 16).swapaxes(-1, -2).reshape(rows.shape)
-    packed = quants.reshape(out_features, -1).view(mx.uint32)
-    return mx.quantized_matmul(x, packed, d, bias, transpose=True, group_size=32, bits=bits)
+        quants, bias = blocks[..., 4:20], blocks[..., 2:4].view(mx.float16).astype(mx.float32).squeeze(-1)
+    x = rows.reshape(rows.shape[0], -1, 2, 16).swapaxes(-1, -2).reshape(rows.shape)
+    packed = mx.contiguous(quants).reshape(out_features, -1).view(mx.uint32)
+    return mx.quantized_matmul(x, packed, d, bias, transpose=True, group_size=32, bits=4)
+
+
+def _cpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
+    piece = CPU_DECODE_PIECE if rows.shape[0] <= MATVEC_MAX_TOKENS else CPU_PREFILL_PIECE
+    return _cpu_pieces(_dequant_matmul_piece, piece, rows, weight_bytes, fmt, in_features, out_features)
+
+
+def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
+    return _cpu_pieces(_affine_piece, CPU_DECODE_PIECE, rows, weight_bytes, fmt, in_features, out_features)
 
 
 _LINEAR_PATHS = {

@@ -63,6 +63,24 @@ def test_linear_refuses_a_mismatched_input(rng, tmp_path):
             ops.linear(mx.zeros((1, 32)), model.tensors["w"])
 
 
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_cpu_products_split_into_pieces_on_two_streams_match_reference(rng, tmp_path, monkeypatch,
+                                                                        ggml_type, tokens):
+    in_features = max(formats.FORMATS[ggml_type].block_size, 256)
+    out_features = int(rng.integers(20, 40))
+    # Pieces of about 6 rows: several on each stream, the last one shorter.
+    monkeypatch.setattr(ops, "CPU_DECODE_PIECE", 6 * in_features)
+    monkeypatch.setattr(ops, "CPU_PREFILL_PIECE", 6 * in_features)
+    path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)
+    x = rng.standard_normal((tokens, in_features)).astype(np.float32)
+    with mx.stream(mx.cpu), gguf.read(path) as model:  # the CPU's path, on any machine
+        assert ops.linear_path(ggml_type, tokens).startswith("cpu_")
+        out = np.array(ops.linear(mx.array(x), model.tensors["w"]))
+    assert out.shape == (tokens, out_features)
+    assert relative_error(out, x.astype(np.float64) @ reference.T) <= DEFAULT_BOUND
+
+
 def test_path_choice():
     assert ops.linear_path(GGMLType.Q4_K, 1, "cuda") == "matvec_q4k"
     assert ops.linear_path(GGMLType.Q6_K, 8, "metal") == "matvec_q6k"
@@ -71,7 +89,9 @@ def test_path_choice():
     assert ops.linear_path(GGMLType.Q6_K, 9, "cuda") == "gpu_dequant_matmul"
     assert ops.linear_path(GGMLType.Q4_1, 1, "cpu") == "cpu_affine_qmm"
     assert ops.linear_path(GGMLType.Q4_1, 64, "cpu") == "cpu_dequant_matmul"
-    assert ops.linear_path(GGMLType.Q4_K, 1, "cpu") == "cpu_dequant_matmul"
+    assert ops.linear_path(GGMLType.Q4_K, 1, "cpu") == "cpu_affine_qmm"
+    assert ops.linear_path(GGMLType.Q5_0, 8, "cpu") == "cpu_affine_qmm"
+    assert ops.linear_path(GGMLType.Q6_K, 1, "cpu") == "cpu_dequant_matmul"  # 16-value scales
 
 
 def test_the_generic_gpu_matvec_is_logged_once_per_format(caplog):
