@@ -119,6 +119,13 @@ def write_file(path: Path, rng, layers: int = LAYERS) -> int:
     return path.stat().st_size
 
 
+def peak_gb() -> str:
+    """MLX's peak memory since the last call (then reset), for a per-stage account."""
+    peak = mx.get_peak_memory() / 1e9
+    mx.reset_peak_memory()
+    return f"peak {peak:.2f} GB"
+
+
 def decode_ms(model, cache, steps: int) -> float:
     token = mx.array([[7]], dtype=mx.int32)
     times = []
@@ -176,7 +183,7 @@ def main() -> None:
     model, _ = load(path)
     for tensor in model.file.tensors.values():
         mx.eval(tensor.data)
-    print(f"loaded in {time.perf_counter() - tic:.1f} s; by type: "
+    print(f"loaded in {time.perf_counter() - tic:.1f} s ({peak_gb()}); by type: "
           f"{ {k: f'{v / 1e9:.2f} GB' for k, v in gguf.read(path).bytes_by_type().items()} }", flush=True)
     weight_bytes = model.weight_bytes()
     floor_ms = 1e3 * weight_bytes / bandwidth
@@ -184,16 +191,18 @@ def main() -> None:
 
     linear_ms = linears_only_ms(model, args.steps)
     print(f"matrix products alone (all linears of one step, one evaluation): {linear_ms:.2f} ms "
-          f"({weight_bytes / linear_ms / 1e9:,.0f} GB/s)", flush=True)
+          f"({weight_bytes / linear_ms / 1e9:,.0f} GB/s; {peak_gb()})", flush=True)
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         cache = model.make_cache()
         fill_context(model, cache, context, rng)
+        filled = peak_gb() if context else "nothing"
         ms = decode_ms(model, cache, args.steps)
         kv = sum(c.nbytes for c in cache)
         rows.append((context, ms))
         print(f"decode at context {context:5d}: {ms:7.2f} ms/token  ({ms / floor_ms:.2f}x the floor "
-              f"{floor_ms:.2f} ms; {1e3 / ms:.1f} tokens/s; KV cache {kv / 1e6:.0f} MB)", flush=True)
+              f"{floor_ms:.2f} ms; {1e3 / ms:.1f} tokens/s; KV cache {kv / 1e6:.0f} MB; filling it: "
+              f"{filled}; decoding: {peak_gb()})", flush=True)
 
     cache = model.make_cache()
     chunk = 512
@@ -209,10 +218,11 @@ def main() -> None:
                         if n.startswith("blk.") and len(t.shape) == 2)
     flops = 2 * chunk * layer_weights
     print(f"prefill, {chunk}-row chunks from context 0: {chunk / per_chunk:,.0f} tokens/s "
-          f"({1e3 * per_chunk:.1f} ms per chunk, {flops / per_chunk / 1e12:.0f} TFLOP/s in the matmuls)",
+          f"({1e3 * per_chunk:.1f} ms per chunk, {flops / per_chunk / 1e12:.0f} TFLOP/s in the matmuls; "
+          f"{peak_gb()})",
           flush=True)
-    print(f"peak memory {mx.get_peak_memory() / 1e9:.2f} GB; file {path.stat().st_size / 1e9:.2f} GB",
-          flush=True)
+    print(f"file {path.stat().st_size / 1e9:.2f} GB; each peak above is MLX's own count for that "
+          f"stage, the model's arrays included", flush=True)
     if not args.keep:
         path.unlink()
 
