@@ -167,7 +167,12 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS, help="fewer layers: a quick smoke run")
     parser.add_argument("--contexts", default="0,2048,8192")
+    parser.add_argument("--memory-limit-gb", type=float,
+                        help="mx.set_memory_limit: MLX's eval stops encoding ahead of the GPU while "
+                             "active memory is above it (tests whether in-flight temporaries set the peak)")
     args = parser.parse_args()
+    if args.memory_limit_gb:
+        mx.set_memory_limit(int(args.memory_limit_gb * 1e9))
     rng = np.random.default_rng(0)
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
     print(f"device: {mx.default_device()}", flush=True)
