@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -113,10 +114,9 @@ MATVEC_KERNELS = {GGMLType.Q4_K: ("matvec_q4k", 4), GGMLType.Q6_K: ("matvec_q6k"
 _CPU_4BIT = (GGMLType.Q4_0, GGMLType.Q4_1)
 # A CPU product is split into pieces of about this many weights along the output rows, and the
 # pieces alternate between two CPU streams (MLX runs each stream on its own thread, so both
-# cores work). Decode pieces stay small (their unpacked codes stay in cache); prefill pieces
-# bound the decoded f32 weight a matmul needs.
-CPU_DECODE_PIECE = 1 << 18
-CPU_PREFILL_PIECE = 1 << 22
+# cores work). A piece's unpacked codes or decoded f32 rows stay small. 2^19 measured best for
+# SmolLM2 and Gemma 3 decode and prefill against 2^18 and 2^20 (bench/RESULTS.md, session 4).
+CPU_PIECE = 1 << 19
 
 
 _log = logging.getLogger(__name__)
@@ -225,15 +225,21 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
     return (rows.astype(mx.float16) @ weight.T).astype(mx.float32)
 
 
-@functools.lru_cache(maxsize=None)
+_thread = threading.local()
+
+
 def _cpu_streams() -> tuple:
-    return mx.default_stream(mx.cpu), mx.new_stream(mx.cpu)
+    """This thread's default CPU stream and a second one of its own (MLX streams belong to the
+    thread that made them)."""
+    if not hasattr(_thread, "cpu_streams"):
+        _thread.cpu_streams = (mx.default_stream(mx.cpu), mx.new_stream(mx.cpu))
+    return _thread.cpu_streams
 
 
-def _cpu_pieces(product, piece_weights, rows, weight_bytes, fmt, in_features, out_features):
+def _cpu_pieces(product, rows, weight_bytes, fmt, in_features, out_features):
     """product(rows, weight_bytes[a:b], fmt, in_features, b - a) over pieces of the weight's
     output rows, alternating between the two CPU streams; the pieces' outputs concatenated."""
-    pieces = max(1, round(out_features * in_features / piece_weights))
+    pieces = max(1, round(out_features * in_features / CPU_PIECE))
     step = -(-out_features // pieces)
     if step >= out_features:
         return product(rows, weight_bytes, fmt, in_features, out_features)
@@ -254,36 +260,41 @@ def _dequant_matmul_piece(rows, weight_bytes, fmt, in_features, out_features):
     return rows @ mx.contiguous(weight.T)
 
 
-def _affine_piece(rows, weight_bytes, fmt, in_features, out_features):
-    """Formats with a scale and bias per 32 values, through mx.quantized_matmul.
+def _qmm8_piece(rows, weight_bytes, fmt, in_features, out_features):
+    """The blocks unpacked to 8-bit codes (dequant.affine_codes), through quantized_matmul."""
+    codes, scale, bias = affine_codes(weight_bytes.reshape(out_features, -1), fmt.ggml_type)
+    return mx.quantized_matmul(rows, codes.view(mx.uint32), scale, bias, transpose=True,
+                               group_size=32, bits=8)
 
-    Q4_0 / Q4_1 go in as 4-bit codes on their own bytes: MLX packs a 32-value group's codes
-    with values 2k and 2k+1 in byte k, GGUF puts values k and k+16 there, so x is permuted
-    within each block instead (x'[2k + j] = x[k + 16 j]); only the quant bytes are copied out
-    of their blocks. The others are unpacked to 8-bit codes (dequant.affine_codes).
-    """
-    if fmt.ggml_type not in _CPU_4BIT:
-        codes, scale, bias = affine_codes(weight_bytes.reshape(out_features, -1), fmt.ggml_type)
-        return mx.quantized_matmul(rows, codes.view(mx.uint32), scale, bias, transpose=True,
-                                   group_size=32, bits=8)
+
+def _qmm4_piece(x_permuted, weight_bytes, fmt, in_features, out_features):
+    """Q4_0 / Q4_1 as 4-bit codes on their own bytes; x comes permuted (see _cpu_affine), and
+    only the quant bytes are copied out of their blocks."""
     blocks = weight_bytes.reshape(out_features, -1, fmt.type_size)
     d = blocks[..., 0:2].view(mx.float16).astype(mx.float32).squeeze(-1)
     if fmt.ggml_type == GGMLType.Q4_0:
         quants, bias = blocks[..., 2:18], -8.0 * d
     else:
         quants, bias = blocks[..., 4:20], blocks[..., 2:4].view(mx.float16).astype(mx.float32).squeeze(-1)
-    x = rows.reshape(rows.shape[0], -1, 2, 16).swapaxes(-1, -2).reshape(rows.shape)
     packed = mx.contiguous(quants).reshape(out_features, -1).view(mx.uint32)
-    return mx.quantized_matmul(x, packed, d, bias, transpose=True, group_size=32, bits=4)
+    return mx.quantized_matmul(x_permuted, packed, d, bias, transpose=True, group_size=32, bits=4)
 
 
 def _cpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
-    piece = CPU_DECODE_PIECE if rows.shape[0] <= MATVEC_MAX_TOKENS else CPU_PREFILL_PIECE
-    return _cpu_pieces(_dequant_matmul_piece, piece, rows, weight_bytes, fmt, in_features, out_features)
+    return _cpu_pieces(_dequant_matmul_piece, rows, weight_bytes, fmt, in_features, out_features)
 
 
 def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
-    return _cpu_pieces(_affine_piece, CPU_DECODE_PIECE, rows, weight_bytes, fmt, in_features, out_features)
+    """Formats with a scale and bias per 32 values, through mx.quantized_matmul.
+
+    MLX packs a 32-value group's 4-bit codes with values 2k and 2k+1 in byte k; GGUF's Q4_0 and
+    Q4_1 put values k and k+16 there. So rather than moving weight bytes, x is permuted within
+    each block (x'[2k + j] = x[k + 16 j]), once for all pieces.
+    """
+    if fmt.ggml_type not in _CPU_4BIT:
+        return _cpu_pieces(_qmm8_piece, rows, weight_bytes, fmt, in_features, out_features)
+    x_permuted = rows.reshape(rows.shape[0], -1, 2, 16).swapaxes(-1, -2).reshape(rows.shape)
+    return _cpu_pieces(_qmm4_piece, x_permuted, weight_bytes, fmt, in_features, out_features)
 
 
 _LINEAR_PATHS = {

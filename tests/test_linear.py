@@ -1,6 +1,8 @@
 """linear(x, weight) straight from GGUF blocks: every format, decode and prefill sizes, every
 backend, against float64 products of the numpy reference's weights."""
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -70,8 +72,7 @@ def test_cpu_products_split_into_pieces_on_two_streams_match_reference(rng, tmp_
     in_features = max(formats.FORMATS[ggml_type].block_size, 256)
     out_features = int(rng.integers(20, 40))
     # Pieces of about 6 rows: several on each stream, the last one shorter.
-    monkeypatch.setattr(ops, "CPU_DECODE_PIECE", 6 * in_features)
-    monkeypatch.setattr(ops, "CPU_PREFILL_PIECE", 6 * in_features)
+    monkeypatch.setattr(ops, "CPU_PIECE", 6 * in_features)
     path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)
     x = rng.standard_normal((tokens, in_features)).astype(np.float32)
     with mx.stream(mx.cpu), gguf.read(path) as model:  # the CPU's path, on any machine
@@ -79,6 +80,27 @@ def test_cpu_products_split_into_pieces_on_two_streams_match_reference(rng, tmp_
         out = np.array(ops.linear(mx.array(x), model.tensors["w"]))
     assert out.shape == (tokens, out_features)
     assert relative_error(out, x.astype(np.float64) @ reference.T) <= DEFAULT_BOUND
+
+
+def test_cpu_pieces_run_from_a_thread_of_their_own(rng, tmp_path, monkeypatch):
+    # MLX streams belong to the thread that made them: each thread needs its own pair.
+    monkeypatch.setattr(ops, "CPU_PIECE", 6 * 256)
+    path, reference = weight_file(tmp_path, rng, GGMLType.Q4_K, 256, 31)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    results = []
+
+    def run():
+        with mx.stream(mx.cpu), gguf.read(path) as model:
+            results.append(np.array(ops.linear(mx.array(x), model.tensors["w"])))
+
+    for _ in range(2):  # this thread's streams exist already the second time
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+    run()
+    assert len(results) == 3
+    for out in results:
+        assert relative_error(out, x.astype(np.float64) @ reference.T) <= DEFAULT_BOUND
 
 
 def test_path_choice():
