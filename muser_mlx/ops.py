@@ -246,8 +246,11 @@ def _cpu_pieces(product, rows, weight_bytes, fmt, in_features, out_features):
     parts = []
     for i, start in enumerate(range(0, out_features, step)):
         count = min(step, out_features - start)
+        # The weight's unpacking waits for x: otherwise the second stream, which needs nothing
+        # else, runs ahead through later layers' weights and holds all their temporaries.
+        piece = mx.depends(weight_bytes[start : start + count], rows)
         with mx.stream(_cpu_streams()[i % 2]):
-            parts.append(product(rows, weight_bytes[start : start + count], fmt, in_features, count))
+            parts.append(product(rows, piece, fmt, in_features, count))
     return mx.concatenate(parts, axis=-1)
 
 
