@@ -44,28 +44,6 @@ def _per16(scale: mx.array, values: mx.array) -> mx.array:
     return grouped.reshape(values.shape)
 
 
-def _q4_0(b):
-    return (_nibbles32(b[..., 2:18]).astype(mx.float32) - 8.0) * _f16(b, 0)
-
-
-def _q4_1(b):
-    return _nibbles32(b[..., 4:20]).astype(mx.float32) * _f16(b, 0) + _f16(b, 2)
-
-
-def _q5_0(b):
-    q = _nibbles32(b[..., 6:22]) | (_bits32(b[..., 2:6]) << 4)
-    return (q.astype(mx.float32) - 16.0) * _f16(b, 0)
-
-
-def _q5_1(b):
-    q = _nibbles32(b[..., 8:24]) | (_bits32(b[..., 4:8]) << 4)
-    return q.astype(mx.float32) * _f16(b, 0) + _f16(b, 2)
-
-
-def _q8_0(b):
-    return b[..., 2:34].view(mx.int8).astype(mx.float32) * _f16(b, 0)
-
-
 def _iq4_nl(b):
     return _IQ4[_nibbles32(b[..., 2:18])] * _f16(b, 0)
 
@@ -103,28 +81,10 @@ def _k4_scales(packed: mx.array) -> tuple[mx.array, mx.array]:
     return scale.astype(mx.float32), minimum.astype(mx.float32)
 
 
-def _k4_apply(b, q: mx.array) -> mx.array:
-    """q [R, nb, 8, 32] (sub-block, lane) -> d*scale*q - dmin*min, [R, nb, 256]."""
-    scale, minimum = _k4_scales(b[..., 4:16])
-    d = mx.expand_dims(_f16(b, 0) * scale, -1)
-    m = mx.expand_dims(_f16(b, 2) * minimum, -1)
-    return (d * q.astype(mx.float32) - m).reshape(*b.shape[:-1], 256)
-
-
 def _k4_nibbles(qs: mx.array) -> mx.array:
     """[R, nb, 128] -> [R, nb, 8, 32]: each 32-byte group gives a low then a high sub-block."""
     groups = qs.reshape(*qs.shape[:-1], 4, 1, 32)
     return mx.concatenate([groups & 15, groups >> 4], axis=-2).reshape(*qs.shape[:-1], 8, 32)
-
-
-def _q4_k(b):
-    return _k4_apply(b, _k4_nibbles(b[..., 16:144]))
-
-
-def _q5_k(b):
-    qh = mx.expand_dims(b[..., 16:48], -2)  # [R, nb, 1, 32]
-    fifth = (qh >> mx.expand_dims(_shifts(8, 1), -1)) & 1  # [R, nb, 8, 32]
-    return _k4_apply(b, _k4_nibbles(b[..., 48:176]) | (fifth << 4))
 
 
 def _q6_k(b):
@@ -152,15 +112,8 @@ def _iq4_xs(b):
 
 
 _DECODERS = {
-    GGMLType.Q4_0: _q4_0,
-    GGMLType.Q4_1: _q4_1,
-    GGMLType.Q5_0: _q5_0,
-    GGMLType.Q5_1: _q5_1,
-    GGMLType.Q8_0: _q8_0,
     GGMLType.Q2_K: _q2_k,
     GGMLType.Q3_K: _q3_k,
-    GGMLType.Q4_K: _q4_k,
-    GGMLType.Q5_K: _q5_k,
     GGMLType.Q6_K: _q6_k,
     GGMLType.IQ4_NL: _iq4_nl,
     GGMLType.IQ4_XS: _iq4_xs,
@@ -168,20 +121,19 @@ _DECODERS = {
 
 
 # ---------------------------------------------------------------------------------------------
-# The same blocks as affine codes: value = scale * code + bias, one (scale, bias) per 32 values.
-# Every format whose scales cover 32 values fits (the K formats with 16-value scales and the
-# lookup-table formats do not); the CPU matvec hands these to MLX's quantized_matmul at 8 bits.
+# Formats with one scale and bias per 32 values, as affine codes: value = scale * code + bias.
+# dequantize_rows applies them; the CPU matvec hands them to MLX's quantized_matmul at 8 bits.
+# (The formats above have 16-value scales or a lookup table.)
 # ---------------------------------------------------------------------------------------------
 
 
-def _scale_bias(scale: mx.array, offset: float | mx.array) -> tuple[mx.array, mx.array]:
-    """[R, nb, 1] f32 scale and an offset in codes (or a bias array) -> per-group pair."""
-    bias = offset if isinstance(offset, mx.array) else scale * offset
-    return scale, bias
+def _offset(scale: mx.array, codes: float) -> tuple[mx.array, mx.array]:
+    """A format centred on `codes` (value = scale * (code - codes)) as (scale, bias)."""
+    return scale, scale * -codes
 
 
 def _codes_q4_0(b):
-    return _nibbles32(b[..., 2:18]), *_scale_bias(_f16(b, 0), -8.0)
+    return _nibbles32(b[..., 2:18]), *_offset(_f16(b, 0), 8.0)
 
 
 def _codes_q4_1(b):
@@ -189,7 +141,7 @@ def _codes_q4_1(b):
 
 
 def _codes_q5_0(b):
-    return _nibbles32(b[..., 6:22]) | (_bits32(b[..., 2:6]) << 4), *_scale_bias(_f16(b, 0), -16.0)
+    return _nibbles32(b[..., 6:22]) | (_bits32(b[..., 2:6]) << 4), *_offset(_f16(b, 0), 16.0)
 
 
 def _codes_q5_1(b):
@@ -197,7 +149,7 @@ def _codes_q5_1(b):
 
 
 def _codes_q8_0(b):
-    return b[..., 2:34] ^ 128, *_scale_bias(_f16(b, 0), -128.0)
+    return b[..., 2:34] ^ 128, *_offset(_f16(b, 0), 128.0)
 
 
 def _codes_k4(b, q):
@@ -253,4 +205,7 @@ def dequantize_rows(rows: mx.array, ggml_type) -> mx.array:
     if fmt.ggml_type == GGMLType.BF16:
         return (rows.view(mx.uint16).astype(mx.uint32) << 16).view(mx.float32)
     blocks = rows.reshape(count, row_bytes // fmt.type_size, fmt.type_size)
+    if fmt.ggml_type in _CODERS:
+        codes, scale, bias = _CODERS[fmt.ggml_type](blocks)  # [R, groups, 32], [R, groups, 1] x2
+        return (codes.astype(mx.float32) * scale + bias).reshape(count, -1)
     return _DECODERS[fmt.ggml_type](blocks).reshape(count, -1)
