@@ -4,20 +4,25 @@
 //
 // y[t, r] = sum_e dequant(weight row r)[e] * x[t, e] for a Q4_K weight, a few tokens (decode).
 // weight: raw GGUF bytes [OUT, ROW_BYTES] uint8; x: [TOKENS, IN] f32; y: [TOKENS, OUT] f32.
-// Grid: one 32-thread SIMD group per ROWS consecutive output rows (32 * ceil(OUT / ROWS)
-// threads), 8 SIMD groups per threadgroup. A lane's unit of work is 16 bytes of quants per
-// row (one 16-byte load): the low nibbles are 16 values of sub-block 2g, the high nibbles 16
-// values of sub-block 2g+1 of 64-value group g. The lane loads the matching 32 values of x
-// once and applies them to all ROWS rows. Scales are unpacked once per unit and row, and the
-// min term leaves the inner sum:
-//   sum_i (d*sc*q_i - dmin*m) * x_i = d*sc * sum_i q_i*x_i - dmin*m * sum_i x_i.
+// Grid: one threadgroup per ROWS consecutive output rows; its threads (a multiple of 32, at
+// most 8 SIMD groups) stride the rows' units together, so even a short row keeps a whole
+// threadgroup of loads in flight. A unit is 16 bytes of quants per row (one 16-byte load): the
+// low nibbles are 16 values of sub-block 2g, the high nibbles 16 values of sub-block 2g+1 of
+// 64-value group g. The thread loads the matching 32 values of x once and applies them to all
+// ROWS rows; each row's super-block header (d, dmin, 12 scale bytes) is one more 16-byte load.
+// Codes become floats without a conversion instruction (muser_unit_float: 1 + q/16), and
+// the min term leaves the inner sum:
+//   sum_i (d*sc*q_i - dmin*m) * x_i = d*sc*16 * (sum_i (1 + q_i/16) x_i - sum_i x_i) - dmin*m * sum_i x_i.
+// Each SIMD group sums its lanes (simd_sum); threadgroup memory adds the SIMD groups.
 // Bytes per call: OUT * ROW_BYTES + TOKENS * IN * 4 read, TOKENS * OUT * 4 written.
-// Bounds: a SIMD group past OUT returns whole, before any shuffle; rows past OUT inside the
-// last group re-read row OUT-1 and are never stored. Rows are whole super-blocks (the host
+// Bounds: a threadgroup past OUT returns whole, before any barrier; rows past OUT in the last
+// threadgroup re-read row OUT-1 and are never stored. Rows are whole super-blocks (the host
 // checks), so every 16-byte and float4 load is aligned.
-// Template constants: IN, ROW_BYTES, OUT, TOKENS (1..8), ROWS (rows per SIMD group).
-uint first_row = (thread_position_in_grid.x / 32) * uint(ROWS);
-uint lane = thread_index_in_simdgroup;
+// Template constants: IN, ROW_BYTES, OUT, TOKENS (1..8), ROWS (rows per threadgroup).
+threadgroup float partial[8 * TOKENS * ROWS];
+uint first_row = threadgroup_position_in_grid.x * uint(ROWS);
+uint position = thread_position_in_threadgroup.x;
+uint threads = threads_per_threadgroup.x;
 if (first_row >= uint(OUT)) {
   return;
 }
@@ -25,7 +30,7 @@ float acc[TOKENS * ROWS];
 for (int i = 0; i < TOKENS * ROWS; ++i) {
   acc[i] = 0.0f;
 }
-for (uint unit = lane; unit < uint(IN / 256 * 8); unit += 32) {
+for (uint unit = position; unit < uint(IN / 32); unit += threads) {
   uint super_block = unit / 8;
   uint group = (unit % 8) / 2;
   uint half_index = unit % 2;
@@ -37,10 +42,11 @@ for (uint unit = lane; unit < uint(IN / 256 * 8); unit += 32) {
   for (int r = 0; r < ROWS; ++r) {
     uint row = min(first_row + uint(r), uint(OUT - 1));
     const device uint8_t* block = weight + size_t(row) * size_t(ROW_BYTES) + super_block * 144;
-    float d = muser_f16(block);
-    float dmin = muser_f16(block + 2);
-    uint2 low_scale = muser_scale_min(block + 4, 2 * group);
-    uint2 high_scale = muser_scale_min(block + 4, 2 * group + 1);
+    uint4 head = *((const device uint4*)block);
+    float d = 16.0f * muser_half_low(head.x);  // the 16 of 1 + q/16
+    float dmin = muser_half_high(head.x);
+    uint2 low_scale = muser_scale_min_words(head.y, head.z, head.w, 2 * group);
+    uint2 high_scale = muser_scale_min_words(head.y, head.z, head.w, 2 * group + 1);
     low_d[r] = d * float(low_scale.x);
     low_m[r] = dmin * float(low_scale.y);
     high_d[r] = d * float(high_scale.x);
@@ -65,21 +71,22 @@ for (uint unit = lane; unit < uint(IN / 256 * 8); unit += 32) {
       float dot_high = 0.0f;
       for (int word = 0; word < 4; ++word) {
         uint bits = muser_word(quants[r], word);
-        dot_low += float(bits & 15u) * xl[word].x + float((bits >> 8) & 15u) * xl[word].y +
-                   float((bits >> 16) & 15u) * xl[word].z + float((bits >> 24) & 15u) * xl[word].w;
-        dot_high += float((bits >> 4) & 15u) * xh[word].x + float((bits >> 12) & 15u) * xh[word].y +
-                    float((bits >> 20) & 15u) * xh[word].z + float(bits >> 28) * xh[word].w;
+        dot_low += muser_unit_float(muser_move(bits, 0, 19) & 0x00780000u) * xl[word].x +
+                   muser_unit_float(muser_move(bits, 8, 19) & 0x00780000u) * xl[word].y +
+                   muser_unit_float(muser_move(bits, 16, 19) & 0x00780000u) * xl[word].z +
+                   muser_unit_float(muser_move(bits, 24, 19) & 0x00780000u) * xl[word].w;
+        dot_high += muser_unit_float(muser_move(bits, 4, 19) & 0x00780000u) * xh[word].x +
+                    muser_unit_float(muser_move(bits, 12, 19) & 0x00780000u) * xh[word].y +
+                    muser_unit_float(muser_move(bits, 20, 19) & 0x00780000u) * xh[word].z +
+                    muser_unit_float(muser_move(bits, 28, 19) & 0x00780000u) * xh[word].w;
       }
-      acc[t * ROWS + r] += low_d[r] * dot_low - low_m[r] * sum_low + high_d[r] * dot_high -
-                           high_m[r] * sum_high;
+      acc[t * ROWS + r] += low_d[r] * (dot_low - sum_low) - low_m[r] * sum_low +
+                           high_d[r] * (dot_high - sum_high) - high_m[r] * sum_high;
     }
   }
 }
-for (int t = 0; t < TOKENS; ++t) {
-  for (int r = 0; r < ROWS; ++r) {
-    float total = simd_sum(acc[t * ROWS + r]);
-    if (lane == 0 && first_row + uint(r) < uint(OUT)) {
-      y[t * OUT + first_row + r] = total;
-    }
-  }
+muser_threadgroup_sum<TOKENS * ROWS>(acc, partial, position, threads);
+uint row = first_row + position % uint(ROWS);
+if (position < uint(TOKENS * ROWS) && row < uint(OUT)) {
+  y[(position / uint(ROWS)) * uint(OUT) + row] = partial[position];
 }

@@ -77,6 +77,10 @@ CUDA_TRANSLATION: list[tuple[str, str]] = [
     (r"\bthread_index_in_simdgroup\b", "(threadIdx.x % 32u)"),
     (r"\bsimdgroup_index_in_threadgroup\b", "(threadIdx.x / 32u)"),
     (r"threadgroup_barrier\(mem_flags::mem_threadgroup\)", "__syncthreads()"),
+    # Address spaces: a pointer parameter into threadgroup or thread memory is a plain pointer
+    # in CUDA (generic addressing); a threadgroup array in a kernel body is __shared__.
+    (r"\bthreadgroup\s+(\w+)\s*\*", r"\1*"),
+    (r"\bthread\s+(\w+)\s*\*", r"\1*"),
     (r"\bthreadgroup\s+", "__shared__ "),
     (r"\bdevice\s+", ""),
     (r"\bconstant\s+", "__constant__ "),

@@ -15,6 +15,7 @@ from muser_mlx.dequant import AFFINE_CODE_TYPES, affine_codes, dequantize_rows
 from muser_mlx.formats import GGMLType, block_format
 
 EMBEDDING_THREADGROUP = 256
+DEQUANT_THREADGROUP = 256
 MAX_GRID = 2**31 - 1
 
 
@@ -104,10 +105,11 @@ def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden:
 # ---------------------------------------------------------------------------------------------
 
 MATVEC_MAX_TOKENS = 8  # up to this many rows of x, a decode matvec; beyond it, prefill
-MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup
-# Dedicated decode kernels, and the output rows each SIMD group computes (sharing its x loads).
-MATVEC_KERNELS = {GGMLType.Q4_K: ("matvec_q4k", 4), GGMLType.Q6_K: ("matvec_q6k", 2),
-                  GGMLType.Q8_0: ("matvec_q8_0", 2)}
+MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup, at most
+# Dedicated decode kernels, and the output rows each threadgroup computes (its threads share
+# their x loads across those rows and split the row length among themselves).
+MATVEC_KERNELS = {GGMLType.Q4_K: ("matvec_q4k", 4), GGMLType.Q6_K: ("matvec_q6k", 4),
+                  GGMLType.Q8_0: ("matvec_q8_0", 4)}
 # On the CPU, MLX's own quantized_matmul serves every format with one scale and bias per 32
 # values: Q4_0/Q4_1 as 4-bit codes (GGUF's nibble order is a fixed permutation of MLX's within
 # each block, see _cpu_affine), the rest as 8-bit codes unpacked per call (dequant.affine_codes).
@@ -172,19 +174,24 @@ def _matvec(name, rows, weight_bytes, fmt, in_features, out_features):
     """Launch matvec kernel `name` (chosen by linear_path) over a few rows of x."""
     template = [("IN", in_features), ("ROW_BYTES", fmt.row_bytes(in_features)),
                 ("OUT", out_features), ("TOKENS", rows.shape[0])]
-    if name != "matvec":
+    if name == "matvec":
+        # One SIMD group per output row, MATVEC_SIMD_GROUPS rows per threadgroup.
+        template.insert(0, ("FORMAT", int(fmt.ggml_type)))
+        threads, groups = 32 * MATVEC_SIMD_GROUPS, -(-out_features // MATVEC_SIMD_GROUPS)
+    else:
+        # One threadgroup per ROWS output rows; its threads split the row's 32-value units,
+        # as many SIMD groups as there are units for (a short row needs fewer).
         rows_per_group = MATVEC_KERNELS[fmt.ggml_type][1]
         template.append(("ROWS", rows_per_group))
-    else:
-        rows_per_group = 1
-        template.insert(0, ("FORMAT", int(fmt.ggml_type)))
-    simd_groups = -(-out_features // rows_per_group)
+        units = in_features // 32
+        threads = min(32 * MATVEC_SIMD_GROUPS, 32 * -(-units // 32))
+        groups = -(-out_features // rows_per_group)
     (out,) = kernels.launch(
         name,
         inputs=[weight_bytes, rows],
         template=template,
-        grid=(32 * simd_groups, 1, 1),
-        threadgroup=(32 * MATVEC_SIMD_GROUPS, 1, 1),
+        grid=(threads * groups, 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(rows.shape[0], out_features)],
         output_dtypes=[mx.float32],
     )
@@ -213,9 +220,25 @@ def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weig
 
 def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int,
                       dtype=mx.float32) -> mx.array:
-    """Every row of a GGUF matrix decoded: [out, in] (the embedding gather over all rows)."""
-    ids = mx.arange(out_features, dtype=mx.int32)
-    return embedding_unchecked(weight_bytes, ids, ggml_type, in_features, out_features, dtype)
+    """Every row of a GGUF matrix decoded: [out, in] in `dtype` (kernel dequant_rows on a GPU,
+    dequant.dequantize_rows on the CPU)."""
+    fmt = block_format(ggml_type)
+    if kernels.backend() == "cpu":
+        return dequantize_rows(weight_bytes.reshape(out_features, -1), fmt.ggml_type).astype(dtype)
+    units = -(-in_features // 32)
+    if out_features * units > MAX_GRID:
+        raise ValueError(f"{out_features} rows x {units} units exceed one launch")
+    (values,) = kernels.launch(
+        "dequant_rows",
+        inputs=[weight_bytes],
+        template=[("FORMAT", int(fmt.ggml_type)), ("IN", in_features),
+                  ("ROW_BYTES", fmt.row_bytes(in_features)), ("OUT", out_features)],
+        grid=(out_features * units, 1, 1),
+        threadgroup=(DEQUANT_THREADGROUP, 1, 1),
+        output_shapes=[(out_features, in_features)],
+        output_dtypes=[dtype],
+    )
+    return values
 
 
 def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):

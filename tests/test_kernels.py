@@ -28,6 +28,18 @@ LAUNCHES = {
         [mx.float16],
         [("FORMAT", 14), ("HIDDEN", 256), ("ROW_BYTES", 210), ("VOCAB", 40)],
     ),
+    "dequant_rows_q4k": (
+        "dequant_rows",
+        [InputSpec(mx.uint8, 2, 24 * 288)],
+        [mx.float16],
+        [("FORMAT", 12), ("IN", 512), ("ROW_BYTES", 288), ("OUT", 24)],
+    ),
+    "dequant_rows_f32": (
+        "dequant_rows",
+        [InputSpec(mx.uint8, 2, 5 * 400)],
+        [mx.float32],
+        [("FORMAT", 0), ("IN", 100), ("ROW_BYTES", 400), ("OUT", 5)],
+    ),
     "matvec": (
         "matvec",
         [InputSpec(mx.uint8, 2, 24 * 544), InputSpec(mx.float32, 2, 3 * 512)],
@@ -44,13 +56,13 @@ LAUNCHES = {
         "matvec_q6k",
         [InputSpec(mx.uint8, 2, 24 * 420), InputSpec(mx.float32, 2, 3 * 512)],
         [mx.float32],
-        [("IN", 512), ("ROW_BYTES", 420), ("OUT", 24), ("TOKENS", 3), ("ROWS", 2)],
+        [("IN", 512), ("ROW_BYTES", 420), ("OUT", 24), ("TOKENS", 3), ("ROWS", 4)],
     ),
     "matvec_q8_0": (
         "matvec_q8_0",
         [InputSpec(mx.uint8, 2, 24 * 544), InputSpec(mx.float32, 2, 1 * 512)],
         [mx.float32],
-        [("IN", 512), ("ROW_BYTES", 544), ("OUT", 24), ("TOKENS", 1), ("ROWS", 2)],
+        [("IN", 512), ("ROW_BYTES", 544), ("OUT", 24), ("TOKENS", 1), ("ROWS", 4)],
     ),
 }
 

@@ -53,6 +53,41 @@ def test_linear_matches_reference(backend, rng, tmp_path, ggml_type, tokens):
     assert relative_error(out, expected) <= BOUND.get(path_name, DEFAULT_BOUND), path_name
 
 
+@pytest.mark.parametrize("ggml_type", list(ops.MATVEC_KERNELS), ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_decode_kernels_split_long_rows_over_a_threadgroup(backend, rng, tmp_path, ggml_type, tokens):
+    # Rows of 9-80 super-blocks: 72-640 units, so 3-8 SIMD groups per threadgroup, and past 256
+    # units each thread takes several (the strided loop); a threadgroup's last rows may lie
+    # past OUT. The sums over SIMD groups go through threadgroup memory.
+    in_features = 256 * int(rng.integers(9, 81))
+    out_features = int(rng.integers(2, 30)) * 4 + int(rng.integers(1, 4))
+    path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)
+    x = rng.standard_normal((tokens, in_features)).astype(np.float32)
+    with gguf.read(path) as model, kernels.poisoned_outputs():
+        out = np.array(ops.linear(mx.array(x), model.tensors["w"]))
+    assert np.isfinite(out).all(), "an output left unwritten"
+    assert relative_error(out, x.astype(np.float64) @ reference.T) <= DEFAULT_BOUND
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+def test_dequantize_weight_matches_reference(backend, rng, tmp_path, ggml_type):
+    # The prefill path's whole-matrix decode (kernel dequant_rows on a GPU). Float rows of a
+    # length that is no multiple of 32 end inside a unit.
+    block = formats.FORMATS[ggml_type].block_size
+    in_features = 256 * int(rng.integers(1, 4)) if block > 1 else int(rng.integers(1, 200))
+    out_features = int(rng.integers(1, 50))
+    path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)
+    with gguf.read(path) as model, kernels.poisoned_outputs():
+        tensor = model.tensors["w"]
+        values = ops.dequantize_weight(tensor.data, ggml_type, in_features, out_features)
+        halves = ops.dequantize_weight(tensor.data, ggml_type, in_features, out_features, mx.float16)
+        values, halves = np.array(values), np.array(halves.astype(mx.float32))
+    assert values.shape == halves.shape == (out_features, in_features)
+    assert np.isfinite(values).all(), "a value left unwritten"
+    assert relative_error(values, reference) <= 1e-6
+    assert relative_error(halves, reference) <= 2**-11  # one float16 rounding
+
+
 def test_linear_keeps_leading_dimensions_and_accepts_half_inputs(backend, rng, tmp_path):
     path, reference = weight_file(tmp_path, rng, GGMLType.Q4_K, 256, 9)
     x = rng.standard_normal((2, 3, 256)).astype(np.float16)

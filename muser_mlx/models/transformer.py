@@ -171,10 +171,15 @@ class Transformer(nn.Module):
     def hidden(self, token_ids, cache=None) -> mx.array:
         """The final normed hidden state [B, T, hidden]: everything before the LM head. A
         prefill chunk whose logits are not needed stops here."""
+        ids = ops.check_token_ids(token_ids, self.config.vocab)
+        return self.hidden_unchecked(ids[None] if ids.ndim == 1 else ids, cache)
+
+    def hidden_unchecked(self, ids: mx.array, cache=None) -> mx.array:
+        """`hidden` without the host check of the ids, so that they may stay lazy: int32
+        [B, T] ids known to be in range, e.g. sampled from this model's own logits (every index
+        of a logits row is a token id). The next step's graph can then be built while the GPU
+        still runs this one."""
         c = self.config
-        ids = ops.check_token_ids(token_ids, c.vocab)
-        if ids.ndim == 1:
-            ids = ids[None]
         cache = self.make_cache() if cache is None else cache
         if len(cache) != c.layers:
             raise ValueError(f"cache has {len(cache)} layers; the model has {c.layers}")

@@ -1,0 +1,90 @@
+"""The fixed cost of one op in a long chain: our custom kernels against MLX's own ops.
+
+A decode step is ~1,000 small ops, so what one op costs apart from its bytes matters as much
+as the kernels' bandwidth. Each case chains N ops (each one's output the next one's input,
+as in a model), times building the graph in Python and evaluating it, and prints both per op:
+- matvec_q4k on a 256 x 256 Q4_K weight (our kernel, the blocks.metal header included);
+- a bare copy kernel with no header (the same launch path, a short source);
+- mx.quantized_matmul 4-bit on a 256 x 256 weight (MLX's own quantized op);
+- mx.fast.rms_norm and x * 1.0001 on [1, 256] (MLX's own small ops).
+
+    python bench/launch.py [--ops 400] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from muser_mlx import kernels, ops, testing  # noqa: E402
+from muser_mlx.formats import GGMLType, block_format  # noqa: E402
+
+WIDTH = 256
+
+
+def chain_cost(op, x, count: int, repeats: int) -> tuple[float, float]:
+    """Median µs per op of building and of evaluating a chain of `count` ops."""
+    builds, evals = [], []
+    for _ in range(repeats + 1):
+        mx.eval(x)
+        tic = time.perf_counter()
+        y = x
+        for _ in range(count):
+            y = op(y)
+        built = time.perf_counter()
+        mx.eval(y)
+        done = time.perf_counter()
+        builds.append(built - tic)
+        evals.append(done - built)
+    return 1e6 * statistics.median(builds[1:]) / count, 1e6 * statistics.median(evals[1:]) / count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ops", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(f"device: {mx.default_device()}, backend {kernels.backend()}; {args.ops} chained ops", flush=True)
+    rng = np.random.default_rng(0)
+    fmt = block_format(GGMLType.Q4_K)
+    weight = mx.array(testing.random_blocks(rng, GGMLType.Q4_K, WIDTH, WIDTH).reshape(WIDTH, -1))
+    x = mx.array(rng.standard_normal((1, WIDTH)).astype(np.float32))
+    norm_weight = mx.ones((WIDTH,))
+    w_mx, scales, biases = mx.quantize(mx.array(rng.standard_normal((WIDTH, WIDTH)).astype(np.float32)),
+                                       group_size=64, bits=4)
+    copy = None
+    if kernels.backend() != "cpu":
+        maker = mx.fast.cuda_kernel if kernels.backend() == "cuda" else mx.fast.metal_kernel
+        index = ("(blockIdx.x * blockDim.x + threadIdx.x)" if kernels.backend() == "cuda"
+                 else "thread_position_in_grid.x")
+        copy = maker(name="bench_copy", input_names=["x"], output_names=["y"],
+                     source=f"unsigned int i = {index}; if (i < 256) {{ y[i] = x[i]; }}")
+
+    cases = {
+        f"ops.linear Q4_K ({ops.linear_path(GGMLType.Q4_K, 1)})": lambda y: ops._LINEAR_PATHS[ops.linear_path(GGMLType.Q4_K, 1)](
+            y, weight, fmt, WIDTH, WIDTH),
+        "mx.quantized_matmul 4-bit": lambda y: mx.quantized_matmul(y, w_mx, scales, biases, transpose=True,
+                                                                   group_size=64, bits=4),
+        "mx.fast.rms_norm": lambda y: mx.fast.rms_norm(y, norm_weight, 1e-5),
+        "x * 1.0001": lambda y: y * 1.0001,
+    }
+    if copy is not None:
+        cases["bare copy kernel (no header)"] = lambda y: copy(
+            inputs=[y], grid=(WIDTH, 1, 1), threadgroup=(WIDTH, 1, 1), output_shapes=[(1, WIDTH)],
+            output_dtypes=[mx.float32])[0]
+    for name, op in cases.items():
+        build, run = chain_cost(op, x, args.ops, args.repeats)
+        print(f"{name:40s} build {build:6.1f} µs/op   evaluate {run:6.1f} µs/op   total {build + run:6.1f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
