@@ -162,15 +162,17 @@ def pipelined_decode_ms(model, cache, steps: int) -> float:
 
 
 def linears_only_ms(model, steps: int) -> float:
-    """The same step's matrix products alone (every layer's 8 matvecs and the LM head, on
+    """The same step's matrix products alone (every layer's products and the LM head, on
     random activations, one evaluation): the part of a step the weight bytes pay for."""
-    from muser_mlx.models.transformer import Linear
-    linears = [m for _, m in model.named_modules() if isinstance(m, Linear)]
-    x = {n: mx.random.normal((1, n)) for n in {m.weight_tensor.shape[0] for m in linears}}
+    from muser_mlx.models.transformer import Linear, Projections
+    weights = [m.weight_tensor for _, m in model.named_modules() if isinstance(m, Linear)]
+    weights += [stacked for _, m in model.named_modules() if isinstance(m, Projections)
+                for stacked, _, _ in m.groups]
+    x = {n: mx.random.normal((1, n)) for n in {w.shape[0] for w in weights}}
     times = []
     for _ in range(steps + 3):
         tic = time.perf_counter()
-        outs = [m(x[m.weight_tensor.shape[0]]) for m in linears]
+        outs = [ops.linear(x[w.shape[0]], w) for w in weights]
         outs.append(ops.linear(x[model.config.hidden], model.output))
         mx.eval(outs)
         times.append(time.perf_counter() - tic)

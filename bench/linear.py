@@ -71,6 +71,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--calls", type=int, default=16)
+    parser.add_argument("--sweep", action="store_true",
+                        help="GPU: time each decode kernel's rows per threadgroup x threads per row "
+                             "on the large shapes, then stop")
     parser.add_argument("--ours-only", action="store_true",
                         help="skip MLX's quantized_matmul and the f16 matvec (measured in earlier runs)")
     args = parser.parse_args()
@@ -83,6 +86,9 @@ def main() -> None:
           f"{args.calls} calls per evaluation, median of {args.repeats}")
     print(f"ceiling: elementwise copy {bandwidth / 1e9:,.0f} GB/s (read + write)\n")
 
+    if args.sweep:
+        sweep(rng, bandwidth, args)
+        return
     print("T = 1 (decode)\n")
     print(row(["shape out x in", "weight", "path", "µs / call", "weight MB", "GB/s", "% of ceiling", "time / floor"]))
     print(row(["---"] * 2 + ["---"] + ["---:"] * 5))
@@ -140,6 +146,31 @@ def main() -> None:
                        f"{seconds * 1e3:,.3f}", f"{flops / seconds / 1e12:,.1f}",
                        f"{f16_seconds * 1e3:,.3f}", f"{flops / f16_seconds / 1e12:,.1f}"]))
         del dense
+
+
+def sweep(rng, bandwidth, args) -> None:
+    """µs per call of each dedicated decode kernel as configured by ops.MATVEC_KERNELS, over
+    rows per threadgroup (ROWS) and the most threads splitting a row."""
+    print("| shape out x in | weight | " + " | ".join(f"R{r} T{n}" for r in (2, 4, 8) for n in (64, 128, 256)) + " |")
+    print("| --- | --- | " + " | ".join("---:" for _ in range(9)) + " |")
+    for out_features, in_features in [(4096, 6656), (19968, 6656), (6656, 19968), (202048, 6656)]:
+        for ggml_type, (name, rows, threads) in list(ops.MATVEC_KERNELS.items()):
+            nbytes = out_features * formats.FORMATS[ggml_type].row_bytes(in_features)
+            copies = max(1, math.ceil(STREAM_BYTES / nbytes))
+            weights = [Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type,
+                              in_features, out_features) for _ in range(copies)]
+            xs = [mx.random.normal((1, in_features)) for _ in range(4)]
+            cells = []
+            for r in (2, 4, 8):
+                for n in (64, 128, 256):
+                    ops.MATVEC_KERNELS[ggml_type] = (name, r, n)
+                    seconds = per_call_seconds(
+                        lambda: [ops.linear(xs[i % 4], weights[i % copies]) for i in range(args.calls)],
+                        args.repeats)
+                    cells.append(f"{seconds * 1e6:,.1f} ({100 * nbytes / seconds / bandwidth:.0f}%)")
+            ops.MATVEC_KERNELS[ggml_type] = (name, rows, threads)
+            print(row([f"{out_features} x {in_features}", ggml_type.name] + cells), flush=True)
+            del weights
 
 
 if __name__ == "__main__":

@@ -90,6 +90,13 @@ class SlidingWindowCache:
             self.values[:, :, slot : slot + 1] = values
             self.positions[slot : slot + 1] = new_positions
             return self.keys, self.values, self.positions
+        if tokens == 1 and self.keys is not None and self.keys.shape[2] == start:
+            # Not full yet: slots 0..start-1 hold positions 0..start-1, so the new key goes at
+            # the end (slot = position) with no sorting.
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+            self.positions = mx.concatenate([self.positions, new_positions])
+            return self.keys, self.values, self.positions
         if self.keys is None:
             seen_keys, seen_values, seen_positions = keys, values, new_positions
         else:
@@ -106,6 +113,22 @@ class SlidingWindowCache:
         self.values = mx.take(seen_values, order, axis=2)
         self.positions = mx.take(seen_positions, order)
         return seen_keys, seen_values, seen_positions
+
+    def trim(self, tokens: int) -> None:
+        """Forget the last position (at most one: a full ring has already overwritten the
+        oldest key the one before it would need). Its slot is marked never visible, and the
+        next token writes there again."""
+        if tokens == 0:
+            return
+        if tokens != 1 or self.offset < 1:
+            raise ValueError(f"a sliding-window cache can trim one position, not {tokens} of {self.offset}")
+        self.offset -= 1
+        if self.keys.shape[2] == self.window:
+            slot = self.offset % self.window
+            self.positions[slot : slot + 1] = mx.array([-(2**30)], dtype=mx.int32)
+        else:
+            self.keys, self.values = self.keys[:, :, :-1], self.values[:, :, :-1]
+            self.positions = self.positions[:-1]
 
     @property
     def size(self) -> int:

@@ -83,11 +83,12 @@ class Sampling:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {value!r}")
 
-    def penalise(self, logits: mx.array, recent: list[int]) -> mx.array:
-        """CTRL's repetition penalty on the last `repetition_context_size` tokens."""
-        if self.repetition_penalty == 1.0 or not recent:
+    def penalise(self, logits: mx.array, recent: mx.array) -> mx.array:
+        """CTRL's repetition penalty on the tokens `recent` (int32 [n]: the last
+        `repetition_context_size` of prompt and output; may be lazy)."""
+        if self.repetition_penalty == 1.0 or recent.size == 0:
             return logits
-        ids = mx.array(recent[-self.repetition_context_size :], dtype=mx.int32)
+        ids = recent[-self.repetition_context_size :]
         picked = logits[ids]
         picked = mx.where(picked > 0, picked / self.repetition_penalty, picked * self.repetition_penalty)
         logits[ids] = picked
@@ -172,20 +173,40 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
     detokenizer = StreamingDetokenizer(tokenizer)
     emitted = 0  # characters of detokenizer.text already yielded
     history = list(ids)
+    penalised = sampler.repetition_penalty != 1.0
+    recent = mx.array(history[-sampler.repetition_context_size:], dtype=mx.int32)
+
+    def choose(logits, recent):
+        """The graph from a step's logits to its token (lazy): penalty, log-softmax, sample."""
+        nonlocal key
+        key, draw = mx.random.split(key)
+        logits = sampler.penalise(logits, recent)
+        logprobs = logits - mx.logsumexp(logits)
+        return sampler.sample(logprobs, draw), logprobs
+
+    def step_after(token, recent):
+        """The next step fed with `token` while it is still lazy (sampled from the model's own
+        logits, so in range: no host check that would wait for it)."""
+        logits = model.logits(model.hidden_unchecked(token.reshape(1, 1).astype(mx.int32), cache))[0, -1]
+        if penalised:
+            recent = mx.concatenate([recent, token.reshape(1).astype(mx.int32)])[-sampler.repetition_context_size:]
+        return (*choose(logits, recent), recent)
+
     tic = time.perf_counter()
     prompt_time = None
+    with MODEL_LOCK:
+        token, logprobs = choose(prefill(model, ids, cache, prefill_step_size), recent)
+        mx.async_eval(token, logprobs)
     for n in range(1, max_tokens + 1):
-        with MODEL_LOCK:  # one graph per token: the model step and the sampler, one evaluation
-            if n == 1:
-                logits = prefill(model, ids, cache, prefill_step_size)
-            else:
-                logits = model(mx.array([[token]], dtype=mx.int32), cache)[0, -1]
-            key, draw = mx.random.split(key)
-            logits = sampler.penalise(logits, history)
-            logprobs = logits - mx.logsumexp(logits)
-            token = sampler.sample(logprobs, draw)
-            mx.eval(token, logprobs)
-        token = token.item()
+        # Pipelined as mlx-lm's loop: the step after this token is built and queued before this
+        # token is read, so building a step's graph overlaps the GPU's work on the one before.
+        # If this token turns out to be the last, that step is trimmed from the cache again.
+        ahead = None
+        with MODEL_LOCK:
+            if n < max_tokens and start + len(ids) + n - 1 < context:
+                ahead = step_after(token, recent)
+                mx.async_eval(ahead)
+            token = token.item()
         if prompt_time is None:
             prompt_time = time.perf_counter() - tic
             tic = time.perf_counter()
@@ -210,6 +231,11 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
         text = full[emitted:max(end, emitted)]
         emitted = max(end, emitted)
         elapsed = time.perf_counter() - tic
+        if finish is not None and ahead is not None:
+            with MODEL_LOCK:
+                mx.eval(ahead)
+                for layer_cache in cache:
+                    layer_cache.trim(1)  # the last token is never fed: what the caller expects
         yield GenerationResponse(
             text=text, token=token, logprobs=logprobs, prompt_tokens=len(ids),
             prompt_tps=len(ids) / max(prompt_time, 1e-9), generation_tokens=n,
@@ -217,6 +243,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
             peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish)
         if finish is not None:
             return
+        token, logprobs, recent = ahead
 
 
 def _overlap(text: str, stop: str) -> int:

@@ -110,6 +110,45 @@ class GGUFTensor:
         return block_format(self.ggml_type).row_bytes(self.row_length)
 
 
+@dataclass
+class StackedRows:
+    """Several 2-D tensors of one format and one row length, their rows stacked in one uint8
+    array (still raw GGUF blocks): one product serves them all (stack_rows). Quacks like a
+    GGUFTensor for ops.linear: name, ggml_type, GGUF shape [row_length, total rows], data."""
+    name: str
+    ggml_type: GGMLType
+    shape: tuple[int, int]
+    data: mx.array
+    splits: tuple[int, ...]  # each part's rows, in order
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def stack_rows(tensors: list[GGUFTensor]) -> StackedRows:
+    """Stack the rows of `tensors` (same ggml type and row length) into one array. Each tensor's
+    `data` becomes a view of its rows in the stack, so the bytes are held once."""
+    first = tensors[0]
+    for tensor in tensors:
+        if len(tensor.shape) != 2 or tensor.ggml_type != first.ggml_type or tensor.shape[0] != first.shape[0]:
+            raise ValueError(f"cannot stack {tensor.name!r} ({tensor.ggml_type.name} {list(tensor.shape)}) "
+                             f"with {first.name!r} ({first.ggml_type.name} {list(first.shape)})")
+    if any(t._data is not None for t in tensors):
+        stacked = mx.concatenate([t.data for t in tensors], axis=0)
+    else:  # straight from the map: one copy into MLX memory, as .data would make
+        stacked = mx.array(np.concatenate([t.numpy().reshape(t.rows, t.row_bytes) for t in tensors]))
+        for t in tensors:
+            t._file._release(t.offset, t.nbytes)
+    mx.eval(stacked)
+    start = 0
+    for t in tensors:
+        t._data = stacked[start : start + t.rows]
+        start += t.rows
+    return StackedRows("+".join(t.name for t in tensors), first.ggml_type, (first.shape[0], start),
+                       stacked, tuple(t.rows for t in tensors))
+
+
 class GGUFFile:
     """An open GGUF file. Use as a context manager or call close()."""
 

@@ -55,8 +55,35 @@ def source(name: str) -> KernelSource:
             fields[match.group(1)] = match.group(2).split()
     if fields.get("kernel") != [name] or "inputs" not in fields or "outputs" not in fields:
         raise KernelSourceError(f"{path}: needs '// kernel: {name}', '// inputs:' and '// outputs:' lines")
-    header = (kernel_dir() / f"{HELPERS}.metal").read_text()
-    return KernelSource(name, tuple(fields["inputs"]), tuple(fields["outputs"]), text, header)
+    header = _used_helpers((kernel_dir() / f"{HELPERS}.metal").read_text(), text)
+    return KernelSource(name, tuple(fields["inputs"]), tuple(fields["outputs"]),
+                        _code_only(text), _code_only(header))
+
+
+def _used_helpers(helpers: str, body: str) -> str:
+    """The paragraphs of blocks.metal (blank-line separated) that define a `muser_*` or
+    `MUSER_*` name the kernel uses, directly or through another helper, in file order."""
+    paragraphs = [p for p in re.split(r"\n\s*\n", helpers) if p.strip()]
+    code = [_code_only(p) for p in paragraphs]
+    defined = [set(re.findall(r"#define\s+(MUSER_\w+)", c)) |
+               set(re.findall(r"^(?:template\b.*\n)?(?:inline|constant)\b[^(\[]*?\b(muser_\w+)\s*[(\[]", c, re.M))
+               for c in code]
+    wanted, used = set(re.findall(r"\b(?:muser|MUSER)_\w+", _code_only(body))), set()
+    while True:
+        new = {i for i, names in enumerate(defined) if names & wanted} - used
+        if not new:
+            break
+        used |= new
+        for i in new:
+            wanted |= set(re.findall(r"\b(?:muser|MUSER)_\w+", code[i]))
+    return "\n\n".join(paragraphs[i] for i in sorted(used)) + "\n"
+
+
+def _code_only(text: str) -> str:
+    """The text without comments and blank lines: MLX builds and hashes a kernel's whole source
+    at every launch, so the ~half of our files that is comments costs time in every step."""
+    lines = (re.sub(r"\s*//.*$", "", line) for line in text.splitlines())
+    return "\n".join(line for line in lines if line.strip()) + "\n"
 
 
 def kernel_names() -> list[str]:
@@ -118,8 +145,11 @@ def to_cuda(metal_text: str) -> str:
 
 def backend() -> str:
     """'metal', 'cuda' or 'cpu': where the default device runs kernels."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
+    return "cpu" if mx.default_device() == mx.cpu else _gpu_backend()
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_backend() -> str:
     if mx.metal.is_available():
         return "metal"
     if mx.cuda.is_available():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 
 import mlx.core as mx
@@ -106,10 +107,10 @@ def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden:
 
 MATVEC_MAX_TOKENS = 8  # up to this many rows of x, a decode matvec; beyond it, prefill
 MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup, at most
-# Dedicated decode kernels, and the output rows each threadgroup computes (its threads share
-# their x loads across those rows and split the row length among themselves).
-MATVEC_KERNELS = {GGMLType.Q4_K: ("matvec_q4k", 4), GGMLType.Q6_K: ("matvec_q6k", 4),
-                  GGMLType.Q8_0: ("matvec_q8_0", 4)}
+# Dedicated decode kernels: name, the output rows each threadgroup computes (its threads share
+# their x loads across those rows) and the most threads that split a row's units among them.
+MATVEC_KERNELS = {GGMLType.Q4_K: ("matvec_q4k", 4, 256), GGMLType.Q6_K: ("matvec_q6k", 4, 256),
+                  GGMLType.Q8_0: ("matvec_q8_0", 4, 256)}
 # On the CPU, MLX's own quantized_matmul serves every format with one scale and bias per 32
 # values: Q4_0/Q4_1 as 4-bit codes (GGUF's nibble order is a fixed permutation of MLX's within
 # each block, see _cpu_affine), the rest as 8-bit codes unpacked per call (dequant.affine_codes).
@@ -164,16 +165,21 @@ def linear(x, weight) -> mx.array:
             f"(GGUF shape [{in_features}, {out_features}]: x needs {in_features} features)"
         )
     lead = x.shape[:-1]
-    rows = x.reshape(-1, in_features).astype(mx.float32)
-    path = linear_path(weight.ggml_type, rows.shape[0])
-    out = _LINEAR_PATHS[path](rows, weight.data, block_format(weight.ggml_type), in_features, out_features)
+    x = x if x.dtype == mx.float32 else x.astype(mx.float32)
+    path = linear_path(weight.ggml_type, math.prod(lead))
+    fmt = block_format(weight.ggml_type)
+    if path in _MATVEC_PATHS:  # the kernel reads x as flat rows and writes [..., out]: no reshapes
+        return _matvec(path, x, weight.data, fmt, in_features, out_features)
+    out = _LINEAR_PATHS[path](x.reshape(-1, in_features), weight.data, fmt, in_features, out_features)
     return out.reshape(*lead, out_features)
 
 
-def _matvec(name, rows, weight_bytes, fmt, in_features, out_features):
-    """Launch matvec kernel `name` (chosen by linear_path) over a few rows of x."""
+def _matvec(name, x, weight_bytes, fmt, in_features, out_features):
+    """Launch matvec kernel `name` (chosen by linear_path) over a few rows of x [..., in];
+    returns [..., out]."""
+    tokens = math.prod(x.shape[:-1])
     template = [("IN", in_features), ("ROW_BYTES", fmt.row_bytes(in_features)),
-                ("OUT", out_features), ("TOKENS", rows.shape[0])]
+                ("OUT", out_features), ("TOKENS", tokens)]
     if name == "matvec":
         # One SIMD group per output row, MATVEC_SIMD_GROUPS rows per threadgroup.
         template.insert(0, ("FORMAT", int(fmt.ggml_type)))
@@ -181,18 +187,18 @@ def _matvec(name, rows, weight_bytes, fmt, in_features, out_features):
     else:
         # One threadgroup per ROWS output rows; its threads split the row's 32-value units,
         # as many SIMD groups as there are units for (a short row needs fewer).
-        rows_per_group = MATVEC_KERNELS[fmt.ggml_type][1]
+        _, rows_per_group, max_threads = MATVEC_KERNELS[fmt.ggml_type]
         template.append(("ROWS", rows_per_group))
         units = in_features // 32
-        threads = min(32 * MATVEC_SIMD_GROUPS, 32 * -(-units // 32))
+        threads = min(max_threads, 32 * MATVEC_SIMD_GROUPS, 32 * -(-units // 32))
         groups = -(-out_features // rows_per_group)
     (out,) = kernels.launch(
         name,
-        inputs=[weight_bytes, rows],
+        inputs=[weight_bytes, x],
         template=template,
         grid=(threads * groups, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(rows.shape[0], out_features)],
+        output_shapes=[(*x.shape[:-1], out_features)],
         output_dtypes=[mx.float32],
     )
     return out
@@ -218,6 +224,53 @@ def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weig
     return total, mx.fast.rms_norm(total, next_weight, next_eps)
 
 
+def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.array, heads: int,
+                 kv_heads: int, head_dim: int, eps: float, start: int, rope: dict | None):
+    """Per-head RMS norm of the q and k projections, then RoPE, as attention wants them.
+
+    q: [B, T, heads * head_dim], k: [B, T, kv_heads * head_dim] float32; weights [head_dim];
+    start: the position of row 0; rope: None (no rotation) or dict(dims, base, traditional).
+    Returns q [B, heads, T, head_dim] and k [B, kv_heads, T, head_dim]: on a GPU from one
+    launch of kernel qk_norm_rope, on the CPU from MLX's rms_norm and rope.
+    """
+    batch, tokens, _ = q.shape
+    if kernels.backend() == "cpu":
+        def one(y, n, weight):
+            y = y.reshape(batch, tokens, n, head_dim).transpose(0, 2, 1, 3)
+            y = mx.fast.rms_norm(y, weight, eps)
+            if rope is not None:
+                y = mx.fast.rope(y, rope["dims"], traditional=rope["traditional"], base=rope["base"],
+                                 scale=1.0, offset=start)
+            return y
+        return one(q, heads, q_weight), one(k, kv_heads, k_weight)
+    dims = rope["dims"] if rope is not None else 0
+    q_out, k_out = kernels.launch(
+        "qk_norm_rope",
+        inputs=[q, k, q_weight, k_weight, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
+                mx.array([start], dtype=mx.int32), _scalar(eps)],
+        template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
+                  ("TRADITIONAL", int(bool(rope and rope["traditional"])))],
+        grid=(32 * batch * tokens * (heads + kv_heads), 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(batch, heads, tokens, head_dim), (batch, kv_heads, tokens, head_dim)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    return q_out, k_out
+
+
+@functools.lru_cache(maxsize=None)
+def _inverse_frequencies(dims: int, base: float) -> mx.array:
+    """RoPE's base^(-2i / dims) for i < dims / 2, float32 (one dummy value when dims is 0)."""
+    if dims == 0:
+        return mx.zeros((1,))
+    return mx.array((base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _scalar(value: float) -> mx.array:
+    return mx.array([value], dtype=mx.float32)
+
+
 def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int,
                       dtype=mx.float32) -> mx.array:
     """Every row of a GGUF matrix decoded: [out, in] in `dtype` (kernel dequant_rows on a GPU,
@@ -225,15 +278,15 @@ def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_f
     fmt = block_format(ggml_type)
     if kernels.backend() == "cpu":
         return dequantize_rows(weight_bytes.reshape(out_features, -1), fmt.ggml_type).astype(dtype)
-    units = -(-in_features // 32)
-    if out_features * units > MAX_GRID:
-        raise ValueError(f"{out_features} rows x {units} units exceed one launch")
+    threads = out_features * -(-in_features // 256) * 32  # a SIMD group per 256 values
+    if threads > MAX_GRID:
+        raise ValueError(f"{out_features} rows of {in_features} values exceed one launch")
     (values,) = kernels.launch(
         "dequant_rows",
         inputs=[weight_bytes],
         template=[("FORMAT", int(fmt.ggml_type)), ("IN", in_features),
                   ("ROW_BYTES", fmt.row_bytes(in_features)), ("OUT", out_features)],
-        grid=(out_features * units, 1, 1),
+        grid=(threads, 1, 1),
         threadgroup=(DEQUANT_THREADGROUP, 1, 1),
         output_shapes=[(out_features, in_features)],
         output_dtypes=[dtype],
@@ -323,9 +376,8 @@ def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
     return _cpu_pieces(_qmm4_piece, x_permuted, weight_bytes, fmt, in_features, out_features)
 
 
+_MATVEC_PATHS = {"matvec", *(name for name, *_ in MATVEC_KERNELS.values())}
 _LINEAR_PATHS = {
-    "matvec": functools.partial(_matvec, "matvec"),
-    **{name: functools.partial(_matvec, name) for name, _ in MATVEC_KERNELS.values()},
     "gpu_dequant_matmul": _gpu_dequant_matmul,
     "cpu_dequant_matmul": _cpu_dequant_matmul,
     "cpu_affine_qmm": _cpu_affine,

@@ -251,3 +251,23 @@ def test_bad_token_ids_are_refused_before_any_kernel_runs(tiny, ids, message):
     model, _ = tiny
     with pytest.raises(ValueError, match=message):
         model(ids)
+
+
+def test_an_early_stop_leaves_the_last_token_unfed(tiny):
+    # Each step is queued before the previous token is read; when that token turns out to be
+    # the last (EOS or a stop string), the step fed ahead is trimmed from the cache again, so a
+    # chat turn can go on from the cache exactly as if nothing had run ahead.
+    model, tokenizer = tiny
+    tokens = [r.token for r in stream_generate(model, tokenizer, PROMPT, 12)]
+    prompt = len(tokenizer.encode(PROMPT))
+    tokenizer.eos_token_ids = [tokens[5]]
+    cache = model.make_cache()
+    responses = list(stream_generate(model, tokenizer, PROMPT, 12, cache=cache))
+    stopped_at = tokens.index(tokens[5]) + 1
+    assert len(responses) == stopped_at and responses[-1].finish_reason == "stop"
+    assert all(c.offset == prompt + stopped_at - 1 for c in cache)
+    follow = model(mx.array([[tokens[stopped_at - 1]]]), cache)
+    fresh = model.make_cache()
+    model(mx.array([tokenizer.encode(PROMPT) + tokens[: stopped_at - 1]]), fresh)
+    expected = model(mx.array([[tokens[stopped_at - 1]]]), fresh)
+    assert np.allclose(np.array(follow), np.array(expected), rtol=1e-4, atol=1e-4)

@@ -40,6 +40,14 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT", 0), ("IN", 100), ("ROW_BYTES", 400), ("OUT", 5)],
     ),
+    "qk_norm_rope": (
+        "qk_norm_rope",
+        [InputSpec(mx.float32, 3, 2 * 4 * 256), InputSpec(mx.float32, 3, 2 * 2 * 64),
+         InputSpec(mx.float32, 1, 64), InputSpec(mx.float32, 1, 64), InputSpec(mx.float32, 1, 16),
+         InputSpec(mx.int32, 1, 1), InputSpec(mx.float32, 1, 1)],
+        [mx.float32, mx.float32],
+        [("HEADS", 4), ("KV_HEADS", 2), ("HEAD_DIM", 64), ("ROTARY", 32), ("TRADITIONAL", 0)],
+    ),
     "matvec": (
         "matvec",
         [InputSpec(mx.uint8, 2, 24 * 544), InputSpec(mx.float32, 2, 3 * 512)],

@@ -71,10 +71,10 @@ def test_decode_kernels_split_long_rows_over_a_threadgroup(backend, rng, tmp_pat
 
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
 def test_dequantize_weight_matches_reference(backend, rng, tmp_path, ggml_type):
-    # The prefill path's whole-matrix decode (kernel dequant_rows on a GPU). Float rows of a
-    # length that is no multiple of 32 end inside a unit.
+    # The prefill path's whole-matrix decode (kernel dequant_rows on a GPU). Rows of 32-value
+    # blocks and float rows need not fill their last 256-value span.
     block = formats.FORMATS[ggml_type].block_size
-    in_features = 256 * int(rng.integers(1, 4)) if block > 1 else int(rng.integers(1, 200))
+    in_features = block * int(rng.integers(1, 40)) if block > 1 else int(rng.integers(1, 600))
     out_features = int(rng.integers(1, 50))
     path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)
     with gguf.read(path) as model, kernels.poisoned_outputs():

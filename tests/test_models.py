@@ -118,6 +118,26 @@ def test_sliding_window_caches_hold_at_most_the_window(tiny, rng):
         assert layer_cache.offset == tokens
 
 
+@pytest.mark.parametrize("steps", [WINDOW // 2, 3 * WINDOW + 1])  # windows not yet full; wrapped
+@pytest.mark.parametrize("then", [1, 3])  # go on with one token, or with a chunk
+def test_a_trimmed_last_position_is_forgotten(tiny, rng, backend, steps, then):
+    # What a pipelined generation does when it stops: the step it fed ahead is trimmed away.
+    _, model = tiny("muse-glimmer", "F32")
+    ids = random_ids(rng, model, steps + then)
+    cache = model.make_cache()
+    model(ids[None, :2], cache)
+    for t in range(2, steps):
+        model(ids[None, t : t + 1], cache)
+    mx.eval(model(random_ids(rng, model, 1)[None], cache))  # fed ahead, then trimmed
+    for layer_cache in cache:
+        layer_cache.trim(1)
+    got = np.array(model(ids[None, steps:], cache))
+    fresh = model.make_cache()
+    model(ids[None, :steps], fresh)
+    expected = np.array(model(ids[None, steps:], fresh))
+    assert relative_error(got, expected) <= TOLERANCE[backend]
+
+
 def test_both_forms_of_the_window_pattern_give_the_same_layers(tiny):
     _, listed = tiny("muse-glimmer", pattern="list", layers=8)
     _, periodic = tiny("muse-glimmer", pattern="period", layers=8)

@@ -11,13 +11,18 @@ Calling convention (mlx-lm's): `model(token_ids [B, T], cache=model.make_cache()
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from muser_mlx import ops
+from muser_mlx import gguf, kernels, ops
 from muser_mlx.cache import KVCache, SlidingWindowCache, attention_mask
 from muser_mlx.dequant import dequantize_rows
 from muser_mlx.models.config import ModelConfig
+
+
+PREFILL_LAYERS_AHEAD = 2  # GPU prefill: layers queued beyond the one being waited for
 
 
 def vector(tensor) -> mx.array:
@@ -48,6 +53,42 @@ class Linear(nn.Module):
         return self.weight_tensor.nbytes
 
 
+class Projections(nn.Module):
+    """Several projections of one input, as few products as their formats allow: the weights
+    of each format are stacked into one array of rows (gguf.stack_rows, still raw blocks) and
+    multiplied at once, then the output is split. A decode step is launch-bound as much as
+    byte-bound, so q/k/v/gate become one to three products, FFN gate/up one.
+
+    parts: name -> (weight GGUFTensor, bias GGUFTensor or None); calling returns name -> y."""
+
+    def __init__(self, parts: dict):
+        super().__init__()
+        self.names = list(parts)
+        by_type = {}
+        for name, (weight, _) in parts.items():
+            by_type.setdefault((weight.ggml_type, weight.shape[0]), []).append(name)
+        self.groups = []  # (stacked weight, names, split offsets)
+        for names in by_type.values():
+            weights = [parts[n][0] for n in names]
+            stacked = gguf.stack_rows(weights) if len(weights) > 1 else weights[0]
+            offsets = list(itertools.accumulate(w.rows for w in weights))[:-1]
+            self.groups.append((stacked, names, offsets))
+        self.biases = {n: vector(b) for n, (_, b) in parts.items() if b is not None}
+
+    def __call__(self, x: mx.array) -> dict:
+        out = {}
+        for stacked, names, offsets in self.groups:
+            y = ops.linear(x, stacked)
+            out.update(zip(names, mx.split(y, offsets, axis=-1) if offsets else [y]))
+        for name, bias in self.biases.items():
+            out[name] = out[name] + bias
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(stacked.nbytes for stacked, _, _ in self.groups)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tensors: dict):
         super().__init__()
@@ -58,12 +99,11 @@ class Attention(nn.Module):
         self.rotates = self.sliding or config.rope_full_layers
         t = lambda name: tensors.get(f"blk.{layer}.{name}")  # noqa: E731
         bias = config.qkv_bias
-        self.q_proj = Linear(t("attn_q.weight"), t("attn_q.bias") if bias else None)
-        self.k_proj = Linear(t("attn_k.weight"), t("attn_k.bias") if bias else None)
-        self.v_proj = Linear(t("attn_v.weight"), t("attn_v.bias") if bias else None)
-        self.o_proj = Linear(t("attn_output.weight"))
+        parts = {n: (t(f"attn_{n}.weight"), t(f"attn_{n}.bias") if bias else None) for n in "qkv"}
         if config.attn_gate:
-            self.gate_proj = Linear(t("attn_gate.weight"))
+            parts["gate"] = (t("attn_gate.weight"), None)
+        self.input_proj = Projections(parts)
+        self.o_proj = Linear(t("attn_output.weight"))
         if config.qk_norm:
             self.q_norm = vector(t("attn_q_norm.weight"))
             self.k_norm = vector(t("attn_k_norm.weight"))
@@ -73,17 +113,21 @@ class Attention(nn.Module):
         c = self.config
         batch, tokens, _ = h.shape
         split = lambda y, heads: y.reshape(batch, tokens, heads, c.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
-        q = split(self.q_proj(h), c.heads)  # [B, heads, T, head_dim]
-        k = split(self.k_proj(h), c.kv_heads)  # [B, kv_heads, T, head_dim]
-        v = split(self.v_proj(h), c.kv_heads)
-        if c.qk_norm:
-            q = rms_norm(q, self.q_norm, c.eps)
-            k = rms_norm(k, self.k_norm, c.eps)
+        y = self.input_proj(h)
+        v = split(y["v"], c.kv_heads)  # [B, kv_heads, T, head_dim]
         start = cache.offset
-        if self.rotates:
-            rope = dict(traditional=c.rope_traditional, base=self.rope_base, scale=1.0, offset=start)
-            q = mx.fast.rope(q, c.rotary_dim, **rope)
-            k = mx.fast.rope(k, c.rotary_dim, **rope)
+        rope = dict(dims=c.rotary_dim, traditional=c.rope_traditional, base=self.rope_base)
+        if c.qk_norm:  # the norm, the head split and RoPE in one op (one kernel on a GPU)
+            q, k = ops.qk_norm_rope(y["q"], y["k"], self.q_norm, self.k_norm, c.heads, c.kv_heads,
+                                    c.head_dim, c.eps, start, rope if self.rotates else None)
+        else:
+            q = split(y["q"], c.heads)  # [B, heads, T, head_dim]
+            k = split(y["k"], c.kv_heads)
+            if self.rotates:
+                q = mx.fast.rope(q, c.rotary_dim, traditional=c.rope_traditional, base=self.rope_base,
+                                 scale=1.0, offset=start)
+                k = mx.fast.rope(k, c.rotary_dim, traditional=c.rope_traditional, base=self.rope_base,
+                                 scale=1.0, offset=start)
         keys, values, key_positions = cache.update_and_fetch(k, v)
         mask = None
         if tokens > 1:
@@ -92,7 +136,7 @@ class Attention(nn.Module):
         o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=c.attention_scale, mask=mask)
         o = o.transpose(0, 2, 1, 3).reshape(batch, tokens, c.heads * c.head_dim)
         if c.attn_gate:
-            o = o * mx.sigmoid(self.gate_proj(h))
+            o = o * mx.sigmoid(y["gate"])
         return self.o_proj(o)
 
 
@@ -100,12 +144,12 @@ class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tensors: dict):
         super().__init__()
         self.activation = nn.silu if config.activation == "silu" else nn.gelu_approx
-        self.gate_proj = Linear(tensors[f"blk.{layer}.ffn_gate.weight"])
-        self.up_proj = Linear(tensors[f"blk.{layer}.ffn_up.weight"])
+        self.input_proj = Projections({n: (tensors[f"blk.{layer}.ffn_{n}.weight"], None) for n in ("gate", "up")})
         self.down_proj = Linear(tensors[f"blk.{layer}.ffn_down.weight"])
 
     def __call__(self, h: mx.array) -> mx.array:
-        return self.down_proj(self.activation(self.gate_proj(h)) * self.up_proj(h))
+        y = self.input_proj(h)
+        return self.down_proj(self.activation(y["gate"]) * y["up"])
 
 
 class Block(nn.Module):
@@ -189,8 +233,19 @@ class Transformer(nn.Module):
         x = self.embed(ids)
         h = rms_norm(x, self.layers[0].attn_norm, c.eps)
         next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.output_norm]
+        # A GPU prefill chunk decodes each weight to float16 for the matmul: ~1 GB of
+        # temporaries per Muse Glimmer layer, alive until the GPU has run that layer. MLX
+        # encodes far ahead of the GPU, so unbounded, those temporaries added up to 2x the
+        # file. Queue each layer as it is built and wait for the one PREFILL_LAYERS_AHEAD back.
+        bounded = ids.shape[1] > ops.MATVEC_MAX_TOKENS and kernels.backend() != "cpu"
+        queued = []
         for layer, layer_cache, next_norm in zip(self.layers, cache, next_norms):
             x, h = layer(x, h, layer_cache, next_norm)
+            if bounded:
+                mx.async_eval(x, h)
+                queued.append(h)
+                if len(queued) > PREFILL_LAYERS_AHEAD:
+                    mx.eval(queued.pop(0))
         return h
 
     def logits(self, hidden: mx.array) -> mx.array:
@@ -209,5 +264,6 @@ class Transformer(nn.Module):
         total = self.output.nbytes + self.token_embd.row_bytes
         for layer in self.layers:
             for module in (layer.attention, layer.feed_forward):
-                total += sum(m.nbytes for m in module.children().values() if isinstance(m, Linear))
+                total += sum(m.nbytes for m in module.children().values()
+                             if isinstance(m, (Linear, Projections)))
         return total
