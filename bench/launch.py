@@ -24,8 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from muser_mlx import kernels, ops, testing  # noqa: E402
-from muser_mlx.formats import GGMLType, block_format  # noqa: E402
+from muser_mlx import gguf, kernels, ops, testing  # noqa: E402
+from muser_mlx.formats import GGMLType  # noqa: E402
 
 WIDTH = 256
 
@@ -54,8 +54,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"device: {mx.default_device()}, backend {kernels.backend()}; {args.ops} chained ops", flush=True)
     rng = np.random.default_rng(0)
-    fmt = block_format(GGMLType.Q4_K)
     weight = mx.array(testing.random_blocks(rng, GGMLType.Q4_K, WIDTH, WIDTH).reshape(WIDTH, -1))
+    tensor = gguf.StackedRows("w", GGMLType.Q4_K, (WIDTH, WIDTH), weight, (WIDTH,))  # a GGUF tensor's stand-in
     x = mx.array(rng.standard_normal((1, WIDTH)).astype(np.float32))
     norm_weight = mx.ones((WIDTH,))
     w_mx, scales, biases = mx.quantize(mx.array(rng.standard_normal((WIDTH, WIDTH)).astype(np.float32)),
@@ -69,8 +69,7 @@ def main() -> None:
                      source=f"unsigned int i = {index}; if (i < 256) {{ y[i] = x[i]; }}")
 
     cases = {
-        f"ops.linear Q4_K ({ops.linear_path(GGMLType.Q4_K, 1)})": lambda y: ops._LINEAR_PATHS[ops.linear_path(GGMLType.Q4_K, 1)](
-            y, weight, fmt, WIDTH, WIDTH),
+        f"ops.linear Q4_K ({ops.linear_path(GGMLType.Q4_K, 1)})": lambda y: ops.linear(y, tensor),
         "mx.quantized_matmul 4-bit": lambda y: mx.quantized_matmul(y, w_mx, scales, biases, transpose=True,
                                                                    group_size=64, bits=4),
         "mx.fast.rms_norm": lambda y: mx.fast.rms_norm(y, norm_weight, 1e-5),
