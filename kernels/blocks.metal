@@ -229,8 +229,9 @@ inline uint2 muser_scale_min_words(uint s0, uint s1, uint s2, uint j) {
 
 // Sums over a threadgroup: acc[0..COUNT) of every thread added up, the totals left in
 // partial[0..COUNT). partial holds (threads / 32) * COUNT floats, one row per SIMD group; each
-// SIMD group reduces its lanes with simd_sum, then thread i < COUNT adds column i. Every
-// thread of the threadgroup must call it (it holds a barrier).
+// SIMD group reduces its lanes with simd_sum, then thread i adds columns i, i + threads, ...
+// (COUNT may exceed the threads: 8 tokens x 8 rows over one SIMD group). Every thread of the
+// threadgroup must call it (it holds a barrier).
 template <int COUNT>
 inline void muser_threadgroup_sum(thread float* acc, threadgroup float* partial, uint index, uint threads) {
   for (int i = 0; i < COUNT; ++i) {
@@ -240,12 +241,12 @@ inline void muser_threadgroup_sum(thread float* acc, threadgroup float* partial,
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (index < uint(COUNT)) {
+  for (uint column = index; column < uint(COUNT); column += threads) {
     float total = 0.0f;
     for (uint group = 0; group < threads / 32u; ++group) {
-      total += partial[group * uint(COUNT) + index];
+      total += partial[group * uint(COUNT) + column];
     }
-    partial[index] = total;  // column `index` is this thread's alone
+    partial[column] = total;  // each column is one thread's alone
   }
 }
 

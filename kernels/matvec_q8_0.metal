@@ -62,7 +62,9 @@ for (uint block_index = position; block_index < uint(IN / 32); block_index += th
   }
 }
 muser_threadgroup_sum<TOKENS * ROWS>(acc, partial, position, threads);
-uint row = first_row + position % uint(ROWS);
-if (position < uint(TOKENS * ROWS) && row < uint(OUT)) {
-  y[(position / uint(ROWS)) * uint(OUT) + row] = partial[position];
+for (uint i = position; i < uint(TOKENS * ROWS); i += threads) {  // partial[t * ROWS + r]
+  uint row = first_row + i % uint(ROWS);
+  if (row < uint(OUT)) {
+    y[(i / uint(ROWS)) * uint(OUT) + row] = partial[i];
+  }
 }
