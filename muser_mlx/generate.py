@@ -3,6 +3,9 @@
 One token's life: the prompt is checked against the context, processed in prefill chunks
 (`prefill_step_size` rows each; only the last chunk's last row goes through the LM head),
 then each step builds the whole graph lazily (model step + sampler) and evaluates it once.
+As in mlx-lm, step n+1 is built from step n's lazy token and queued before that token is read,
+so Python builds one step while the device runs the one before; when a token turns out to be
+the last, the step fed ahead is trimmed from the cache again.
 """
 
 from __future__ import annotations
