@@ -110,9 +110,12 @@ MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup, at most
 # Dedicated decode kernels: name, the output rows each threadgroup computes (its threads share
 # their x loads across those rows) and the most threads that split a row's units among them.
 # Chosen by `bench/linear.py --sweep` on the H200 (bench/RESULTS.md, session 5): the best
-# geometric mean over Muse Glimmer's shapes.
+# geometric mean over Muse Glimmer's shapes for Q4_K and Q6_K. Q8_0 measured best at 8 rows on
+# large shapes (the 202048-row head: 549 vs 679 µs) and equal at 4 on Muse Glimmer's 512 k/v
+# rows; it stays at 4, the configuration whose GPU tests passed (8 rows x 8 tokens needs the
+# threadgroup sum's loop over columns, which has not yet run on a GPU).
 MATVEC_KERNELS = {GGMLType.Q4_K: ("matvec_q4k", 4, 64), GGMLType.Q6_K: ("matvec_q6k", 4, 128),
-                  GGMLType.Q8_0: ("matvec_q8_0", 8, 128)}
+                  GGMLType.Q8_0: ("matvec_q8_0", 4, 128)}
 # On the CPU, MLX's own quantized_matmul serves every format with one scale and bias per 32
 # values: Q4_0/Q4_1 as 4-bit codes (GGUF's nibble order is a fixed permutation of MLX's within
 # each block, see _cpu_affine), the rest as 8-bit codes unpacked per call (dequant.affine_codes).
