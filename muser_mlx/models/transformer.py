@@ -63,7 +63,6 @@ class Projections(nn.Module):
 
     def __init__(self, parts: dict):
         super().__init__()
-        self.names = list(parts)
         by_type = {}
         for name, (weight, _) in parts.items():
             by_type.setdefault((weight.ggml_type, weight.shape[0]), []).append(name)
@@ -124,10 +123,8 @@ class Attention(nn.Module):
             q = split(y["q"], c.heads)  # [B, heads, T, head_dim]
             k = split(y["k"], c.kv_heads)
             if self.rotates:
-                q = mx.fast.rope(q, c.rotary_dim, traditional=c.rope_traditional, base=self.rope_base,
-                                 scale=1.0, offset=start)
-                k = mx.fast.rope(k, c.rotary_dim, traditional=c.rope_traditional, base=self.rope_base,
-                                 scale=1.0, offset=start)
+                q, k = (mx.fast.rope(z, rope["dims"], traditional=rope["traditional"], base=rope["base"],
+                                     scale=1.0, offset=start) for z in (q, k))
         keys, values, key_positions = cache.update_and_fetch(k, v)
         mask = None
         if tokens > 1:
