@@ -55,7 +55,7 @@ def main() -> None:
     print(f"device: {mx.default_device()}, backend {kernels.backend()}; {args.ops} chained ops", flush=True)
     rng = np.random.default_rng(0)
     weight = mx.array(testing.random_blocks(rng, GGMLType.Q4_K, WIDTH, WIDTH).reshape(WIDTH, -1))
-    tensor = gguf.StackedRows("w", GGMLType.Q4_K, (WIDTH, WIDTH), weight, (WIDTH,))  # a GGUF tensor's stand-in
+    tensor = gguf.StackedRows("w", GGMLType.Q4_K, (WIDTH, WIDTH), weight)  # a GGUF tensor's stand-in
     x = mx.array(rng.standard_normal((1, WIDTH)).astype(np.float32))
     norm_weight = mx.ones((WIDTH,))
     w_mx, scales, biases = mx.quantize(mx.array(rng.standard_normal((WIDTH, WIDTH)).astype(np.float32)),

@@ -119,7 +119,6 @@ class StackedRows:
     ggml_type: GGMLType
     shape: tuple[int, int]
     data: mx.array
-    splits: tuple[int, ...]  # each part's rows, in order
 
     @property
     def nbytes(self) -> int:
@@ -145,8 +144,7 @@ def stack_rows(tensors: list[GGUFTensor]) -> StackedRows:
     for t in tensors:
         t._data = stacked[start : start + t.rows]
         start += t.rows
-    return StackedRows("+".join(t.name for t in tensors), first.ggml_type, (first.shape[0], start),
-                       stacked, tuple(t.rows for t in tensors))
+    return StackedRows("+".join(t.name for t in tensors), first.ggml_type, (first.shape[0], start), stacked)
 
 
 class GGUFFile:

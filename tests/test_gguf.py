@@ -198,3 +198,22 @@ def test_real_file_matches_gguf_py(smollm2_path):
             assert (mine.offset, mine.nbytes) == (tensor.data_offset, tensor.n_bytes)
             assert list(mine.shape) == [int(n) for n in tensor.shape]
             assert mine.ggml_type == tensor.tensor_type
+
+
+@pytest.mark.parametrize("read_first", [False, True])  # from the map, or from MLX copies
+def test_stacked_rows_hold_each_tensor_once_as_views(tmp_path, rng, read_first):
+    shapes = {"a": (GGMLType.Q4_K, 3), "b": (GGMLType.Q4_K, 5), "c": (GGMLType.Q8_0, 2)}
+    tensors = {n: (kind, (256, rows), testing.random_blocks(rng, kind, rows, 256))
+               for n, (kind, rows) in shapes.items()}
+    path = testing.write_gguf(tmp_path / "s.gguf", {}, tensors)
+    with gguf.read(path) as file:
+        a, b, c = (file.tensors[n] for n in "abc")
+        expected = [a.numpy().reshape(a.rows, -1).copy(), b.numpy().reshape(b.rows, -1).copy()]
+        if read_first:
+            a.data, b.data
+        stacked = gguf.stack_rows([a, b])
+        assert stacked.shape == (256, 8) and stacked.ggml_type == GGMLType.Q4_K
+        assert np.array_equal(np.array(stacked.data), np.concatenate(expected))
+        assert np.array_equal(np.array(a.data), expected[0]) and np.array_equal(np.array(b.data), expected[1])
+        with pytest.raises(ValueError, match=r"cannot stack 'c' \(Q8_0 \[256, 2\]\) with 'a' \(Q4_K"):
+            gguf.stack_rows([a, c])
