@@ -1,0 +1,77 @@
+"""The GPU launches of whole model steps, checked on any machine: the host side of every kernel
+call (template constants, inputs, grid, threadgroup) as the model makes it, with the kernels
+replaced by a recorder. CI has no GPU; this is where a launch that could not compile or that
+leaves threads without work is caught before the GPU machine sees it."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from muser_mlx import kernels, ops
+from muser_mlx.generate import load
+from muser_mlx.testing import tiny_model
+
+SIMD_REDUCING = {name for name, *_ in ops.MATVEC_KERNELS.values()}
+
+
+def declared_constants(name: str) -> set[str]:
+    """The names on the kernel file's '// Template constants:' line."""
+    text = (kernels.kernel_dir() / f"{name}.metal").read_text()
+    line = re.search(r"//\s*Template constants:(.*)", text).group(1)
+    return set(re.findall(r"\b([A-Z][A-Z_]+)\b(?![^(]*\))", line))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every launch as (name, inputs, template, grid, threadgroup, output_shapes), with zeros
+    returned in place of the outputs."""
+    launches = []
+
+    def record(name, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        launches.append((name, inputs, dict(template), grid, threadgroup, output_shapes))
+        return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "launch", record)
+    return launches
+
+
+# ff 9216: FFN down rows of 288 units, more than a threadgroup's 256 threads (one architecture
+# pays for the larger file).
+@pytest.mark.parametrize("architecture, ff", [("muse-glimmer", 9216), ("llama", 1024), ("gemma3", 1024),
+                                              ("qwen2", 1024)])
+def test_every_launch_of_prefill_and_decode_is_well_formed(tmp_path, rng, recorded, architecture, ff):
+    path = tiny_model(tmp_path / "m.gguf", architecture, rng, weights="Q4_K_M", hidden=512, ff=ff,
+                      layers=2)
+    with mx.stream(mx.cpu):
+        model, _ = load(path)
+        ids = rng.integers(0, model.config.vocab, size=30)
+        cache = model.make_cache()
+        for a, b in [(0, 20), (20, 21), (21, 26), (26, 30)]:  # prefill, decode, 5 and 4 rows
+            mx.eval(model(ids[None, a:b], cache))
+    names = {launch[0] for launch in recorded}
+    assert {"embedding", "dequant_rows"} <= names and names & SIMD_REDUCING
+    for name, inputs, template, grid, threadgroup, output_shapes in recorded:
+        source = kernels.source(name)
+        where = f"{name} {template}"
+        assert len(inputs) == len(source.inputs) and len(output_shapes) == len(source.outputs), where
+        assert set(template) == declared_constants(name), where
+        assert threadgroup[0] % 32 == 0 and threadgroup[0] <= 1024 and grid[0] <= ops.MAX_GRID, where
+        if name in SIMD_REDUCING:
+            # Whole threadgroups, one per ROWS output rows, of no more SIMD groups than the
+            # kernel's partial sums have rows for; x comes as float32 rows of IN values.
+            x = inputs[1]
+            groups = int(re.search(r"threadgroup float partial\[(\d+) \*", source.body).group(1))
+            assert threadgroup[0] <= 32 * groups and grid[0] % threadgroup[0] == 0, where
+            assert grid[0] // threadgroup[0] == -(-template["OUT"] // template["ROWS"]), where
+            assert x.dtype == mx.float32 and x.shape[-1] == template["IN"], where
+            assert int(np.prod(x.shape[:-1])) == template["TOKENS"] <= ops.MATVEC_MAX_TOKENS, where
+            assert output_shapes[0] == (*x.shape[:-1], template["OUT"]), where
+        if name == "qk_norm_rope":
+            batch, tokens, width = inputs[0].shape
+            assert width == template["HEADS"] * template["HEAD_DIM"], where
+            assert grid[0] == 32 * batch * tokens * (template["HEADS"] + template["KV_HEADS"]), where
