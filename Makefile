@@ -29,9 +29,12 @@ fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/test_fuzz.py
 
 # On a machine with a GPU and the package importable (README: "On an NVIDIA GPU"):
-# the same suite, where every kernel test also runs on the GPU backend.
+# the same suite, where every kernel test also runs on the GPU backend. Each kernel shape is
+# compiled on first use, so the whole suite takes over ten minutes on an H200; TESTS runs a part
+# (e.g. make test-gpu TESTS=tests/test_models.py).
+TESTS ?= tests
 test-gpu:
-	python3 -m pytest -q -p no:cacheprovider
+	python3 -m pytest -q -p no:cacheprovider $(TESTS)
 
 bench: $(STAMP)
 	$(PY) bench/generate.py
