@@ -235,18 +235,30 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
         emitted = max(end, emitted)
         elapsed = time.perf_counter() - tic
         if finish is not None and ahead is not None:
-            with MODEL_LOCK:
-                mx.eval(ahead)
-                for layer_cache in cache:
-                    layer_cache.trim(1)  # the last token is never fed: what the caller expects
-        yield GenerationResponse(
+            _take_back(ahead, cache)
+        response = GenerationResponse(
             text=text, token=token, logprobs=logprobs, prompt_tokens=len(ids),
             prompt_tps=len(ids) / max(prompt_time, 1e-9), generation_tokens=n,
             generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish)
         if finish is not None:
+            yield response
             return
+        try:
+            yield response
+        except GeneratorExit:  # the caller stopped reading: this token is its last one
+            _take_back(ahead, cache)
+            raise
         token, logprobs, recent = ahead
+
+
+def _take_back(ahead, cache) -> None:
+    """Undo the step fed ahead with the last token the caller gets: that token is never fed,
+    as the caller expects (a chat turn goes on from the cache)."""
+    with MODEL_LOCK:
+        mx.eval(ahead)
+        for layer_cache in cache:
+            layer_cache.trim(1)
 
 
 def _overlap(text: str, stop: str) -> int:

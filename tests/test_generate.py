@@ -271,3 +271,13 @@ def test_an_early_stop_leaves_the_last_token_unfed(tiny):
     model(mx.array([tokenizer.encode(PROMPT) + tokens[: stopped_at - 1]]), fresh)
     expected = model(mx.array([[tokens[stopped_at - 1]]]), fresh)
     assert np.allclose(np.array(follow), np.array(expected), rtol=1e-4, atol=1e-4)
+
+
+def test_a_caller_that_stops_reading_leaves_its_last_token_unfed(tiny):
+    model, tokenizer = tiny
+    prompt = len(tokenizer.encode(PROMPT))
+    cache = model.make_cache()
+    for n, _ in enumerate(stream_generate(model, tokenizer, PROMPT, 12, cache=cache), start=1):
+        if n == 4:
+            break
+    assert all(c.offset == prompt + 3 for c in cache)
