@@ -126,7 +126,7 @@ def peak_gb() -> str:
     return f"peak {peak:.2f} GB"
 
 
-def decode_ms(model, cache, steps: int) -> tuple[float, float, float]:
+def decode_ms(model, cache, steps: int) -> tuple[float, float]:
     """One token per evaluation, each step waiting for the last: median ms per token, and of
     that the ms spent building the step's graph in Python (before any of it runs)."""
     token = mx.array([[7]], dtype=mx.int32)
@@ -164,16 +164,12 @@ def pipelined_decode_ms(model, cache, steps: int) -> float:
 def linears_only_ms(model, steps: int) -> float:
     """The same step's matrix products alone (every layer's products and the LM head, on
     random activations, one evaluation): the part of a step the weight bytes pay for."""
-    from muser_mlx.models.transformer import Linear, Projections
-    weights = [m.weight_tensor for _, m in model.named_modules() if isinstance(m, Linear)]
-    weights += [stacked for _, m in model.named_modules() if isinstance(m, Projections)
-                for stacked, _, _ in m.groups]
+    weights = model.matrices()
     x = {n: mx.random.normal((1, n)) for n in {w.shape[0] for w in weights}}
     times = []
     for _ in range(steps + 3):
         tic = time.perf_counter()
         outs = [ops.linear(x[w.shape[0]], w) for w in weights]
-        outs.append(ops.linear(x[model.config.hidden], model.output))
         mx.eval(outs)
         times.append(time.perf_counter() - tic)
     return 1e3 * statistics.median(times[3:])
@@ -193,12 +189,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS, help="fewer layers: a quick smoke run")
     parser.add_argument("--contexts", default="0,2048,8192")
-    parser.add_argument("--memory-limit-gb", type=float,
-                        help="mx.set_memory_limit: MLX's eval stops encoding ahead of the GPU while "
-                             "active memory is above it (tests whether in-flight temporaries set the peak)")
     args = parser.parse_args()
-    if args.memory_limit_gb:
-        mx.set_memory_limit(int(args.memory_limit_gb * 1e9))
     rng = np.random.default_rng(0)
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
     print(f"device: {mx.default_device()}", flush=True)

@@ -175,9 +175,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
     key = mx.random.key(seed if seed is not None else time.time_ns() % 2**63)
     detokenizer = StreamingDetokenizer(tokenizer)
     emitted = 0  # characters of detokenizer.text already yielded
-    history = list(ids)
     penalised = sampler.repetition_penalty != 1.0
-    recent = mx.array(history[-sampler.repetition_context_size:], dtype=mx.int32)
+    recent = mx.array(ids[-sampler.repetition_context_size:], dtype=mx.int32)
 
     def choose(logits, recent):
         """The graph from a step's logits to its token (lazy): penalty, log-softmax, sample."""
@@ -192,7 +191,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
         logits, so in range: no host check that would wait for it)."""
         logits = model.logits(model.hidden_unchecked(token.reshape(1, 1).astype(mx.int32), cache))[0, -1]
         if penalised:
-            recent = mx.concatenate([recent, token.reshape(1).astype(mx.int32)])[-sampler.repetition_context_size:]
+            recent = mx.concatenate([recent, token.reshape(1).astype(mx.int32)])
+            recent = recent[-sampler.repetition_context_size:]
         return (*choose(logits, recent), recent)
 
     tic = time.perf_counter()
@@ -213,7 +213,6 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
         if prompt_time is None:
             prompt_time = time.perf_counter() - tic
             tic = time.perf_counter()
-        history.append(token)
         finish = None
         if token in tokenizer.eos_token_ids:
             finish = "stop"

@@ -229,6 +229,21 @@ def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weig
     return total, mx.fast.rms_norm(total, next_weight, next_eps)
 
 
+def split_heads(y: mx.array, heads: int, head_dim: int, weight: mx.array | None = None,
+                eps: float = 0.0, rope: dict | None = None, start: int = 0) -> mx.array:
+    """A projection's output [B, T, heads * head_dim] as heads [B, heads, T, head_dim], each
+    RMS-normed by `weight` if given, then rotated by RoPE if `rope` (dict(dims, base,
+    traditional)) is given, from position `start`. MLX's own ops."""
+    batch, tokens, _ = y.shape
+    y = y.reshape(batch, tokens, heads, head_dim).transpose(0, 2, 1, 3)
+    if weight is not None:
+        y = mx.fast.rms_norm(y, weight, eps)
+    if rope is not None:
+        y = mx.fast.rope(y, rope["dims"], traditional=rope["traditional"], base=rope["base"],
+                         scale=1.0, offset=start)
+    return y
+
+
 def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.array, heads: int,
                  kv_heads: int, head_dim: int, eps: float, start: int, rope: dict | None):
     """Per-head RMS norm of the q and k projections, then RoPE, as attention wants them.
@@ -240,14 +255,8 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
     """
     batch, tokens, _ = q.shape
     if kernels.backend() == "cpu":
-        def one(y, n, weight):
-            y = y.reshape(batch, tokens, n, head_dim).transpose(0, 2, 1, 3)
-            y = mx.fast.rms_norm(y, weight, eps)
-            if rope is not None:
-                y = mx.fast.rope(y, rope["dims"], traditional=rope["traditional"], base=rope["base"],
-                                 scale=1.0, offset=start)
-            return y
-        return one(q, heads, q_weight), one(k, kv_heads, k_weight)
+        return (split_heads(q, heads, head_dim, q_weight, eps, rope, start),
+                split_heads(k, kv_heads, head_dim, k_weight, eps, rope, start))
     dims = rope["dims"] if rope is not None else 0
     q_out, k_out = kernels.launch(
         "qk_norm_rope",

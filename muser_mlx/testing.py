@@ -6,6 +6,7 @@ The writer is deliberately plain so tests can also build broken files from its p
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from pathlib import Path
 
@@ -343,3 +344,27 @@ def tiny_model(path, architecture: str, rng: np.random.Generator, weights="F32",
         tensors[name] = (ggml_type, shape, quantize(values, ggml_type))
     metadata = {k: v for k, v in metadata.items() if k not in drop}
     return write_gguf(path, metadata, tensors)
+
+
+@contextlib.contextmanager
+def recorded_launches(backend: str = "cuda"):
+    """Inside this block the ops take their `backend` (GPU) path on any machine, and every
+    kernel launch is recorded as (name, inputs, template dict, grid, threadgroup,
+    output_shapes) and answered with zeros instead of run: the host half of a GPU step, for
+    checking launches and timing graph building without a GPU."""
+    import mlx.core as mx  # testing stays importable without touching MLX's devices
+
+    from muser_mlx import kernels
+
+    launches = []
+
+    def record(name, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        launches.append((name, inputs, dict(template), grid, threadgroup, output_shapes))
+        return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+
+    saved = kernels.backend, kernels.launch
+    kernels.backend, kernels.launch = (lambda: backend), record
+    try:
+        yield launches
+    finally:
+        kernels.backend, kernels.launch = saved

@@ -13,7 +13,7 @@ import pytest
 
 from muser_mlx import kernels, ops
 from muser_mlx.generate import load
-from muser_mlx.testing import tiny_model
+from muser_mlx.testing import recorded_launches, tiny_model
 
 SIMD_REDUCING = {name for name, *_ in ops.MATVEC_KERNELS.values()}
 
@@ -26,18 +26,9 @@ def declared_constants(name: str) -> set[str]:
 
 
 @pytest.fixture
-def recorded(monkeypatch):
-    """Every launch as (name, inputs, template, grid, threadgroup, output_shapes), with zeros
-    returned in place of the outputs."""
-    launches = []
-
-    def record(name, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        launches.append((name, inputs, dict(template), grid, threadgroup, output_shapes))
-        return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
-
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "launch", record)
-    return launches
+def recorded():
+    with recorded_launches() as launches:
+        yield launches
 
 
 # ff 9216: FFN down rows of 288 units, more than a threadgroup's 256 threads (one architecture

@@ -111,20 +111,18 @@ class Attention(nn.Module):
         """h: [B, T, hidden] (normed) -> [B, T, hidden]."""
         c = self.config
         batch, tokens, _ = h.shape
-        split = lambda y, heads: y.reshape(batch, tokens, heads, c.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
         y = self.input_proj(h)
-        v = split(y["v"], c.kv_heads)  # [B, kv_heads, T, head_dim]
+        v = ops.split_heads(y["v"], c.kv_heads, c.head_dim)  # [B, kv_heads, T, head_dim]
         start = cache.offset
-        rope = dict(dims=c.rotary_dim, traditional=c.rope_traditional, base=self.rope_base)
+        rope = None
+        if self.rotates:
+            rope = dict(dims=c.rotary_dim, traditional=c.rope_traditional, base=self.rope_base)
         if c.qk_norm:  # the norm, the head split and RoPE in one op (one kernel on a GPU)
             q, k = ops.qk_norm_rope(y["q"], y["k"], self.q_norm, self.k_norm, c.heads, c.kv_heads,
-                                    c.head_dim, c.eps, start, rope if self.rotates else None)
+                                    c.head_dim, c.eps, start, rope)
         else:
-            q = split(y["q"], c.heads)  # [B, heads, T, head_dim]
-            k = split(y["k"], c.kv_heads)
-            if self.rotates:
-                q, k = (mx.fast.rope(z, rope["dims"], traditional=rope["traditional"], base=rope["base"],
-                                     scale=1.0, offset=start) for z in (q, k))
+            q = ops.split_heads(y["q"], c.heads, c.head_dim, rope=rope, start=start)  # [B, heads, T, hd]
+            k = ops.split_heads(y["k"], c.kv_heads, c.head_dim, rope=rope, start=start)
         keys, values, key_positions = cache.update_and_fetch(k, v)
         mask = None
         if tokens > 1:
@@ -141,7 +139,8 @@ class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tensors: dict):
         super().__init__()
         self.activation = nn.silu if config.activation == "silu" else nn.gelu_approx
-        self.input_proj = Projections({n: (tensors[f"blk.{layer}.ffn_{n}.weight"], None) for n in ("gate", "up")})
+        self.input_proj = Projections({n: (tensors[f"blk.{layer}.ffn_{n}.weight"], None)
+                                       for n in ("gate", "up")})
         self.down_proj = Linear(tensors[f"blk.{layer}.ffn_down.weight"])
 
     def __call__(self, h: mx.array) -> mx.array:
@@ -255,12 +254,20 @@ class Transformer(nn.Module):
             logits = c.softcap * mx.tanh(logits / c.softcap)
         return logits
 
+    def matrices(self) -> list:
+        """The weights one decode step multiplies by, each once, as ops.linear takes them
+        (stacked projections as their stacks), the LM head last."""
+        found = []
+        for layer in self.layers:
+            for module in (layer.attention, layer.feed_forward):
+                for child in module.children().values():
+                    if isinstance(child, Linear):
+                        found.append(child.weight_tensor)
+                    elif isinstance(child, Projections):
+                        found += [stacked for stacked, _, _ in child.groups]
+        return found + [self.output]
+
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every matrix once, one embedding row
         (an untied head reads the whole output table; a tied one reads token_embd whole)."""
-        total = self.output.nbytes + self.token_embd.row_bytes
-        for layer in self.layers:
-            for module in (layer.attention, layer.feed_forward):
-                total += sum(m.nbytes for m in module.children().values()
-                             if isinstance(m, (Linear, Projections)))
-        return total
+        return sum(m.nbytes for m in self.matrices()) + self.token_embd.row_bytes
