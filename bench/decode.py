@@ -10,7 +10,9 @@ it with our loader and times:
 Floor = weight bytes one decode step reads / copy bandwidth measured in the same run
 (an elementwise device copy of 4 GiB, read + write bytes counted).
 
-    python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep]
+    python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep] [--fusion]
+
+--fusion also times each decode with qk_norm_rope's launch replaced by the MLX ops it fuses.
 """
 
 from __future__ import annotations
@@ -189,6 +191,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS, help="fewer layers: a quick smoke run")
     parser.add_argument("--contexts", default="0,2048,8192")
+    parser.add_argument("--fusion", action="store_true",
+                        help="also time each decode with qk_norm_rope as MLX ops (the fusion's gain)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
@@ -214,21 +218,31 @@ def main() -> None:
     linear_ms = linears_only_ms(model, args.steps)
     print(f"matrix products alone (all linears of one step, one evaluation): {linear_ms:.2f} ms "
           f"({weight_bytes / linear_ms / 1e9:,.0f} GB/s; {peak_gb()})", flush=True)
-    rows = []
+    fused = ops.qk_norm_rope
     for context in (int(c) for c in args.contexts.split(",")):
         cache = model.make_cache()
         fill_context(model, cache, context, rng)
         filled = peak_gb() if context else "nothing"
         ms, build_ms = decode_ms(model, cache, args.steps)
         kv = sum(c.nbytes for c in cache)
-        rows.append((context, ms))
         print(f"decode at context {context:5d}: {ms:7.2f} ms/token  ({ms / floor_ms:.2f}x the floor "
               f"{floor_ms:.2f} ms; {1e3 / ms:.1f} tokens/s; {build_ms:.2f} ms of it building the "
               f"graph; KV cache {kv / 1e6:.0f} MB; filling it: {filled}; decoding: {peak_gb()})",
               flush=True)
-        ms = pipelined_decode_ms(model, cache, args.steps)
-        print(f"  pipelined (next step built while this one runs): {ms:7.2f} ms/token "
-              f"({ms / floor_ms:.2f}x the floor; {1e3 / ms:.1f} tokens/s)", flush=True)
+        pipelined = pipelined_decode_ms(model, cache, args.steps)
+        print(f"  pipelined (next step built while this one runs): {pipelined:7.2f} ms/token "
+              f"({pipelined / floor_ms:.2f}x the floor; {1e3 / pipelined:.1f} tokens/s)", flush=True)
+        if args.fusion:
+            # The same steps with qk_norm_rope's 8 MLX ops per layer in place of its one launch.
+            ops.qk_norm_rope = ops.qk_norm_rope_mlx
+            try:
+                plain_ms, plain_build_ms = decode_ms(model, cache, args.steps)
+                plain_pipelined = pipelined_decode_ms(model, cache, args.steps)
+            finally:
+                ops.qk_norm_rope = fused
+            print(f"  qk_norm_rope as MLX ops: {plain_ms:7.2f} ms/token ({plain_build_ms:.2f} ms building), "
+                  f"pipelined {plain_pipelined:7.2f}; the fused kernel saves {plain_ms - ms:.2f} ms "
+                  f"one step at a time, {plain_pipelined - pipelined:.2f} ms pipelined", flush=True)
 
     cache = model.make_cache()
     chunk = 512

@@ -8,7 +8,7 @@ T = 1: CALLS calls per mx.eval (rotating weight copies and x), time per call, we
 GB/s, and time over the floor (weight bytes / the copy bandwidth measured in this run).
 T = 512: TFLOP/s of linear() against an f16 `x @ w.T` of the same shape.
 
-    python bench/linear.py [--quick]
+    python bench/linear.py [--ours-only] [--sweep [--types Q4_K] [--kernel Q4_K=NAME:UNIT]]
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="GPU: time each decode kernel's rows per threadgroup x threads per row "
                              "on the large shapes, then stop")
+    parser.add_argument("--kernel", action="append", default=[], metavar="TYPE=NAME:UNIT",
+                        help="--sweep: also time kernel NAME (values per unit UNIT) for TYPE")
+    parser.add_argument("--types", default="", help="--sweep: only these types (e.g. Q4_K,Q6_K)")
     parser.add_argument("--ours-only", action="store_true",
                         help="skip MLX's quantized_matmul and the f16 matvec (measured in earlier runs)")
     args = parser.parse_args()
@@ -149,29 +152,39 @@ def main() -> None:
 
 
 def sweep(rng, bandwidth, args) -> None:
-    """µs per call of each dedicated decode kernel as configured by ops.MATVEC_KERNELS, over
-    rows per threadgroup (ROWS) and the most threads splitting a row."""
-    print("| shape out x in | weight | " + " | ".join(f"R{r} T{n}" for r in (2, 4, 8) for n in (64, 128, 256)) + " |")
-    print("| --- | --- | " + " | ".join("---:" for _ in range(9)) + " |")
-    for out_features, in_features in [(4096, 6656), (19968, 6656), (6656, 19968), (202048, 6656)]:
-        for ggml_type, (name, rows, threads) in list(ops.MATVEC_KERNELS.items()):
-            nbytes = out_features * formats.FORMATS[ggml_type].row_bytes(in_features)
-            copies = max(1, math.ceil(STREAM_BYTES / nbytes))
-            weights = [Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type,
-                              in_features, out_features) for _ in range(copies)]
-            xs = [mx.random.normal((1, in_features)) for _ in range(4)]
-            cells = []
-            for r in (2, 4, 8):
-                for n in (64, 128, 256):
-                    ops.MATVEC_KERNELS[ggml_type] = (name, r, n)
+    """µs per call of each dedicated decode kernel as configured by ops.MATVEC_KERNELS (or
+    --kernel), over rows per threadgroup (ROWS) and the most threads splitting a row."""
+    candidates = list(ops.MATVEC_KERNELS.items())
+    for spec in args.kernel:  # TYPE=NAME:UNIT, e.g. Q4_K=matvec_q4k_old:32
+        type_name, rest = spec.split("=")
+        name, unit = rest.split(":")
+        candidates.append((GGMLType[type_name], ops.MatvecKernel(name, 4, 64, int(unit))))
+    configs = [(r, n) for r in (2, 4, 8) for n in (32, 64, 128, 256)]
+    print("| shape out x in | kernel | " + " | ".join(f"R{r} T{n}" for r, n in configs) + " |")
+    print("| --- | --- | " + " | ".join("---:" for _ in configs) + " |")
+    saved = dict(ops.MATVEC_KERNELS)
+    try:
+        for out_features, in_features in [(4096, 6656), (19968, 6656), (6656, 19968), (202048, 6656)]:
+            for ggml_type, kernel in candidates:
+                if args.types and ggml_type.name not in args.types.split(","):
+                    continue
+                nbytes = out_features * formats.FORMATS[ggml_type].row_bytes(in_features)
+                copies = max(1, math.ceil(STREAM_BYTES / nbytes))
+                weights = [Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type,
+                                  in_features, out_features) for _ in range(copies)]
+                xs = [mx.random.normal((1, in_features)) for _ in range(4)]
+                cells = []
+                for r, n in configs:
+                    ops.MATVEC_KERNELS[ggml_type] = kernel._replace(rows=r, threads=n)
                     seconds = per_call_seconds(
                         lambda: [ops.linear(xs[i % 4], weights[i % copies]) for i in range(args.calls)],
                         args.repeats)
                     cells.append(f"{seconds * 1e6:,.1f} ({100 * nbytes / seconds / bandwidth:.0f}%)")
-            ops.MATVEC_KERNELS[ggml_type] = (name, rows, threads)
-            print(row([f"{out_features} x {in_features}", ggml_type.name] + cells), flush=True)
-            del weights
-
+                print(row([f"{out_features} x {in_features}", f"{ggml_type.name} {kernel.name}"] + cells),
+                      flush=True)
+                del weights
+    finally:
+        ops.MATVEC_KERNELS.update(saved)
 
 if __name__ == "__main__":
     main()

@@ -227,6 +227,30 @@ inline uint2 muser_scale_min_words(uint s0, uint s1, uint s2, uint j) {
                (packed >> 4) | ((muser_byte(s1, k) >> 6) << 4));
 }
 
+// A 4-bit code at bits P..P+3 of `word` (P <= 19, a compile-time constant) as an exact float,
+// with one logic instruction and one FMA: OR-ing the masked bits into 1.0f gives
+// f = 1 + c * 2^(P-23), and f * 2^(23-P) - 2^(23-P) = c exactly (one rounding of an integer
+// below 16). No shift is needed for codes in the low 20 bits.
+template <int P>
+inline float muser_code4(uint word) {
+  float f = as_type<float>((word & (15u << P)) | 0x3F800000u);
+  float scale = float(1u << (23 - P));
+  return fma(f, scale, -scale);
+}
+
+// Q4_K: the 6-bit (scale, min) pairs of sub-blocks 2g and 2g+1 (one 64-value group g, 0..3)
+// from the scale words s0, s1, s2 (bytes 4-7, 8-11, 12-15 of the super-block), two bytes at a
+// time and without a branch: (scale 2g, min 2g, scale 2g+1, min 2g+1). muser_scale_min's rule.
+inline uint4 muser_q4k_group_scales(uint s0, uint s1, uint s2, uint group) {
+  uint shift = 16u * (group & 1u);
+  uint low_scales = s0 >> shift;
+  uint low_mins = s1 >> shift;
+  uint packed = s2 >> shift;
+  uint scales = group < 2u ? (low_scales & 0x3F3Fu) : ((packed & 0x0F0Fu) | ((low_scales >> 2) & 0x3030u));
+  uint mins = group < 2u ? (low_mins & 0x3F3Fu) : (((packed >> 4) & 0x0F0Fu) | ((low_mins >> 2) & 0x3030u));
+  return uint4(scales & 255u, mins & 255u, (scales >> 8) & 255u, (mins >> 8) & 255u);
+}
+
 // Sums over a threadgroup: acc[0..COUNT) of every thread added up, the totals left in
 // partial[0..COUNT). partial holds (threads / 32) * COUNT floats, one row per SIMD group; each
 // SIMD group reduces its lanes with simd_sum, then thread i adds columns i, i + threads, ...

@@ -7,7 +7,7 @@ starts with `// kernel:`, `// inputs:` and `// outputs:` lines naming its parame
 For NVIDIA GPUs the same text becomes an `mx.fast.cuda_kernel` through `CUDA_TRANSLATION`, a
 short table of textual rewrites plus `CUDA_PRELUDE` (the few Metal builtins CUDA lacks). The
 kernel dialect is kept small enough for that table: one-dimensional threadgroups, no vector
-types beyond uint2, scalars passed as template constants or read from input shapes.
+types beyond uint2, uint4 and float4, scalars passed as template constants or read from input shapes.
 """
 
 from __future__ import annotations
@@ -115,6 +115,8 @@ CUDA_TRANSLATION: list[tuple[str, str]] = [
     (r"\bas_type<half>", "__ushort_as_half"),
     (r"\bas_type<float>", "__uint_as_float"),
     (r"\buint2\(", "make_uint2("),
+    (r"\buint4\(", "make_uint4("),
+    (r"\bfloat4\(", "make_float4("),
     (r"\bmetal::", ""),
 ]
 

@@ -7,6 +7,7 @@ import functools
 import logging
 import math
 import threading
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -107,15 +108,27 @@ def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden:
 
 MATVEC_MAX_TOKENS = 8  # up to this many rows of x, a decode matvec; beyond it, prefill
 MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup, at most
-# Dedicated decode kernels: name, the output rows each threadgroup computes (its threads share
-# their x loads across those rows) and the most threads that split a row's units among them.
-# Chosen by `bench/linear.py --sweep` on the H200 (bench/RESULTS.md, session 5): the best
-# geometric mean over Muse Glimmer's shapes for Q4_K and Q6_K. Q8_0 measured best at 8 rows on
-# large shapes (the 202048-row head: 549 vs 679 µs) and equal at 4 on Muse Glimmer's 512 k/v
-# rows; it stays at 4, the configuration whose GPU tests passed (8 rows x 8 tokens needs the
-# threadgroup sum's loop over columns, which has not yet run on a GPU).
-MATVEC_KERNELS = {GGMLType.Q4_K: ("matvec_q4k", 4, 64), GGMLType.Q6_K: ("matvec_q6k", 4, 128),
-                  GGMLType.Q8_0: ("matvec_q8_0", 4, 128)}
+
+
+class MatvecKernel(NamedTuple):
+    """A dedicated decode kernel: its name, the output rows each threadgroup computes (its
+    threads share their x loads across those rows), the most threads that split a row's units
+    among them, and the values of a row in one unit (one thread's share per iteration)."""
+
+    name: str
+    rows: int
+    threads: int
+    unit: int
+
+
+# Rows and threads chosen by `bench/linear.py --sweep` on the H200 (bench/RESULTS.md): the best
+# geometric mean over Muse Glimmer's shapes. Q8_0 measured best at 8 rows on large shapes (the
+# 202048-row head: 549 vs 679 µs) and equal at 4 on Muse Glimmer's 512 k/v rows; it stays at 4,
+# the configuration whose GPU tests passed first.
+MATVEC_KERNELS = {GGMLType.Q4_K: MatvecKernel("matvec_q4k", 4, 64, 64),
+                  GGMLType.Q6_K: MatvecKernel("matvec_q6k", 4, 128, 32),
+                  GGMLType.Q8_0: MatvecKernel("matvec_q8_0", 4, 128, 32)}
+
 # On the CPU, MLX's own quantized_matmul serves every format with one scale and bias per 32
 # values: Q4_0/Q4_1 as 4-bit codes (GGUF's nibble order is a fixed permutation of MLX's within
 # each block, see _cpu_affine), the rest as 8-bit codes unpacked per call (dequant.affine_codes).
@@ -150,7 +163,7 @@ def linear_path(ggml_type, tokens: int, backend: str | None = None) -> str:
     if tokens > MATVEC_MAX_TOKENS:
         return "gpu_dequant_matmul"
     if ggml_type in MATVEC_KERNELS:
-        return MATVEC_KERNELS[ggml_type][0]
+        return MATVEC_KERNELS[ggml_type].name
     _note_generic_matvec(ggml_type)  # logged once per format: never a silent slow path
     return "matvec"
 
@@ -190,13 +203,13 @@ def _matvec(name, x, weight_bytes, fmt, in_features, out_features):
         template.insert(0, ("FORMAT", int(fmt.ggml_type)))
         threads, groups = 32 * MATVEC_SIMD_GROUPS, -(-out_features // MATVEC_SIMD_GROUPS)
     else:
-        # One threadgroup per ROWS output rows; its threads split the row's 32-value units,
-        # as many SIMD groups as there are units for (a short row needs fewer).
-        _, rows_per_group, max_threads = MATVEC_KERNELS[fmt.ggml_type]
-        template.append(("ROWS", rows_per_group))
-        units = in_features // 32
-        threads = min(max_threads, 32 * MATVEC_SIMD_GROUPS, 32 * -(-units // 32))
-        groups = -(-out_features // rows_per_group)
+        # One threadgroup per ROWS output rows; its threads split the row's units, as many
+        # SIMD groups as there are units for (a short row needs fewer).
+        kernel = MATVEC_KERNELS[fmt.ggml_type]
+        template.append(("ROWS", kernel.rows))
+        units = in_features // kernel.unit
+        threads = min(kernel.threads, 32 * MATVEC_SIMD_GROUPS, 32 * -(-units // 32))
+        groups = -(-out_features // kernel.rows)
     (out,) = kernels.launch(
         name,
         inputs=[weight_bytes, x],
@@ -255,8 +268,7 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
     """
     batch, tokens, _ = q.shape
     if kernels.backend() == "cpu":
-        return (split_heads(q, heads, head_dim, q_weight, eps, rope, start),
-                split_heads(k, kv_heads, head_dim, k_weight, eps, rope, start))
+        return qk_norm_rope_mlx(q, k, q_weight, k_weight, heads, kv_heads, head_dim, eps, start, rope)
     dims = rope["dims"] if rope is not None else 0
     q_out, k_out = kernels.launch(
         "qk_norm_rope",
@@ -270,6 +282,14 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
         output_dtypes=[mx.float32, mx.float32],
     )
     return q_out, k_out
+
+
+def qk_norm_rope_mlx(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.array, heads: int,
+                     kv_heads: int, head_dim: int, eps: float, start: int, rope: dict | None):
+    """qk_norm_rope as MLX's own ops (split, rms_norm, rope, for q and k): its CPU rendering,
+    and on a GPU what the fused kernel is measured against (bench/decode.py)."""
+    return (split_heads(q, heads, head_dim, q_weight, eps, rope, start),
+            split_heads(k, kv_heads, head_dim, k_weight, eps, rope, start))
 
 
 @functools.lru_cache(maxsize=None)
@@ -390,7 +410,7 @@ def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
     return _cpu_pieces(_qmm4_piece, x_permuted, weight_bytes, fmt, in_features, out_features)
 
 
-_MATVEC_PATHS = {"matvec", *(name for name, *_ in MATVEC_KERNELS.values())}
+_MATVEC_PATHS = {"matvec", *(kernel.name for kernel in MATVEC_KERNELS.values())}
 _LINEAR_PATHS = {
     "gpu_dequant_matmul": _gpu_dequant_matmul,
     "cpu_dequant_matmul": _cpu_dequant_matmul,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,6 +16,25 @@ def gpu_available() -> bool:
 
 
 BACKENDS = ["cpu"] + (["gpu"] if gpu_available() else [])
+
+
+def pytest_collection_modifyitems(config, items):
+    """MUSER_TEST_SHARD=i/n keeps every n-th test from the i-th (0-based), so that n processes
+    run the suite together (`make test-gpu SHARDS=n`: each GPU kernel shape compiles on first
+    use, which is CPU work the machine's cores can share)."""
+    shard = os.environ.get("MUSER_TEST_SHARD")
+    if not shard:
+        return
+    try:
+        index, count = (int(part) for part in shard.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"MUSER_TEST_SHARD={shard!r}: expected i/n, e.g. 0/4") from None
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"MUSER_TEST_SHARD={shard!r}: i must lie in 0..n-1")
+    kept = items[index::count]
+    chosen = set(kept)
+    config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
+    items[:] = kept
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from muser_mlx import kernels, ops
 from muser_mlx.generate import load
 from muser_mlx.testing import recorded_launches, tiny_model
 
-SIMD_REDUCING = {name for name, *_ in ops.MATVEC_KERNELS.values()}
+SIMD_REDUCING = {kernel.name: kernel for kernel in ops.MATVEC_KERNELS.values()}
 
 
 def declared_constants(name: str) -> set[str]:
@@ -45,7 +45,7 @@ def test_every_launch_of_prefill_and_decode_is_well_formed(tmp_path, rng, record
         for a, b in [(0, 20), (20, 21), (21, 26), (26, 30)]:  # prefill, decode, 5 and 4 rows
             mx.eval(model(ids[None, a:b], cache))
     names = {launch[0] for launch in recorded}
-    assert {"embedding", "dequant_rows"} <= names and names & SIMD_REDUCING
+    assert {"embedding", "dequant_rows"} <= names and names & set(SIMD_REDUCING)
     for name, inputs, template, grid, threadgroup, output_shapes in recorded:
         source = kernels.source(name)
         where = f"{name} {template}"
@@ -54,10 +54,13 @@ def test_every_launch_of_prefill_and_decode_is_well_formed(tmp_path, rng, record
         assert threadgroup[0] % 32 == 0 and threadgroup[0] <= 1024 and grid[0] <= ops.MAX_GRID, where
         if name in SIMD_REDUCING:
             # Whole threadgroups, one per ROWS output rows, of no more SIMD groups than the
-            # kernel's partial sums have rows for; x comes as float32 rows of IN values.
+            # kernel's partial sums have rows for, nor than the row has units for (a SIMD group
+            # without a unit would only wait); x comes as float32 rows of IN values.
             x = inputs[1]
             groups = int(re.search(r"threadgroup float partial\[(\d+) \*", source.body).group(1))
+            units = template["IN"] // SIMD_REDUCING[name].unit
             assert threadgroup[0] <= 32 * groups and grid[0] % threadgroup[0] == 0, where
+            assert threadgroup[0] <= 32 * -(-units // 32), where
             assert grid[0] // threadgroup[0] == -(-template["OUT"] // template["ROWS"]), where
             assert x.dtype == mx.float32 and x.shape[-1] == template["IN"], where
             assert int(np.prod(x.shape[:-1])) == template["TOKENS"] <= ops.MATVEC_MAX_TOKENS, where

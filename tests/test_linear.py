@@ -56,9 +56,10 @@ def test_linear_matches_reference(backend, rng, tmp_path, ggml_type, tokens):
 @pytest.mark.parametrize("ggml_type", list(ops.MATVEC_KERNELS), ids=lambda t: t.name)
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_decode_kernels_split_long_rows_over_a_threadgroup(backend, rng, tmp_path, ggml_type, tokens):
-    # Rows of 9-80 super-blocks: 72-640 units, so 3-8 SIMD groups per threadgroup, and past 256
-    # units each thread takes several (the strided loop); a threadgroup's last rows may lie
-    # past OUT. The sums over SIMD groups go through threadgroup memory.
+    # Rows of 9-80 super-blocks: 36-640 units (of 64 or 32 values), so several SIMD groups per
+    # threadgroup, and past the kernel's most threads each thread takes several units (the
+    # strided loop); a threadgroup's last rows may lie past OUT. The sums over SIMD groups go
+    # through threadgroup memory.
     in_features = 256 * int(rng.integers(9, 81))
     out_features = int(rng.integers(2, 30)) * 4 + int(rng.integers(1, 4))
     path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)

@@ -36,9 +36,13 @@ struct uint3 {
 };
 struct uint4 {
   uint x, y, z, w;
+  uint4() = default;
+  uint4(uint, uint, uint, uint);
 };
 struct float4 {
   float x, y, z, w;
+  float4() = default;
+  float4(float, float, float, float);
 };
 
 template <typename T, typename U>
