@@ -186,7 +186,7 @@ def linear(x, weight) -> mx.array:
     x = x if x.dtype == mx.float32 else x.astype(mx.float32)
     path = linear_path(weight.ggml_type, math.prod(lead))
     fmt = block_format(weight.ggml_type)
-    if path in _MATVEC_PATHS:  # the kernel reads x as flat rows and writes [..., out]: no reshapes
+    if path.startswith("matvec"):  # a decode kernel reads x as flat rows, writes [..., out]
         return _matvec(path, x, weight.data, fmt, in_features, out_features)
     out = _LINEAR_PATHS[path](x.reshape(-1, in_features), weight.data, fmt, in_features, out_features)
     return out.reshape(*lead, out_features)
@@ -410,7 +410,6 @@ def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
     return _cpu_pieces(_qmm4_piece, x_permuted, weight_bytes, fmt, in_features, out_features)
 
 
-_MATVEC_PATHS = {"matvec", *(kernel.name for kernel in MATVEC_KERNELS.values())}
 _LINEAR_PATHS = {
     "gpu_dequant_matmul": _gpu_dequant_matmul,
     "cpu_dequant_matmul": _cpu_dequant_matmul,

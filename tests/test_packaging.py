@@ -49,10 +49,12 @@ def test_wheel_install_finds_its_kernel_sources(tmp_path):
         "print(kernels.kernel_dir()); print(kernels.kernel_names()); "
         "print(kernels.source('embedding').inputs)"
     )
-    # From outside the checkout, with the installed copy first on the path.
+    # From outside the checkout, with the installed copy first on the path (then whatever path
+    # the test run had: where MLX itself may be installed).
+    path = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(target)},
+        env={**os.environ, "PYTHONPATH": path},
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

@@ -1,0 +1,93 @@
+"""GPU time of each kernel in a Muse Glimmer decode step, from Nsight Compute.
+
+A decode step's wall time holds the GPU's work and, between kernels, whatever the host does
+to launch them. This tool separates the two. `run` decodes a few tokens on a full-width,
+few-layer Muse Glimmer file (the shapes of the real one, with fewer layers) and prints the wall
+time per step; under ncu the same run records every kernel's duration, and `report` sums them
+per kernel and per step:
+
+    python bench/kernel_times.py run [--layers 4]          # wall ms per step, no profiler
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv \\
+        python bench/kernel_times.py run --steps 4 > times.csv
+    python bench/kernel_times.py report times.csv --steps 4 --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import io
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def run(args) -> None:
+    import mlx.core as mx
+
+    from decode import write_file
+    from muser_mlx.generate import load
+
+    path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
+    if not path.exists():
+        write_file(path, np.random.default_rng(0), args.layers)
+    model, _ = load(path)
+    cache = model.make_cache()
+    token = mx.array([[7]], dtype=mx.int32)
+    times = []
+    for _ in range(args.warmup + args.steps):
+        tic = time.perf_counter()
+        token = mx.argmax(model(token, cache)[:, -1:], axis=-1).astype(mx.int32)
+        mx.eval(token)
+        times.append(time.perf_counter() - tic)
+    print(f"{args.layers} layers: {1e3 * statistics.median(times[args.warmup:]):.2f} ms per step "
+          f"(median of {args.steps}, one evaluation each)", file=sys.stderr)
+
+
+def report(args) -> None:
+    """Kernel durations from ncu's CSV: the last `steps` steps' kernels, summed per name."""
+    text = Path(args.csv).read_text()
+    rows = list(csv.DictReader(io.StringIO(text[text.index('"ID"'):])))
+    kernels = {}
+    for row in rows:
+        if row["Metric Name"] == "gpu__time_duration.sum":
+            kernels[int(row["ID"])] = (row["Kernel Name"].split("(")[0], row["Grid Size"],
+                                       float(row["Metric Value"].replace(",", "")) / 1e3)
+    launches = [kernels[i] for i in sorted(kernels)]
+    names = [(name, grid) for name, grid, _ in launches]
+    # The step's length: the shortest period of the last `steps` steps' kernel sequence (a
+    # layer repeats within a step, but the embedding and the LM head break that shorter period).
+    per_step = next(p for p in range(1, len(names) // args.steps + 1)
+                    if all(names[-i] == names[-i - p] for i in range(1, p * (args.steps - 1) + 1)))
+    last = launches[-per_step * args.steps:]
+    totals = collections.defaultdict(list)
+    for name, grid, us in last:
+        totals[(name[:60], grid)].append(us)
+    print(f"{per_step} kernels per step; GPU time per step {sum(u for *_, u in last) / args.steps:.1f} µs\n")
+    print("| kernel | grid | launches per step | µs each (median) | µs per step |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for (name, grid), values in sorted(totals.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {name} | {grid} | {len(values) / args.steps:g} | {statistics.median(values):.1f} | "
+              f"{sum(values) / args.steps:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["run", "report"])
+    parser.add_argument("csv", nargs="?")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dir", default="/dev/shm")
+    args = parser.parse_args()
+    run(args) if args.mode == "run" else report(args)
+
+
+if __name__ == "__main__":
+    main()
