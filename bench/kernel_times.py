@@ -10,6 +10,8 @@ per kernel and per step:
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \\
         python bench/kernel_times.py run --steps 4 > times.csv
     python bench/kernel_times.py report times.csv --steps 4 --layers 4
+    ncu --clock-control none --section SpeedOfLight ... python bench/kernel_times.py matvec \
+        --type Q4_K --rows 39936 --cols 6656      # one decode product, a few calls
 """
 
 from __future__ import annotations
@@ -50,6 +52,22 @@ def run(args) -> None:
           f"(median of {args.steps}, one evaluation each)", file=sys.stderr)
 
 
+def matvec(args) -> None:
+    """One decode product, called a few times: for `ncu --section ...` on one kernel."""
+    import mlx.core as mx
+
+    from linear import Weight, valid_weight
+    from muser_mlx import ops
+    from muser_mlx.formats import GGMLType
+
+    ggml_type = GGMLType[args.type]
+    weight = Weight(valid_weight(np.random.default_rng(0), ggml_type, args.rows, args.cols), ggml_type,
+                    args.cols, args.rows)
+    x = mx.random.normal((1, args.cols))
+    for _ in range(args.steps):
+        mx.eval(ops.linear(x, weight))
+
+
 def report(args) -> None:
     """Kernel durations from ncu's CSV: the last `steps` steps' kernels, summed per name."""
     text = Path(args.csv).read_text()
@@ -60,7 +78,7 @@ def report(args) -> None:
             kernels[int(row["ID"])] = (row["Kernel Name"].split("(")[0], row["Grid Size"],
                                        float(row["Metric Value"].replace(",", "")) / 1e3)
     launches = [kernels[i] for i in sorted(kernels)]
-    names = [(name, grid) for name, grid, _ in launches]
+    names = [name for name, _, _ in launches]  # grids of attention kernels grow with the cache
     # The step's length: the shortest period of the last `steps` steps' kernel sequence (a
     # layer repeats within a step, but the embedding and the LM head break that shorter period).
     per_step = next(p for p in range(1, len(names) // args.steps + 1)
@@ -79,14 +97,17 @@ def report(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["run", "report"])
+    parser.add_argument("mode", choices=["run", "report", "matvec"])
     parser.add_argument("csv", nargs="?")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dir", default="/dev/shm")
+    parser.add_argument("--type", default="Q4_K", help="matvec: the weight format")
+    parser.add_argument("--rows", type=int, default=39936, help="matvec: output rows")
+    parser.add_argument("--cols", type=int, default=6656, help="matvec: input features")
     args = parser.parse_args()
-    run(args) if args.mode == "run" else report(args)
+    {"run": run, "report": report, "matvec": matvec}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Iterator
 import mlx.core as mx
 import numpy as np
 
-from muser_mlx import gguf, packaged
+from muser_mlx import gguf, ops, packaged
 from muser_mlx.models import build_model
 from muser_mlx.ops import check_token_ids
 from muser_mlx.tokenizer import GGUFTokenizer, StreamingDetokenizer
@@ -42,6 +42,7 @@ def load(path=None):
         raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but "
                          f"token_embd.weight only {model.config.vocab} rows")
     model.file = file  # keeps the memory map open as long as the model lives
+    ops.make_resident(model.token_embd.data)
     return model, tokenizer
 
 

@@ -66,6 +66,17 @@ def embedding(table, token_ids) -> mx.array:
     return embedding_unchecked(table.data, ids, table.ggml_type, hidden, vocab)
 
 
+def make_resident(array: mx.array) -> None:
+    """On a CUDA GPU, move `array` into GPU memory now. MLX allocates CUDA memory as managed
+    memory: pages the host wrote (the loader's copy of the file) move to the GPU when a kernel
+    first touches them, a fault at a time. A weight read whole moves in the first step; the
+    embedding table is read a row per token, so decode would fault on each new token's row
+    (~0.2 ms a step, measured with bench/kernel_times.py). One reduction over the table at load
+    moves it whole. Elsewhere (CPU, Metal's unified memory) it does nothing."""
+    if kernels.backend() == "cuda":
+        mx.eval(mx.max(array))
+
+
 def embedding_unchecked(table_bytes: mx.array, ids: mx.array, ggml_type, hidden: int, vocab: int,
                         dtype=mx.float32):
     """The gather itself, with no host validation: an id outside the table reads row vocab-1
