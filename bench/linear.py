@@ -28,6 +28,9 @@ from muser_mlx import formats, kernels, ops
 GPU_SHAPES = [(4096, 6656), (256, 6656), (6656, 4096), (19968, 6656), (6656, 19968), (202048, 6656)]
 CPU_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 SCALE_FIELDS = {GGMLType.Q4_K: (0, 2), GGMLType.Q6_K: (208,), GGMLType.Q8_0: (0,), GGMLType.Q4_1: (0, 2)}
+# Muse Glimmer's decode products: q+gate stacked, attn_output, ffn gate+up stacked, ffn_down,
+# and the LM head's shape.
+SWEEP_SHAPES = [(8192, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (202048, 6656)]
 STREAM_BYTES = 512 << 20  # weight copies per shape add up to at least this
 
 
@@ -77,6 +80,10 @@ def main() -> None:
     parser.add_argument("--kernel", action="append", default=[], metavar="TYPE=NAME:UNIT",
                         help="--sweep: also time kernel NAME (values per unit UNIT) for TYPE")
     parser.add_argument("--types", default="", help="--sweep: only these types (e.g. Q4_K,Q6_K)")
+    parser.add_argument("--sweep-rows", type=lambda s: [int(r) for r in s.split(",")], default=[2, 4, 8],
+                        help="--sweep: rows per threadgroup to try (e.g. 4,8,16)")
+    parser.add_argument("--sweep-shapes", type=int, default=len(SWEEP_SHAPES),
+                        help="--sweep: the first N of Muse Glimmer's shapes (the last is the LM head)")
     parser.add_argument("--ours-only", action="store_true",
                         help="skip MLX's quantized_matmul and the f16 matvec (measured in earlier runs)")
     args = parser.parse_args()
@@ -159,12 +166,12 @@ def sweep(rng, bandwidth, args) -> None:
         type_name, rest = spec.split("=")
         name, unit = rest.split(":")
         candidates.append((GGMLType[type_name], ops.MatvecKernel(name, 4, 64, int(unit))))
-    configs = [(r, n) for r in (2, 4, 8) for n in (32, 64, 128, 256)]
+    configs = [(r, n) for r in args.sweep_rows for n in (64, 128, 256)]
     print("| shape out x in | kernel | " + " | ".join(f"R{r} T{n}" for r, n in configs) + " |")
     print("| --- | --- | " + " | ".join("---:" for _ in configs) + " |")
     saved = dict(ops.MATVEC_KERNELS)
     try:
-        for out_features, in_features in [(4096, 6656), (19968, 6656), (6656, 19968), (202048, 6656)]:
+        for out_features, in_features in SWEEP_SHAPES[:args.sweep_shapes]:
             for ggml_type, kernel in candidates:
                 if args.types and ggml_type.name not in args.types.split(","):
                     continue
