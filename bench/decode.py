@@ -233,16 +233,24 @@ def main() -> None:
         print(f"  pipelined (next step built while this one runs): {pipelined:7.2f} ms/token "
               f"({pipelined / floor_ms:.2f}x the floor; {1e3 / pipelined:.1f} tokens/s)", flush=True)
         if args.fusion:
-            # The same steps with qk_norm_rope's 8 MLX ops per layer in place of its one launch.
-            ops.qk_norm_rope = ops.qk_norm_rope_mlx
-            try:
-                plain_ms, plain_build_ms = decode_ms(model, cache, args.steps)
-                plain_pipelined = pipelined_decode_ms(model, cache, args.steps)
-            finally:
-                ops.qk_norm_rope = fused
-            print(f"  qk_norm_rope as MLX ops: {plain_ms:7.2f} ms/token ({plain_build_ms:.2f} ms building), "
-                  f"pipelined {plain_pipelined:7.2f}; the fused kernel saves {plain_ms - ms:.2f} ms "
-                  f"one step at a time, {plain_pipelined - pipelined:.2f} ms pipelined", flush=True)
+            # The same steps with qk_norm_rope's MLX ops (8 per layer) in place of its one
+            # launch, alternating with the fused kernel three times (run-to-run variance is of
+            # the order of the difference). Each run adds ~25 tokens to the context.
+            runs = {ops.qk_norm_rope_mlx: ([], []), fused: ([], [])}
+            for _ in range(3):
+                for variant, (sequential, overlapped) in runs.items():
+                    ops.qk_norm_rope = variant
+                    try:
+                        sequential.append(decode_ms(model, cache, args.steps)[0])
+                        overlapped.append(pipelined_decode_ms(model, cache, args.steps))
+                    finally:
+                        ops.qk_norm_rope = fused
+            (plain, plain_piped), (ours, ours_piped) = ([statistics.median(v) for v in pair]
+                                                        for pair in runs.values())
+            print(f"  qk_norm_rope as MLX ops vs fused (medians of 3 alternating runs): one step at a "
+                  f"time {plain:.2f} vs {ours:.2f} ms, pipelined {plain_piped:.2f} vs {ours_piped:.2f} ms; "
+                  f"the fusion saves {plain - ours:.2f} ms and {plain_piped - ours_piped:.2f} ms",
+                  flush=True)
 
     cache = model.make_cache()
     chunk = 512

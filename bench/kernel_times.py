@@ -61,6 +61,9 @@ def matvec(args) -> None:
     from muser_mlx.formats import GGMLType
 
     ggml_type = GGMLType[args.type]
+    if args.group_rows:  # another configuration of the type's decode kernel
+        kernel = ops.MATVEC_KERNELS[ggml_type]
+        ops.MATVEC_KERNELS[ggml_type] = kernel._replace(rows=args.group_rows, threads=args.threads or kernel.threads)
     weight = Weight(valid_weight(np.random.default_rng(0), ggml_type, args.rows, args.cols), ggml_type,
                     args.cols, args.rows)
     x = mx.random.normal((1, args.cols))
@@ -106,6 +109,8 @@ def main() -> None:
     parser.add_argument("--type", default="Q4_K", help="matvec: the weight format")
     parser.add_argument("--rows", type=int, default=39936, help="matvec: output rows")
     parser.add_argument("--cols", type=int, default=6656, help="matvec: input features")
+    parser.add_argument("--group-rows", type=int, default=0, help="matvec: rows per threadgroup")
+    parser.add_argument("--threads", type=int, default=0, help="matvec: most threads per row")
     args = parser.parse_args()
     {"run": run, "report": report, "matvec": matvec}[args.mode](args)
 

@@ -10,9 +10,7 @@
 // of quants per row (two 16-byte loads) whose low nibbles are sub-block 2g ("a") and high
 // nibbles sub-block 2g+1 ("b"), and one 16-byte load of the super-block's header (d, dmin,
 // 12 scale bytes) whose two scale/min pairs are decoded once per 64 values. The thread loads
-// the matching 64 values of x into registers once per token and streams the ROWS rows past
-// them: x is read from cache once per ROWS rows, and that traffic, not DRAM, bounded the
-// previous version (ncu: L1 throughput 89 %, DRAM 36 %, at 4 rows per threadgroup).
+// the matching 64 values of x once per token and applies them to all ROWS rows.
 // The work per value is what bounds this kernel (integer instructions run at half the FMA
 // rate): a code becomes an exact float with one logic instruction and one FMA
 // (muser_code4), and byte k of a quant word puts code a[4i+k] at bits 8k and b[4i+k] at
@@ -38,42 +36,57 @@ for (int i = 0; i < TOKENS * ROWS; ++i) {
 for (uint unit = position; unit < uint(IN / 64); unit += threads) {
   uint super_block = unit / 4;
   uint group = unit % 4;
+  uint4 quants[2 * ROWS];  // row r: quants[2r] holds bytes 0-15 of the group, quants[2r+1] 16-31
+  float4 factors[ROWS];    // row r: (d * scale a, dmin * min a, d * scale b, dmin * min b)
+  for (int r = 0; r < ROWS; ++r) {
+    uint row = min(first_row + uint(r), uint(OUT - 1));
+    const device uint8_t* block = weight + size_t(row) * size_t(ROW_BYTES) + super_block * 144;
+    uint4 head = *((const device uint4*)block);
+    float d = muser_half_low(head.x);
+    float dmin = muser_half_high(head.x);
+    uint4 pairs = muser_q4k_group_scales(head.y, head.z, head.w, group);
+    factors[r] = float4(d * float(pairs.x), dmin * float(pairs.y), d * float(pairs.z), dmin * float(pairs.w));
+    quants[2 * r] = *((const device uint4*)(block + 16 + 32 * group));
+    quants[2 * r + 1] = *((const device uint4*)(block + 32 + 32 * group));
+  }
+  const device float* xg = x + super_block * 256 + group * 64;
+  float sum_a[TOKENS];
+  float sum_b[TOKENS];
+  float dot_a[TOKENS * ROWS];
+  float dot_b[TOKENS * ROWS];
+  for (int i = 0; i < TOKENS * ROWS; ++i) {
+    dot_a[i] = 0.0f;
+    dot_b[i] = 0.0f;
+  }
   for (int t = 0; t < TOKENS; ++t) {
-    // x of this unit: loaded once, kept in registers for all ROWS rows.
-    const device float* xg = x + t * IN + super_block * 256 + group * 64;
-    float4 xa[8];
-    float4 xb[8];
-    float sum_a = 0.0f;
-    float sum_b = 0.0f;
-    for (int word = 0; word < 8; ++word) {
-      xa[word] = *((const device float4*)(xg + 4 * word));
-      xb[word] = *((const device float4*)(xg + 32 + 4 * word));
-      sum_a += (xa[word].x + xa[word].y) + (xa[word].z + xa[word].w);
-      sum_b += (xb[word].x + xb[word].y) + (xb[word].z + xb[word].w);
+    sum_a[t] = 0.0f;
+    sum_b[t] = 0.0f;
+  }
+  for (int word = 0; word < 8; ++word) {  // quant bytes 4 * word .. 4 * word + 3
+    float4 xa[TOKENS];
+    float4 xb[TOKENS];
+    for (int t = 0; t < TOKENS; ++t) {
+      xa[t] = *((const device float4*)(xg + t * IN + 4 * word));
+      xb[t] = *((const device float4*)(xg + t * IN + 32 + 4 * word));
+      sum_a[t] += (xa[t].x + xa[t].y) + (xa[t].z + xa[t].w);
+      sum_b[t] += (xb[t].x + xb[t].y) + (xb[t].z + xb[t].w);
     }
-    #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      uint row = min(first_row + uint(r), uint(OUT - 1));
-      const device uint8_t* block = weight + size_t(row) * size_t(ROW_BYTES) + super_block * 144;
-      uint4 head = *((const device uint4*)block);
-      uint4 low = *((const device uint4*)(block + 16 + 32 * group));   // quant bytes 0-15
-      uint4 high = *((const device uint4*)(block + 32 + 32 * group));  // quant bytes 16-31
-      float d = muser_half_low(head.x);
-      float dmin = muser_half_high(head.x);
-      uint4 pairs = muser_q4k_group_scales(head.y, head.z, head.w, group);
-      float dot_a = 0.0f;
-      float dot_b = 0.0f;
-      for (int word = 0; word < 8; ++word) {  // quant bytes 4 * word .. 4 * word + 3
-        uint bits = muser_word(word < 4 ? low : high, word % 4);
-        uint middle = bits >> 8;
-        uint top = bits >> 16;
-        dot_a += muser_code4<0>(bits) * xa[word].x + muser_code4<8>(bits) * xa[word].y +
-                 muser_code4<16>(bits) * xa[word].z + muser_code4<16>(middle) * xa[word].w;
-        dot_b += muser_code4<4>(bits) * xb[word].x + muser_code4<12>(bits) * xb[word].y +
-                 muser_code4<12>(middle) * xb[word].z + muser_code4<12>(top) * xb[word].w;
+      uint bits = muser_word(quants[2 * r + word / 4], word % 4);
+      uint middle = bits >> 8;
+      uint top = bits >> 16;
+      float4 a = float4(muser_code4<0>(bits), muser_code4<8>(bits), muser_code4<16>(bits), muser_code4<16>(middle));
+      float4 b = float4(muser_code4<4>(bits), muser_code4<12>(bits), muser_code4<12>(middle), muser_code4<12>(top));
+      for (int t = 0; t < TOKENS; ++t) {
+        dot_a[t * ROWS + r] += a.x * xa[t].x + a.y * xa[t].y + a.z * xa[t].z + a.w * xa[t].w;
+        dot_b[t * ROWS + r] += b.x * xb[t].x + b.y * xb[t].y + b.z * xb[t].z + b.w * xb[t].w;
       }
-      acc[t * ROWS + r] += d * (float(pairs.x) * dot_a + float(pairs.z) * dot_b) -
-                           dmin * (float(pairs.y) * sum_a + float(pairs.w) * sum_b);
+    }
+  }
+  for (int t = 0; t < TOKENS; ++t) {
+    for (int r = 0; r < ROWS; ++r) {
+      float4 f = factors[r];
+      acc[t * ROWS + r] += f.x * dot_a[t * ROWS + r] - f.y * sum_a[t] + f.z * dot_b[t * ROWS + r] - f.w * sum_b[t];
     }
   }
 }

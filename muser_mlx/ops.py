@@ -133,10 +133,11 @@ class MatvecKernel(NamedTuple):
 
 
 # Rows and threads chosen by `bench/linear.py --sweep` on the H200 (bench/RESULTS.md): the best
-# geometric mean over Muse Glimmer's shapes. Q8_0 measured best at 8 rows on large shapes (the
-# 202048-row head: 549 vs 679 µs) and equal at 4 on Muse Glimmer's 512 k/v rows; it stays at 4,
-# the configuration whose GPU tests passed first.
-MATVEC_KERNELS = {GGMLType.Q4_K: MatvecKernel("matvec_q4k", 4, 64, 64),
+# or near-best over Muse Glimmer's decode shapes. Q8_0 measured best at 8 rows on large shapes
+# (the 202048-row head: 549 vs 679 µs) and equal at 4 on Muse Glimmer's 512 k/v rows; it stays
+# at 4, the configuration whose GPU tests passed first. Q4_K (session 6): 4 rows, up to 128
+# threads; 8 or 16 rows with x held in registers measured no faster (occupancy fell to 17 %).
+MATVEC_KERNELS = {GGMLType.Q4_K: MatvecKernel("matvec_q4k", 4, 128, 64),
                   GGMLType.Q6_K: MatvecKernel("matvec_q6k", 4, 128, 32),
                   GGMLType.Q8_0: MatvecKernel("matvec_q8_0", 4, 128, 32)}
 
