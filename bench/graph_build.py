@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from muser_mlx import kernels, ops, testing  # noqa: E402
+from muser_mlx import ops, testing  # noqa: E402
 from muser_mlx.generate import load  # noqa: E402
 
 
@@ -52,18 +52,10 @@ def main() -> None:
         with mx.stream(mx.cpu):
             model, _ = load(path)
     fused = ops.qk_norm_rope
-
-    def as_mlx_ops(*arguments, **keywords):
-        kernels.backend = lambda: "cpu"  # qk_norm_rope's CPU rendering: MLX's own ops
-        try:
-            return fused(*arguments, **keywords)
-        finally:
-            kernels.backend = lambda: "cuda"
-
     print(f"{args.layers}-layer step, median of {args.steps} builds (GPU launches recorded, not run)")
     with mx.stream(mx.cpu), testing.recorded_launches():
         for _ in range(2):
-            for label, qk in (("qk_norm_rope fused", fused), ("qk_norm_rope as MLX ops", as_mlx_ops)):
+            for label, qk in (("qk_norm_rope fused", fused), ("qk_norm_rope as MLX ops", ops.qk_norm_rope_mlx)):
                 ops.qk_norm_rope = qk
                 print(f"{label:26s} {build_ms(model, args.steps):6.2f} ms to build", flush=True)
 
