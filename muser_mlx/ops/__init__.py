@@ -10,12 +10,13 @@ from muser_mlx.ops.attention import attention_decode, qk_norm_rope, qk_norm_rope
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.embedding import check_token_ids, embedding, embedding_unchecked, make_resident
 from muser_mlx.ops.activations import Q8X, quantize_rows
-from muser_mlx.ops.products import (MATVEC_KERNELS, PRODUCT_FORMATS, MatvecKernel, dequantize_weight, gelu_tanh, greedy, linear,
+from muser_mlx.ops.products import (MATVEC_KERNELS, PRODUCT_CONFIG, PRODUCT_FORMATS, MatvecKernel,
+                                    ProductConfig, dequantize_weight, gelu_tanh, greedy, linear,
                                     linear_path, product, product_glu)
 from muser_mlx.ops.norm import residual_norm, residual_norm_quant
 
 __all__ = [
-    "MAX_GRID", "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MatvecKernel", "PRODUCT_FORMATS", "Q8X", "attention_decode", "check_token_ids",
+    "MAX_GRID", "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MatvecKernel", "PRODUCT_CONFIG", "PRODUCT_FORMATS", "ProductConfig", "Q8X", "attention_decode", "check_token_ids",
     "dequantize_weight", "embedding", "embedding_unchecked", "gelu_tanh", "greedy", "linear",
     "linear_path", "make_resident", "product", "product_glu", "qk_norm_rope", "qk_norm_rope_mlx",
     "quantize_rows", "residual_norm", "residual_norm_quant", "split_heads",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -105,7 +106,8 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                                      q_weight, k_weight, bias, rope, eps, scale)
     group = heads // kv_heads
     head_group = max(g for g in range(1, min(group, 4) + 1) if group % g == 0)
-    split = 32 * max(1, -(-capacity // (32 * ATTENTION_SPLITS)))
+    # Keys per split, from a few sizes (each a kernel): ATTENTION_SPLITS splits or more.
+    split = 32 * 2 ** max(0, math.ceil(math.log2(capacity / (32 * ATTENTION_SPLITS))))
     splits = -(-capacity // split)
     dims = rope["dims"] if rope is not None else 0
     unused = _scalar(0.0)
@@ -116,8 +118,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                 position, keys, values, _pair(eps, scale)],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
-                  ("BIAS", int(bias is not None)), ("CAPACITY", capacity), ("SPLIT", split), ("SPLITS", splits),
-                  ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],
+                  ("BIAS", int(bias is not None)), ("SPLIT", split), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],
         grid=(32 * kv_heads * (group // head_group) * splits, 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=[(heads, splits, head_dim), (heads, splits, 2)],
@@ -126,8 +127,8 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     codes, scales, sums = kernels.launch(
         "attention_combine",
         inputs=[partial_o, partial_stats, y],
-        template=[("HEADS", heads), ("HEAD_DIM", head_dim), ("SPLITS", splits),
-                  ("GATE", int(gate is not None)), ("G_OFF", gate or 0)],
+        template=[("HEADS", heads), ("HEAD_DIM", head_dim), ("GATE", int(gate is not None)),
+                  ("G_OFF", gate or 0)],
         grid=(heads * head_dim, 1, 1),  # a SIMD group per 32 channels
         threadgroup=(256, 1, 1),
         output_shapes=q8x_shapes((1,), heads * head_dim),

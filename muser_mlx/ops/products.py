@@ -43,11 +43,20 @@ MATVEC_KERNELS = {GGMLType.Q4_K: MatvecKernel("matvec_q4k", 4, 128, 64),
 
 # Formats the q8x product kernels read (blocks.metal: muser_load_x_unit / muser_unit_dot).
 PRODUCT_FORMATS = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
-# Rows per SIMD group and SIMD groups per threadgroup of kernel product (and rows per SIMD group
-# of product_glu, whose threadgroups hold 32 rows). Chosen by `bench/linear.py --sweep` on the
-# H200 (bench/RESULTS.md).
-PRODUCT_ROWS = 4
-PRODUCT_SIMD_GROUPS = 4
+
+
+class ProductConfig(NamedTuple):
+    """Rows per SIMD group and SIMD groups per threadgroup of kernel product for a weight
+    format (a launch of two weights takes its first's); product_glu takes `rows` (its
+    threadgroups hold 32 rows: 32 / rows SIMD groups)."""
+
+    rows: int
+    simd_groups: int
+
+
+# Chosen by `bench/linear.py --products` on the H200 (bench/RESULTS.md).
+PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(4, 4), GGMLType.Q6_K: ProductConfig(4, 4),
+                  GGMLType.Q8_0: ProductConfig(4, 4)}
 
 _log = logging.getLogger(__name__)
 
@@ -179,19 +188,20 @@ def product(x: Q8X, weight, second=None, head: tuple[float, float] | None = None
         y = _softcap(y * head[0], head[1])
         return y, mx.stack([mx.max(y.reshape(tokens, -1), axis=-1),
                             mx.argmax(y.reshape(tokens, -1), axis=-1).astype(mx.float32)], axis=-1)[:, None]
-    groups = -(-out_a // PRODUCT_ROWS) - (-out_b // PRODUCT_ROWS)  # SIMD groups
-    threadgroups = -(-groups // PRODUCT_SIMD_GROUPS)
+    rows, simd_groups = PRODUCT_CONFIG[block_format(weight.ggml_type).ggml_type]
+    groups = -(-out_a // rows) - (-out_b // rows)  # SIMD groups
+    threadgroups = -(-groups // simd_groups)
     template = (_weight_template("A", weight) + [("OUT_A", out_a)]
                 + _weight_template("B", second if second is not None else weight)
-                + [("OUT_B", out_b), ("IN", in_features), ("TOKENS", tokens), ("ROWS", PRODUCT_ROWS),
+                + [("OUT_B", out_b), ("IN", in_features), ("TOKENS", tokens), ("ROWS", rows),
                    ("EPILOGUE", int(head is not None))])
     y, best = kernels.launch(
         "product",
         inputs=[weight.data, (second if second is not None else weight).data, *x,
                 _parameters(*(head if head is not None else (1.0, 0.0)))],
         template=template,
-        grid=(32 * PRODUCT_SIMD_GROUPS * threadgroups, 1, 1),
-        threadgroup=(32 * PRODUCT_SIMD_GROUPS, 1, 1),
+        grid=(32 * simd_groups * threadgroups, 1, 1),
+        threadgroup=(32 * simd_groups, 1, 1),
         output_shapes=[(*lead, out_a + out_b), (tokens, threadgroups, 2) if head is not None else (1,)],
         output_dtypes=[mx.float32, mx.float32],
     )
@@ -237,6 +247,7 @@ def product_glu(x: Q8X, gate, up, activation: str = "silu") -> Q8X:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     lead = x.shape[:-1]
+    rows = PRODUCT_CONFIG[block_format(gate.ggml_type).ggml_type].rows
     if kernels.backend() == "cpu":
         values = x.dequantize()
         g = linear(values, gate)
@@ -246,10 +257,10 @@ def product_glu(x: Q8X, gate, up, activation: str = "silu") -> Q8X:
         "product_glu",
         inputs=[gate.data, up.data, *x],
         template=_weight_template("G", gate) + _weight_template("U", up)
-        + [("OUT", ff), ("IN", x.shape[-1]), ("TOKENS", math.prod(lead)), ("ROWS", PRODUCT_ROWS),
+        + [("OUT", ff), ("IN", x.shape[-1]), ("TOKENS", math.prod(lead)), ("ROWS", rows),
            ("ACTIVATION", ACTIVATIONS[activation])],
-        grid=(ff // 32 * 32 * (32 // PRODUCT_ROWS), 1, 1),
-        threadgroup=(32 * (32 // PRODUCT_ROWS), 1, 1),
+        grid=(ff // 32 * 32 * (32 // rows), 1, 1),  # a threadgroup per 32 rows
+        threadgroup=(32 * (32 // rows), 1, 1),
         output_shapes=q8x_shapes(tuple(lead), ff),
         output_dtypes=Q8X_DTYPES,
     )
