@@ -43,7 +43,7 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
     q_out, k_out = kernels.launch(
         "qk_norm_rope",
         inputs=[q, k, q_weight, k_weight, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
-                mx.array([start], dtype=mx.int32), _scalar(eps)],
+                mx.array([start], dtype=mx.int32), kernels.parameters(eps)],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"])))],
         grid=(32 * batch * tokens * (heads + kv_heads), 1, 1),
@@ -68,11 +68,6 @@ def _inverse_frequencies(dims: int, base: float) -> mx.array:
     if dims == 0:
         return mx.zeros((1,))
     return mx.array((base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32))
-
-
-@functools.lru_cache(maxsize=None)
-def _scalar(value: float) -> mx.array:
-    return mx.array([value], dtype=mx.float32)
 
 
 ATTENTION_SPLITS = 64  # splits of a cache the first pass aims for (enough SIMD groups to fill the GPU)
@@ -110,12 +105,12 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     split = 32 * 2 ** max(0, math.ceil(math.log2(capacity / (32 * ATTENTION_SPLITS))))
     splits = -(-capacity // split)
     dims = rope["dims"] if rope is not None else 0
-    unused = _scalar(0.0)
+    unused = kernels.parameters(0.0)
     partial_o, partial_stats = kernels.launch(
         "attention_decode",
         inputs=[y, q_weight if q_weight is not None else unused, k_weight if k_weight is not None else unused,
                 bias if bias is not None else unused, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
-                position, keys, values, _pair(eps, scale)],
+                position, keys, values, kernels.parameters(eps, scale)],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
                   ("BIAS", int(bias is not None)), ("SPLIT", split), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],
@@ -165,8 +160,3 @@ def _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, 
     if gate is not None:
         o = o * mx.sigmoid(y[:, gate : gate + heads * head_dim])
     return quantize_rows_mlx(o), keys, values
-
-
-@functools.lru_cache(maxsize=None)
-def _pair(first: float, second: float) -> mx.array:
-    return mx.array([first, second], dtype=mx.float32)
