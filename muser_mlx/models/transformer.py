@@ -315,7 +315,11 @@ class Transformer(nn.Module):
                                              [layer_cache.keys for layer_cache in cache],
                                              [layer_cache.values for layer_cache in cache])
         for layer_cache, layer_keys, layer_values in zip(cache, keys, values):
-            layer_cache.keys, layer_cache.values = layer_keys, layer_values
+            # On a GPU the kernels wrote these arrays in place, which MLX cannot see: whatever
+            # reads the cache next (a step fed a token from the host, a prefill chunk) must run
+            # after this step. The caches become the same buffers, made to depend on the logits,
+            # which depend on every layer's cache write.
+            layer_cache.keys, layer_cache.values = mx.depends([layer_keys, layer_values], [logits])
             layer_cache.advance(1)
         return logits, greedy
 

@@ -29,8 +29,8 @@ class ProductConfig(NamedTuple):
 
 
 # Chosen by `bench/linear.py --products` on the H200 (bench/RESULTS.md).
-PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(4, 4), GGMLType.Q6_K: ProductConfig(4, 4),
-                  GGMLType.Q8_0: ProductConfig(4, 4)}
+PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8), GGMLType.Q6_K: ProductConfig(2, 4),
+                  GGMLType.Q8_0: ProductConfig(2, 4)}
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
