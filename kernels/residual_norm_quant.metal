@@ -26,11 +26,19 @@ uint token = threadgroup_position_in_grid.x;
 uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
 size_t row = size_t(token) * size_t(HIDDEN);
+// Every load first, so the threadgroup waits for memory once.
 float values[PER_GROUP];
+float residuals[PER_GROUP];
+float branch_weights[PER_GROUP];
+float next_weights[PER_GROUP];
 float squares = 0.0f;
 for (int i = 0; i < PER_GROUP; ++i) {
   uint b = warp + uint(i * GROUPS);
-  values[i] = b < uint(BLOCKS) ? branch[row + 32u * b + lane] : 0.0f;
+  uint e = min(b, uint(BLOCKS - 1)) * 32u + lane;  // past the last block: a value never stored
+  values[i] = b < uint(BLOCKS) ? branch[row + e] : 0.0f;
+  residuals[i] = RESIDUAL ? residual[row + e] : 0.0f;
+  branch_weights[i] = BRANCH_NORM ? branch_weight[e] : 1.0f;
+  next_weights[i] = next_weight[e];
   squares += values[i] * values[i];
 }
 float branch_scale = params[2];
@@ -49,15 +57,10 @@ if (BRANCH_NORM) {
 squares = 0.0f;
 for (int i = 0; i < PER_GROUP; ++i) {
   uint b = warp + uint(i * GROUPS);
+  values[i] = values[i] * branch_scale * branch_weights[i] + residuals[i];
   if (b < uint(BLOCKS)) {
-    uint e = 32u * b + lane;
-    float v = values[i] * branch_scale * (BRANCH_NORM ? branch_weight[e] : 1.0f);
-    if (RESIDUAL) {
-      v += residual[row + e];
-    }
-    total[row + e] = v;
-    values[i] = v;
-    squares += v * v;
+    total[row + 32u * b + lane] = values[i];
+    squares += values[i] * values[i];
   }
 }
 float total_squares = simd_sum(squares);
@@ -73,7 +76,7 @@ float next_scale = 1.0f / sqrt(sum / float(HIDDEN) + params[1]);
 for (int i = 0; i < PER_GROUP; ++i) {
   uint b = warp + uint(i * GROUPS);
   if (b < uint(BLOCKS)) {
-    muser_quantize_block(values[i] * next_scale * next_weight[32u * b + lane], lane, xq + row, xd + row / 32u,
+    muser_quantize_block(values[i] * next_scale * next_weights[i], lane, xq + row, xd + row / 32u,
                          xs + row / 8u, b);
   }
 }

@@ -103,7 +103,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     head_group = max(g for g in range(1, min(group, 4) + 1) if group % g == 0)
     # Keys per split, from a few sizes (each a kernel): ATTENTION_SPLITS splits or more.
     split = 32 * 2 ** max(0, math.ceil(math.log2(capacity / (32 * ATTENTION_SPLITS))))
-    splits = -(-capacity // split)
+    splits = -(-capacity // split)  # at most ATTENTION_SPLITS: attention_combine's lanes hold 2 each
     dims = rope["dims"] if rope is not None else 0
     unused = kernels.parameters(0.0)
     partial_o, partial_stats = kernels.launch(
