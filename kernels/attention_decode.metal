@@ -1,5 +1,5 @@
 // kernel: attention_decode
-// inputs: y q_weight k_weight bias inv_freq state k_cache v_cache params
+// inputs: y q_weight k_weight bias inv_freq state k_cache v_cache params after
 // outputs: partial_o partial_stats
 //
 // One decode token's attention, first pass (flash-decoding), fused with what precedes it: the
@@ -12,7 +12,9 @@
 //   k_cache, v_cache: f16 [1, KV_HEADS, CAPACITY, HEAD_DIM]. The token's key and value are
 //      written IN PLACE at slot w = p % CAPACITY (MLX knows these arrays only as inputs: the
 //      caller keeps them alive and orders every later reader after this launch through the
-//      outputs). Slots 0 .. n-1, n = min(p + 1, CAPACITY), are the keys p may see: a full
+//      outputs; `after`, an output of the last step that wrote them, unread here, is an input
+//      so that MLX orders this launch after that step: MLX sees no write of the caches).
+//      Slots 0 .. n-1, n = min(p + 1, CAPACITY), are the keys p may see: a full
 //      cache holds position s at slot s (CAPACITY > p); a sliding-window ring of CAPACITY =
 //      window keys holds position s at slot s % window, so slot w held p - window, which p
 //      no longer sees. Slot w is read from the new key, never from the cache.
@@ -39,6 +41,7 @@
 const int GROUP = HEADS / KV_HEADS;
 const int HEAD_GROUPS = GROUP / HEAD_GROUP;
 const int CHANNELS = HEAD_DIM / 32;  // value channels per lane
+const int KEY_CHUNKS = HEAD_DIM / 8;  // 16-byte loads per key row
 const uint CAPACITY = uint(k_cache_shape[2]);
 const uint SPLITS = (CAPACITY + uint(SPLIT) - 1u) / uint(SPLIT);
 threadgroup float4 q_tiles[4 * HEAD_GROUP * HEAD_DIM / 4];
@@ -73,6 +76,20 @@ for (int i = 0; i < HEAD_GROUP; ++i) {
   }
 }
 if (first < last) {
+  const device half* keys = k_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
+  const device half* values = v_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
+  // The first 32 slots' key rows (lane l: slot first + l) are loaded before anything waits:
+  // they do not depend on q, so their latency hides behind q's preparation. A lane without a
+  // stored key reads row `first` and ignores it.
+  uint4 key_rows[KEY_CHUNKS];
+  {
+    uint slot = first + lane;
+    bool stored = slot < last && slot != write_slot;
+    const device uint4* key = (const device uint4*)(keys + size_t(stored ? slot : first) * HEAD_DIM);
+    for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
+      key_rows[chunk] = key[chunk];
+    }
+  }
   float eps = params[0];
   muser_heads_prepare<HEAD_GROUP, HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
       y + Q_OFF + first_head * uint(HEAD_DIM), bias + first_head * uint(HEAD_DIM), q_weight, inv_freq,
@@ -98,19 +115,23 @@ if (first < last) {
       v_store[e] = half(v_tile[e]);
     }
   }
-  const device half* keys = k_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
-  const device half* values = v_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
   for (uint base = first; base < last; base += 32u) {
     uint slot = base + lane;
     bool valid = slot < last;
+    bool stored = valid && slot != write_slot;
+    if (base != first) {
+      const device uint4* key = (const device uint4*)(keys + size_t(stored ? slot : first) * HEAD_DIM);
+      for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
+        key_rows[chunk] = key[chunk];
+      }
+    }
     float score[HEAD_GROUP];
     for (int i = 0; i < HEAD_GROUP; ++i) {
       score[i] = 0.0f;
     }
-    if (valid && slot != write_slot) {
-      const device uint4* key = (const device uint4*)(keys + size_t(slot) * HEAD_DIM);
-      for (int chunk = 0; chunk < HEAD_DIM / 8; ++chunk) {
-        uint4 packed = key[chunk];
+    if (stored) {
+      for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
+        uint4 packed = key_rows[chunk];
         float4 low = float4(muser_half_low(packed.x), muser_half_high(packed.x), muser_half_low(packed.y),
                             muser_half_high(packed.y));
         float4 high = float4(muser_half_low(packed.z), muser_half_high(packed.z), muser_half_low(packed.w),

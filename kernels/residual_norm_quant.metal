@@ -73,10 +73,31 @@ for (int g = 0; g < GROUPS; ++g) {
   sum += partial_total[g];
 }
 float next_scale = 1.0f / sqrt(sum / float(HIDDEN) + params[1]);
+// The SIMD group's blocks quantized side by side (their shuffle chains independent), stores
+// of blocks past the last skipped.
+float scales[PER_GROUP];
+float codes[PER_GROUP];
 for (int i = 0; i < PER_GROUP; ++i) {
+  values[i] *= next_scale * next_weights[i];
+  scales[i] = simd_max(fabs(values[i])) / 127.0f;
+}
+for (int i = 0; i < PER_GROUP; ++i) {
+  codes[i] = scales[i] > 0.0f ? round(values[i] / scales[i]) : 0.0f;
+  values[i] = codes[i] + simd_shuffle_xor(codes[i], 1u);
+}
+for (int i = 0; i < PER_GROUP; ++i) {
+  values[i] += simd_shuffle_xor(values[i], 2u);
+}
+for (int i = 0; i < PER_GROUP; ++i) {
+  values[i] += simd_shuffle_xor(values[i], 4u);
   uint b = warp + uint(i * GROUPS);
   if (b < uint(BLOCKS)) {
-    muser_quantize_block(values[i] * next_scale * next_weights[i], lane, xq + row, xd + row / 32u,
-                         xs + row / 8u, b);
+    xq[row + 32u * b + lane] = int8_t(codes[i]);
+    if (lane % 8u == 0u) {
+      xs[row / 8u + 4u * b + lane / 8u] = scales[i] * values[i];
+    }
+    if (lane == 0u) {
+      xd[row / 32u + b] = scales[i];
+    }
   }
 }
