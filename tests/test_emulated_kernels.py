@@ -220,10 +220,10 @@ def broken(name, part, old, new):
     return {name: dataclasses.replace(source, **{part: text.replace(old, new)})}
 
 
-def q4k_weight(rng, in_features, out_features):
+def tensor(rng, ggml_type, in_features, out_features):
     """A stand-in for a GGUF tensor: what ops.linear reads of one."""
-    raw = testing.random_blocks(rng, GGMLType.Q4_K, out_features, in_features)
-    return SimpleNamespace(shape=(in_features, out_features), name="w", ggml_type=GGMLType.Q4_K, data=mx.array(raw))
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    return SimpleNamespace(shape=(in_features, out_features), name="w", ggml_type=ggml_type, data=mx.array(raw))
 
 
 def test_a_missing_barrier_leaves_nan_in_the_outputs(rng):
@@ -232,7 +232,7 @@ def test_a_missing_barrier_leaves_nan_in_the_outputs(rng):
     sources = broken("matvec_q4k", "header", "threadgroup_barrier(mem_flags::mem_threadgroup);", "")
     x = mx.array(rng.standard_normal((2, 2304)).astype(np.float32))
     with emulated_gpu(sources=sources), kernels.poisoned_outputs():
-        out = np.array(ops.linear(x, q4k_weight(rng, 2304, 9)))
+        out = np.array(ops.linear(x, tensor(rng, GGMLType.Q4_K, 2304, 9)))
     assert np.isnan(out).any()
 
 
@@ -240,16 +240,15 @@ def test_a_thread_returning_before_a_barrier_is_reported(rng):
     sources = broken("matvec_q4k", "body", "if (first_row >= uint(OUT)) {", "if (first_row >= uint(OUT) || position >= 32u) {")
     x = mx.array(rng.standard_normal((1, 2304)).astype(np.float32))
     with emulated_gpu(sources=sources), pytest.raises(EmulationError, match="barrier that not every thread"):
-        ops.linear(x, q4k_weight(rng, 2304, 9))
+        ops.linear(x, tensor(rng, GGMLType.Q4_K, 2304, 9))
 
 
 def test_lanes_returning_before_simd_sum_are_reported(rng):
     # The last lane of the last row returns alone: the CUDA rendering's full-mask shuffle hangs.
     sources = broken("matvec", "body", "if (row >= uint(OUT)) {", "if (thread_position_in_grid.x + 1u >= 32u * uint(OUT)) {")
-    raw = testing.random_blocks(rng, GGMLType.Q5_K, 9, 256)
     x = mx.array(rng.standard_normal((1, 256)).astype(np.float32))
     with emulated_gpu(sources=sources), pytest.raises(EmulationError, match=r"lane 31\).* has returned, while .* waits in simd_sum"):
-        ops._matvec("matvec", x, mx.array(raw), formats.block_format(GGMLType.Q5_K), 256, 9)
+        ops.linear(x, tensor(rng, GGMLType.Q5_K, 256, 9))  # no dedicated kernel: matvec
 
 
 def test_an_unwritten_output_is_nan(rng):
@@ -277,11 +276,9 @@ def test_surplus_threads_without_the_bound_check_are_reported(rng):
 
 def test_a_misaligned_vector_load_is_reported(rng):
     sources = broken("matvec_q6k", "body", "(block + 64 * half_index + l0)", "(block + 64 * half_index + l0 + 1)")
-    raw = testing.random_blocks(rng, GGMLType.Q6_K, 5, 256)
     x = mx.array(rng.standard_normal((1, 256)).astype(np.float32))
-    kernel = ops.MATVEC_KERNELS[GGMLType.Q6_K].name
     with emulated_gpu(sources=sources), pytest.raises(EmulationError, match="2-byte aligned values at byte 1 of `weight`"):
-        ops._matvec(kernel, x, mx.array(raw), formats.block_format(GGMLType.Q6_K), 256, 5)
+        ops.linear(x, tensor(rng, GGMLType.Q6_K, 256, 5))
 
 
 def test_an_endless_loop_is_reported(rng):
