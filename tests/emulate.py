@@ -70,6 +70,7 @@ _DTYPES = {  # MLX dtype -> numpy dtype of its bytes
     mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.int32: np.int32,
     mx.uint32: np.uint32, mx.int8: np.int8, mx.uint8: np.uint8, mx.int64: np.int64,
 }
+_lock = threading.RLock()  # one launch at a time: the runtime's state is global
 _PARAMETER = re.compile(r"\s*(.*?)\s*\b(\w+)\s*\[\[(\w+)(?:\((\d+)\))?\]\]\s*$")
 
 
@@ -94,13 +95,14 @@ def emulation_program(name: str, inputs: list[InputSpec], output_dtypes, templat
     """The C++ program for one launch and its buffer parameters' names, in order: metal_program's
     text (of `source` instead of the kernel file, if given) in an anonymous namespace, then
     muser_emu_entry(buffers), which calls the kernel with the running thread's attributes."""
-    saved = kernels.source
-    if source is not None:
-        kernels.source = lambda n: source if n == name else saved(n)
-    try:
-        metal = kernels.metal_program(name, inputs, output_dtypes, template)
-    finally:
-        kernels.source = saved
+    with _lock:
+        saved = kernels.source
+        if source is not None:
+            kernels.source = lambda n: source if n == name else saved(n)
+        try:
+            metal = kernels.metal_program(name, inputs, output_dtypes, template)
+        finally:
+            kernels.source = saved
     function = f"custom_kernel_muser_{name}"
     signature = re.search(rf"void {function}\(\n(.*?)\) {{\n", metal, re.S).group(1)
     arguments, buffers = [], []
@@ -128,7 +130,6 @@ def emulation_program(name: str, inputs: list[InputSpec], output_dtypes, templat
 # Building (once per text, cached on disk) and loading
 # ---------------------------------------------------------------------------------------------
 
-_lock = threading.RLock()
 _loaded: dict[str, ctypes.CDLL] = {}
 
 

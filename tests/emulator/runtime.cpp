@@ -135,7 +135,8 @@ bool run_threadgroup(uint n, bool reverse) {
       for (uint i = first; i < last; ++i) {
         const Fiber& f = fibers[i];
         if (f.state != AT_SIMD || f.calls != caller->calls || strcmp(f.op, caller->op) != 0)
-          return diverged("lanes of a SIMD group diverged at a SIMD-group function", f, *caller);
+          return diverged("lanes of a SIMD group diverged at a SIMD-group function (the CUDA rendering's "
+                          "shuffles take all 32 lanes: a SIMD group returns whole or not at all)", f, *caller);
       }
       for (uint i = first; i < last; ++i) fibers[i].state = RUNNABLE;
       released = true;
@@ -147,7 +148,8 @@ bool run_threadgroup(uint n, bool reverse) {
     for (uint i = 0; i < n; ++i) {
       const Fiber& f = fibers[i];
       if (f.state != AT_BARRIER || f.barriers != waiting->barriers)
-        return diverged("a barrier that not every thread of the threadgroup reaches", f, *waiting);
+        return diverged("a barrier that not every thread of the threadgroup reaches (a threadgroup "
+                          "returns whole before a barrier, or not at all)", f, *waiting);
     }
     for (uint i = 0; i < n; ++i) fibers[i].state = RUNNABLE;
   }
