@@ -18,6 +18,8 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from muser_mlx import formats, gguf, kernels, ops, testing
 from muser_mlx.kernels import KernelSource
+from muser_mlx.models import build_model
+from muser_mlx.reference import Reference
 from tests.conftest import relative_error
 from tests.emulate import EmulationError, emulated_gpu, run
 from tests.test_qk_norm_rope import reference as rope_reference
@@ -293,3 +295,23 @@ def test_an_endless_loop_is_reported(rng):
     with pytest.raises(EmulationError, match="ran out of CPU time"):
         run("matvec", [raw, x], template, (288, 1, 1), (256, 1, 1), [(1, 9)], [mx.float32], source=source,
             cpu_seconds=0.2)
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole model through the GPU path
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_tiny_model_decodes_on_the_emulated_gpu(tmp_path, rng):
+    # Muse Glimmer's layer (QK norm, attention gate) of Q4_K / Q6_K weights, fed one token at a
+    # time (decode: matvec_q4k / q6k, qk_norm_rope, the KV cache growing), against the float64
+    # numpy reference. One token per step keeps to 8 kernel builds (TOKENS is a template constant).
+    path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1)
+    with gguf.read(path) as file, emulated_gpu() as launches, kernels.poisoned_outputs():
+        model = build_model(file)
+        ids = rng.integers(0, model.config.vocab, size=6)
+        cache = model.make_cache()
+        logits = np.concatenate([np.array(model(ids[None, t : t + 1], cache)) for t in range(ids.size)], 1)
+        expected = Reference(model.config, file.tensors).forward(ids)
+    assert {launch[0] for launch in launches} == {"embedding", "qk_norm_rope", "matvec_q4k", "matvec_q6k"}
+    assert relative_error(logits[0], expected) <= 1e-4  # tests/test_models.py's bound on the CPU
