@@ -22,6 +22,17 @@ of the text), and tests/emulator/runtime.cpp runs a launch of it over numpy arra
 - emulated_gpu() makes the ops take their GPU path and runs every launch here, twice: threads
   in order and in reverse order; outputs that differ reveal a missing barrier or a race.
 
+Testing a kernel (tests/test_emulated_kernels.py has one test per kernel):
+
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = np.array(ops.linear(x, weight))   # the op's real GPU path: its grid, template
+    assert launches[0][0] == "matvec_q4k" and np.isfinite(out).all()   # NaN: never written
+    assert relative_error(out, reference) <= 2e-5
+    # one launch, no op yet: run(name, inputs, template, grid, threadgroup, shapes, dtypes)
+    # a broken variant: emulated_gpu(sources={name: dataclasses.replace(kernels.source(name), ...)})
+
+A builtin the kernel needs and metal.h lacks fails its build: add it there, in its section.
+
 Not emulated: memory ordering between threads (fibers run one at a time, so a race shows only
 when the two orders give different results or a read meets NaN), atomics, textures, Metal's
 fast math (float math here is correctly rounded, as in CUDA), swizzles, and anything that only

@@ -20,11 +20,13 @@ from muser_mlx import formats, gguf, kernels, ops, testing
 from muser_mlx.kernels import KernelSource
 from muser_mlx.models import build_model
 from muser_mlx.reference import Reference
-from tests.conftest import relative_error
+from tests.conftest import gpu_available, relative_error
 from tests.emulate import EmulationError, emulated_gpu, run
 from tests.test_qk_norm_rope import reference as rope_reference
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the emulator's runtime is Linux-only")
+# On a GPU machine the other tests run these kernels for real (and its session time is scarce).
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="the emulator's runtime is Linux-only"),
+              pytest.mark.skipif(gpu_available(), reason="a real GPU runs the kernels in the other tests")]
 
 # Relative error ||out - ref|| / ||ref|| allowed: float32 sums in another order (~1e-7; the
 # bound of tests/test_linear.py); decoded values are exact; float16 outputs round each value
