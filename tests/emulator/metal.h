@@ -7,8 +7,9 @@
 //   scalars and vectors        half (_Float16), bfloat (bit-exact RNE), vec<T, N> typedefs
 //   math                       MUSER_MATH1 / MUSER_MATH2 lines: float, half and vector overloads
 //   SIMD-group functions       one line each: a function of all 32 lanes' arguments
-// Address spaces vanish (a `threadgroup` array declaration is first rewritten by emulate.py
-// into one array per threadgroup); attributes ([[buffer(0)]], [[kernel]]) are ignored.
+// Address spaces vanish and attributes ([[buffer(0)]], [[kernel]]) are ignored. emulate.py first
+// rewrites what a macro cannot: a `threadgroup` array declaration (one array per threadgroup,
+// MUSER_EMU_THREADGROUP) and pointer casts (Aligned: the pointer's alignment is checked).
 #pragma once
 #include <cmath>
 #include <cstddef>
