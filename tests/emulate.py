@@ -212,8 +212,8 @@ def _host(array) -> tuple[np.ndarray, mx.Dtype]:
         dtype = array.dtype
         if dtype == mx.bfloat16:
             array = array.view(mx.uint16)
-        return np.ascontiguousarray(np.array(array)), dtype
-    array = np.ascontiguousarray(array)
+        return np.require(np.array(array), requirements="C"), dtype  # (ascontiguousarray makes 0-d 1-d)
+    array = np.require(array, requirements="C")
     return array, {np.dtype(v): k for k, v in _DTYPES.items() if k != mx.bfloat16}[array.dtype]
 
 

@@ -196,6 +196,16 @@ def test_metal_dispatch_cuts_the_last_threadgroup():
     assert (out[:64] == 64).all() and (out[64:100] == 36).all() and (out[100:] == -1).all()
 
 
+def test_shapes_strides_ndim_and_scalars_reach_the_kernel():
+    # MLX adds x_shape, x_strides, x_ndim where the body names them; a 0-d input is a reference.
+    body = ("out[0] = float(x_shape[0]); out[1] = float(x_shape[1]); out[2] = float(x_strides[0]);\n"
+            "out[3] = float(x_ndim); out[4] = float(scale) * x[7];\n")
+    x = np.arange(15, dtype=np.float32).reshape(3, 5)
+    (out,) = run("probe", [x, np.array(2, np.int32)], [("WIDTH", 1)], (1, 1, 1), (32, 1, 1), [(5,)], [mx.float32],
+                 source=KernelSource("probe", ("x", "scale"), ("out",), "if (thread_position_in_grid.x == 0) {\n" + body + "}\n", ""))
+    assert out.tolist() == [3, 5, 5, 2, 14]
+
+
 SHARED = """\
 threadgroup float shared[64];
 uint t = thread_position_in_threadgroup.x;
