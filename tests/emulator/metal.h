@@ -25,6 +25,7 @@
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
+typedef unsigned long ulong;  // 64 bits, as in Metal
 
 namespace metal {
 
