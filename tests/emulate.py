@@ -17,8 +17,9 @@ of the text), and tests/emulator/runtime.cpp runs a launch of it over numpy arra
 - Every buffer ends exactly at an inaccessible page: a read or write past its end fails with
   the thread and the buffer named (before its start: only if it leaves the page). A buffer
   starts as aligned as its size allows (16 bytes if its size is a multiple of 16). Inputs are
-  read-only. Outputs start as MLX's init_value (kernels.poisoned_outputs), else as 0xFF bytes
-  (NaN), since MLX leaves them uninitialised.
+  read-only, except those the kernel casts to a writable pointer (`(device half*)k_cache`):
+  their writes reach the caller's array, as on a GPU. Outputs start as MLX's init_value
+  (kernels.poisoned_outputs), else as 0xFF bytes (NaN), since MLX leaves them uninitialised.
 - emulated_gpu() makes the ops take their GPU path and runs every launch here, twice: threads
   in order and in reverse order; outputs that differ reveal a missing barrier or a race.
 
@@ -102,9 +103,10 @@ def to_emulation(metal_text: str) -> str:
 
 
 def emulation_program(name: str, inputs: list[InputSpec], output_dtypes, template,
-                      source: kernels.KernelSource | None = None) -> tuple[str, list[str]]:
-    """The C++ program for one launch and its buffer parameters' names, in order: metal_program's
-    text (of `source` instead of the kernel file, if given) in an anonymous namespace, then
+                      source: kernels.KernelSource | None = None) -> tuple[str, list[str], set[str]]:
+    """The C++ program for one launch, its buffer parameters' names in order, and the inputs it
+    writes in place (cast to a non-const device pointer). The program: metal_program's text (of
+    `source` instead of the kernel file, if given) in an anonymous namespace, then
     muser_emu_entry(buffers), which calls the kernel with the running thread's attributes."""
     with _lock:
         saved = kernels.source
@@ -134,7 +136,7 @@ def emulation_program(name: str, inputs: list[InputSpec], output_dtypes, templat
         + 'extern "C" __attribute__((visibility("default"))) void muser_emu_entry(void* const* b) {\n'
         + f"  {function}<{values}>(\n    " + ",\n    ".join(arguments) + ");\n}\n"
     )
-    return program, buffers
+    return program, buffers, _in_place(kernels.source(name) if source is None else source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,15 +208,18 @@ def _runtime() -> ctypes.CDLL:
 # ---------------------------------------------------------------------------------------------
 
 
-def _host(array) -> tuple[np.ndarray, mx.Dtype]:
-    """A row-contiguous numpy copy of an input (as MLX's kernels take them) and its MLX dtype."""
-    if isinstance(array, mx.array):
-        dtype = array.dtype
-        if dtype == mx.bfloat16:
-            array = array.view(mx.uint16)
-        return np.require(np.array(array), requirements="C"), dtype  # (ascontiguousarray makes 0-d 1-d)
-    array = np.require(array, requirements="C")
-    return array, {np.dtype(v): k for k, v in _DTYPES.items() if k != mx.bfloat16}[array.dtype]
+def _host(array, in_place: bool = False) -> tuple[np.ndarray, mx.Dtype]:
+    """A row-contiguous numpy copy of an input (as MLX's kernels take them) and its MLX dtype;
+    for an input written in place, the caller's own memory where it is row-contiguous."""
+    dtype = array.dtype if isinstance(array, mx.array) else None
+    if dtype is not None and dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    host = np.asarray(array) if in_place else np.array(array)
+    if not host.flags.c_contiguous or not host.flags.writeable:
+        host = np.require(host, requirements="CW")  # (np.ascontiguousarray makes 0-d 1-d)
+    if dtype is None:
+        dtype = {np.dtype(v): k for k, v in _DTYPES.items() if k != mx.bfloat16}[host.dtype]
+    return host, dtype
 
 
 def _poisoned(shape, dtype, init_value) -> np.ndarray:
@@ -233,15 +238,16 @@ def run(name: str, inputs, template, grid, threadgroup, output_shapes, output_dt
         *, order: str = "forward", partial_threadgroups: bool = False, cpu_seconds: float = CPU_SECONDS,
         source: kernels.KernelSource | None = None) -> list[np.ndarray]:
     """One launch of kernel `name` (kernels.launch's arguments; inputs as mx or numpy arrays),
-    emulated; returns the outputs as numpy arrays (bfloat16 as its uint16 bits). `order`:
+    emulated; returns the outputs as numpy arrays (bfloat16 as its uint16 bits); inputs the
+    kernel writes in place are written, where row-contiguous (else a copy is). `order`:
     "forward" or "reverse", the order the scheduler runs a threadgroup's threads in. `source`
     replaces the kernel's file (tests of broken kernels). Raises EmulationError."""
-    hosts = [_host(array) for array in inputs]
-    specs = [InputSpec(dtype, array.ndim, array.size) for array, dtype in hosts]
-    program, parameters = emulation_program(name, specs, output_dtypes, template, source)
+    kernel = source or kernels.source(name)
+    specs = [InputSpec(a.dtype if isinstance(a, mx.array) else _host(a)[1], a.ndim, a.size) for a in inputs]
+    program, parameters, in_place = emulation_program(name, specs, output_dtypes, template, source)
+    hosts = [_host(array, arg in in_place) for arg, array in zip(kernel.inputs, inputs)]
     runtime = _runtime()  # first: the kernel's library links against it
     library = _library(program)
-    kernel = source or kernels.source(name)
     outputs = [_poisoned(tuple(shape), dtype, init_value) for shape, dtype in zip(output_shapes, output_dtypes)]
     by_name = dict(zip(kernel.outputs, outputs))
     for arg, (array, _) in zip(kernel.inputs, hosts):  # with the shapes MLX passes where named
@@ -259,7 +265,7 @@ def run(name: str, inputs, template, grid, threadgroup, output_shapes, output_dt
             (ctypes.c_void_p * count)(*[b.ctypes.data for b in buffers]),
             (ctypes.c_size_t * count)(*[b.nbytes for b in buffers]),
             (ctypes.c_size_t * count)(*[b.itemsize for b in buffers]),
-            (ctypes.c_int * count)(*[int(p in kernel.outputs) for p in parameters]),
+            (ctypes.c_int * count)(*[int(p in kernel.outputs or p in in_place) for p in parameters]),
             (ctypes.c_char_p * count)(*[p.encode() for p in parameters]),
             (ctypes.c_uint * 3)(*dims[0]), (ctypes.c_uint * 3)(*dims[1]),
             int(order == "reverse"), int(partial_threadgroups), ctypes.c_double(cpu_seconds),
@@ -285,33 +291,54 @@ class EmulatedKernel:
     def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes,
                  init_value=None, **_):
         self.launches.append((self.name, dict(template), tuple(grid), tuple(threadgroup)))
-        results = [run(self.name, inputs, template, grid, threadgroup, output_shapes, output_dtypes,
-                       init_value, order=order, source=self.source) for order in self.orders]
-        for order, outputs in zip(self.orders[1:], results[1:]):
-            for arg, first, other in zip((self.source or kernels.source(self.name)).outputs, results[0], outputs):
-                if first.tobytes() != other.tobytes():
-                    changed = int(np.sum(first.view(np.uint8) != other.view(np.uint8)))
+        kernel = self.source or kernels.source(self.name)
+        written = [i for i, arg in enumerate(kernel.inputs) if arg in _in_place(kernel)]
+        names = list(kernel.outputs) + [kernel.inputs[i] for i in written]
+        results = []
+        for k, order in enumerate(self.orders):  # all but the last on copies of in-place inputs
+            args = [_copy(a) if i in written and k + 1 < len(self.orders) else a for i, a in enumerate(inputs)]
+            outputs = run(self.name, args, template, grid, threadgroup, output_shapes, output_dtypes,
+                          init_value, order=order, source=self.source)
+            results.append(outputs + [_host(args[i])[0] for i in written])
+        for order, other in zip(self.orders[1:], results[1:]):
+            for arg, first, second in zip(names, results[0], other):
+                if first.tobytes() != second.tobytes():
+                    changed = int(np.sum(first.view(np.uint8) != second.view(np.uint8)))
                     raise EmulationError(
-                        f"{self.name} {dict(template)}: output `{arg}` differs between threads run "
+                        f"{self.name} {dict(template)}: `{arg}` differs between threads run "
                         f"{self.orders[0]} and {order} ({changed} bytes): a missing barrier, or "
                         f"threads writing the same element")
-        outs = [mx.array(out) for out in results[0]]
+        outs = [mx.array(out) for out in results[-1][: len(output_dtypes)]]
         return [out.view(mx.bfloat16) if dtype == mx.bfloat16 else out
                 for out, dtype in zip(outs, output_dtypes)]
+
+
+def _in_place(kernel: kernels.KernelSource) -> set[str]:
+    """The inputs a kernel writes in place: those it casts to a non-const device pointer."""
+    return set(re.findall(r"\(\s*device\s+\w+\s*\*\s*\)\s*(\w+)", kernel.header + kernel.body))
+
+
+def _copy(array):
+    if isinstance(array, mx.array):
+        copy = mx.array(np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array))
+        return copy.view(mx.bfloat16) if array.dtype == mx.bfloat16 else copy
+    return np.array(array)
 
 
 @contextlib.contextmanager
 def emulated_gpu(backend: str = "cuda", orders=("forward", "reverse"), sources: dict | None = None):
     """Inside this block kernels.backend() reports `backend`, so the ops take their GPU path,
     and every kernel is built as an EmulatedKernel: kernels.launch itself (its poisoned outputs
-    included) runs unchanged. `sources` maps kernel names to a KernelSource to run instead of
+    included) runs unchanged, and mx.compile leaves functions as they are (an emulated kernel
+    reads its inputs' values, which a traced graph lacks). `sources` maps kernel names to a KernelSource to run instead of
     the file (a test's broken variant). Yields the list of launches: (name, template, grid,
     threadgroup)."""
     launches: list = []
-    saved = kernels.backend, kernels.build
+    saved = kernels.backend, kernels.build, mx.compile
     kernels.backend = lambda: backend
     kernels.build = lambda name, backend_name: EmulatedKernel(name, tuple(orders), launches, (sources or {}).get(name))
+    mx.compile = lambda function, *args, **kwargs: function  # an emulated kernel needs its inputs' values
     try:
         yield launches
     finally:
-        kernels.backend, kernels.build = saved
+        kernels.backend, kernels.build, mx.compile = saved

@@ -19,9 +19,11 @@ from gguf import GGMLQuantizationType as GGMLType
 from muser_mlx import formats, gguf, kernels, ops, testing
 from muser_mlx.kernels import KernelSource
 from muser_mlx.models import build_model
-from muser_mlx.reference import Reference
+from muser_mlx.reference import Reference, rms
 from tests.conftest import gpu_available, relative_error
 from tests.emulate import EmulationError, emulated_gpu, run
+from tests.test_decode_kernels import PRODUCT_BOUND, assert_within_half_a_code, attention_case, q8x, weight
+from tests.test_models import FUSED_NUMERICS_BOUND, decode_one_by_one
 from tests.test_qk_norm_rope import reference as rope_reference
 
 # On a GPU machine the other tests run these kernels for real (and its session time is scarce).
@@ -37,7 +39,8 @@ F16_MATMUL = 3e-3
 
 ALL_FORMATS = list(formats.FORMATS)
 DEDICATED = list(ops.MATVEC_KERNELS)
-KERNELS_TESTED = {"embedding", "dequant_rows", "matvec", "qk_norm_rope",
+KERNELS_TESTED = {"embedding", "dequant_rows", "matvec", "qk_norm_rope", "quantize_rows", "product", "argmax",
+                  "product_glu", "residual_norm_quant", "attention_decode", "attention_combine",
                   *(kernel.name for kernel in ops.MATVEC_KERNELS.values())}
 
 
@@ -145,6 +148,108 @@ def test_qk_norm_rope(rng, rope):
     assert [launch[0] for launch in launches] == ["qk_norm_rope"]
     assert relative_error(np.array(q_out), rope_reference(q, q_weight, heads, head_dim, eps, start, rope)) <= F32_SUMS
     assert relative_error(np.array(k_out), rope_reference(k, k_weight, kv_heads, head_dim, eps, start, rope)) <= F32_SUMS
+
+
+# The fused decode step's kernels: q8x activations (tests/test_decode_kernels.py's references
+# and bounds).
+
+
+def kernel_names(launches) -> list[str]:
+    return [launch[0] for launch in launches]
+
+
+def test_quantize_rows(rng):
+    x = rng.standard_normal((3, 640)).astype(np.float32) * rng.uniform(0.01, 100, size=(3, 1)).astype(np.float32)
+    x[1, 32:64] = 0.0  # a block of zeros: scale 0, codes 0
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = ops.quantize_rows(mx.array(x))
+    codes, scales, sums = formats.quantize_activations(x)
+    assert kernel_names(launches) == ["quantize_rows"]
+    np.testing.assert_array_equal(np.array(out.codes), codes)
+    np.testing.assert_array_equal(np.array(out.scales), scales)
+    np.testing.assert_allclose(np.array(out.sums), sums, rtol=1e-6)
+
+
+@pytest.mark.parametrize("first, second, tokens", [(GGMLType.Q4_K, None, 3), (GGMLType.Q8_0, GGMLType.Q6_K, 1),
+                                                   (GGMLType.Q6_K, GGMLType.Q4_K, 8)],
+                         ids=["Q4_K-3", "Q8_0+Q6_K-1", "Q6_K+Q4_K-8"])
+def test_product(rng, first, second, tokens):
+    a, a_values = weight(rng, first, 512, 13, "a")
+    b, b_values = weight(rng, second, 512, 22, "b") if second else (None, None)
+    x, x_values = q8x(rng.standard_normal((tokens, 512)).astype(np.float32))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = np.array(ops.product(x, a, b))
+    expected = x_values @ a_values.T
+    if second:
+        expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
+    assert kernel_names(launches) == ["product"] and np.isfinite(out).all()
+    assert relative_error(out, expected) <= PRODUCT_BOUND
+
+
+def test_lm_head_product_and_argmax(rng):
+    head, head_values = weight(rng, GGMLType.Q6_K, 256, 301)
+    x, x_values = q8x(rng.standard_normal((2, 256)).astype(np.float32))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        logits, best = ops.product(x, head, head=(0.2, 20.0))
+        token = np.array(ops.greedy(best))
+    expected = 20.0 * np.tanh(x_values @ head_values.T * 0.2 / 20.0)
+    assert kernel_names(launches) == ["product", "argmax"]
+    assert relative_error(np.array(logits), expected) <= PRODUCT_BOUND
+    np.testing.assert_array_equal(token, np.argmax(np.array(logits), axis=-1))
+
+
+@pytest.mark.parametrize("activation, tokens", [("silu", 2), ("gelu_tanh", 1)])
+def test_product_glu(rng, activation, tokens):
+    gate, gate_values = weight(rng, GGMLType.Q4_K, 512, 96, "gate")
+    up, up_values = weight(rng, GGMLType.Q6_K, 512, 96, "up")
+    x, x_values = q8x(rng.standard_normal((tokens, 512)).astype(np.float32))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = ops.product_glu(x, gate, up, activation)
+    g, u = x_values @ gate_values.T, x_values @ up_values.T
+    act = g / (1 + np.exp(-g)) if activation == "silu" else 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3)))
+    assert kernel_names(launches) == ["product_glu"]
+    assert_within_half_a_code(out, act * u)
+
+
+@pytest.mark.parametrize("residual, branch_norm, hidden", [(True, True, 256), (False, True, 6656)],
+                         ids=["sandwich-256", "embedding-6656"])
+def test_residual_norm_quant(rng, residual, branch_norm, hidden):
+    x = rng.standard_normal((2, hidden)).astype(np.float32) * 3
+    branch = rng.standard_normal((2, hidden)).astype(np.float32) * 40
+    branch_weight, next_weight = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        total, normed = ops.residual_norm_quant(mx.array(x) if residual else None, mx.array(branch),
+                                                mx.array(branch_weight) if branch_norm else None,
+                                                mx.array(next_weight), 1e-8, 1e-5, 0.75)
+    b = branch.astype(np.float64)
+    if branch_norm:
+        b = rms(b, 1e-8) * branch_weight
+    expected = b * 0.75 + (x if residual else 0)
+    assert kernel_names(launches) == ["residual_norm_quant"]
+    assert relative_error(np.array(total), expected) <= 1e-6
+    assert_within_half_a_code(normed, rms(expected, 1e-5) * next_weight)
+
+
+@pytest.mark.parametrize("variant, capacity, position", [("muse", 8, 29), ("qwen2", 256, 200), ("llama", 4096, 3000)],
+                         ids=["muse-ring", "qwen2-bias", "llama-long"])
+def test_attention_decode_and_combine(rng, variant, capacity, position):
+    # Its key and value go into the cache in place (the emulator writes them back, as a GPU does).
+    heads, kv_heads, gate, bias, qk_norm, rope_spec = {
+        "muse": (8, 2, True, False, True, (64, True)),
+        "llama": (4, 2, False, False, False, (64, False)),
+        "qwen2": (4, 1, False, True, False, (32, False)),
+    }[variant]
+    inputs, expected, (slot, new_k, new_v, keys, values) = attention_case(
+        rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec)
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out, cache_keys, cache_values = ops.attention_decode(**inputs)
+    assert kernel_names(launches) == ["attention_decode", "attention_combine"]
+    assert_within_half_a_code(out, expected, slack=2e-3)
+    written_keys, written_values = np.array(cache_keys), np.array(cache_values)
+    np.testing.assert_allclose(written_keys[0, :, slot].astype(np.float64), new_k, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(written_values[0, :, slot].astype(np.float64), new_v, atol=2e-3, rtol=2e-3)
+    others = np.arange(capacity) != slot
+    np.testing.assert_array_equal(written_keys[:, :, others], keys[:, :, others])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,15 +420,17 @@ def test_an_endless_loop_is_reported(rng):
 
 
 def test_a_tiny_model_decodes_on_the_emulated_gpu(tmp_path, rng):
-    # Muse Glimmer's layer (QK norm, attention gate) of Q4_K / Q6_K weights, fed one token at a
-    # time (decode: matvec_q4k / q6k, qk_norm_rope, the KV cache growing), against the float64
-    # numpy reference. One token per step keeps to 8 kernel builds (TOKENS is a template constant).
+    # The fused decode step (Transformer.decode_step: eight launches a layer, the LM head's
+    # epilogue and argmax) of Muse Glimmer's layer (QK norm, attention gate, sliding window) with
+    # Q4_K / Q6_K weights, 6 tokens one by one, against the float64 reference with the decode
+    # step's rounding (tests/test_models.py's bounds).
     path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1)
     with gguf.read(path) as file, emulated_gpu() as launches, kernels.poisoned_outputs():
         model = build_model(file)
         ids = rng.integers(0, model.config.vocab, size=6)
-        cache = model.make_cache()
-        logits = np.concatenate([np.array(model(ids[None, t : t + 1], cache)) for t in range(ids.size)], 1)
-        expected = Reference(model.config, file.tensors).forward(ids)
-    assert {launch[0] for launch in launches} == {"embedding", "qk_norm_rope", "matvec_q4k", "matvec_q6k"}
-    assert relative_error(logits[0], expected) <= 1e-4  # tests/test_models.py's bound on the CPU
+        logits, greedy = decode_one_by_one(model, ids, model.make_cache())
+        rounded = Reference(model.config, file.tensors, decode_numerics=True).forward(ids)
+    assert {launch[0] for launch in launches} == {"embedding", "residual_norm_quant", "product", "product_glu",
+                                                  "attention_decode", "attention_combine", "argmax"}
+    assert relative_error(logits, rounded) <= FUSED_NUMERICS_BOUND
+    np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))

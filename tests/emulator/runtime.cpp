@@ -181,7 +181,7 @@ void on_signal(int signal, siginfo_t* info, void* context) {
   else if (b && offset < 0)
     say(" %s `%s` %ld bytes before its start", access, b->name, -offset);
   else if (b && size_t(offset) < b->size)
-    say(" writes `%s` (byte %ld), an input: inputs are read-only", b->name, offset);
+    say(" writes input `%s` (byte %ld), which it never casts to a writable `device T*`", b->name, offset);
   else if (b)
     say(" %s `%s` at byte %ld (element %ld), past its end (%zu bytes, %zu elements)", access, b->name, offset,
         offset / long(b->item), b->size, b->size / b->item);
