@@ -283,7 +283,8 @@ def run(name: str, inputs, template, grid, threadgroup, output_shapes, output_dt
 
 class EmulatedKernel:
     """Stands in for the mx.fast kernel object kernels.build returns: called as MLX's kernels
-    are, it runs the launch once per order and requires the same output bits from each."""
+    are, it runs the launch once per order and requires the same output bits from each (and
+    the same writes to in-place inputs: the orders before the last run on copies of them)."""
 
     def __init__(self, name: str, orders, launches: list, source: kernels.KernelSource | None = None):
         self.name, self.orders, self.launches, self.source = name, orders, launches, source
@@ -319,6 +320,7 @@ def _in_place(kernel: kernels.KernelSource) -> set[str]:
 
 
 def _copy(array):
+    """An independent copy of an mx or numpy array, of the same dtype."""
     if isinstance(array, mx.array):
         copy = mx.array(np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array))
         return copy.view(mx.bfloat16) if array.dtype == mx.bfloat16 else copy
@@ -329,10 +331,10 @@ def _copy(array):
 def emulated_gpu(backend: str = "cuda", orders=("forward", "reverse"), sources: dict | None = None):
     """Inside this block kernels.backend() reports `backend`, so the ops take their GPU path,
     and every kernel is built as an EmulatedKernel: kernels.launch itself (its poisoned outputs
-    included) runs unchanged, and mx.compile leaves functions as they are (an emulated kernel
-    reads its inputs' values, which a traced graph lacks). `sources` maps kernel names to a KernelSource to run instead of
-    the file (a test's broken variant). Yields the list of launches: (name, template, grid,
-    threadgroup)."""
+    included) runs unchanged. mx.compile returns functions as they are (an emulated kernel
+    reads its inputs' values, which a traced graph lacks). `sources` maps kernel names to a
+    KernelSource to run instead of the file (a test's broken variant). Yields the list of
+    launches: (name, template, grid, threadgroup)."""
     launches: list = []
     saved = kernels.backend, kernels.build, mx.compile
     kernels.backend = lambda: backend
