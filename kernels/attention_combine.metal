@@ -12,7 +12,9 @@
 // SIMD groups; lane l takes channel l of the block and every split's weight.
 // Bytes per call: HEADS * SPLITS * (HEAD_DIM + 2) * 4 read, HEADS * HEAD_DIM * 1.375 written.
 // Bounds: SIMD groups past the last block (CUDA's surplus) return whole.
-// Template constants: HEADS, HEAD_DIM, SPLITS, GATE, G_OFF.
+// SPLITS is partial_stats' second dimension, read at run time.
+// Template constants: HEADS, HEAD_DIM, GATE, G_OFF.
+const uint SPLITS = uint(partial_stats_shape[1]);
 uint lane = thread_index_in_simdgroup;
 uint block = thread_position_in_grid.x / 32u;
 if (block >= uint(HEADS * HEAD_DIM / 32)) {
@@ -22,13 +24,13 @@ uint head = block / uint(HEAD_DIM / 32);
 uint channel = 32u * (block % uint(HEAD_DIM / 32)) + lane;
 const device float* stats = partial_stats + size_t(head) * SPLITS * 2u;
 float top = -3.0e38f;
-for (uint s = lane; s < uint(SPLITS); s += 32u) {
+for (uint s = lane; s < SPLITS; s += 32u) {
   top = max(top, stats[2u * s]);
 }
 top = simd_max(top);
 float total = 0.0f;
 float weight_sum = 0.0f;
-for (uint s = 0; s < uint(SPLITS); ++s) {
+for (uint s = 0; s < SPLITS; ++s) {
   float weight = exp(stats[2u * s] - top);
   weight_sum += weight * stats[2u * s + 1u];
   total += weight * partial_o[(size_t(head) * SPLITS + s) * HEAD_DIM + channel];

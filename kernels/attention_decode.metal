@@ -9,7 +9,7 @@
 //      q_weight, k_weight [HEAD_DIM]: the per-head norm weights (QK_NORM 1); inv_freq
 //      [ROTARY / 2]; state int32 [1]: the token's position p; params f32 [2]: eps, the
 //      attention scale (folded into q).
-//   k_cache, v_cache: f16 [KV_HEADS, CAPACITY, HEAD_DIM]. The token's key and value are
+//   k_cache, v_cache: f16 [1, KV_HEADS, CAPACITY, HEAD_DIM]. The token's key and value are
 //      written IN PLACE at slot w = p % CAPACITY (MLX knows these arrays only as inputs: the
 //      caller keeps them alive and orders every later reader after this launch through the
 //      outputs). Slots 0 .. n-1, n = min(p + 1, CAPACITY), are the keys p may see: a full
@@ -32,29 +32,33 @@
 // HEADS * SPLITS * (HEAD_DIM + 2) * 4 written.
 // Bounds: SIMD groups past the last (the last threadgroup's surplus) return whole; lanes past
 // slot n score nothing.
+// CAPACITY is the caches' third dimension, read at run time (a growing cache does not make a
+// new kernel).
 // Template constants: HEADS, KV_HEADS, HEAD_DIM (a multiple of 64), ROTARY, TRADITIONAL,
-// QK_NORM, BIAS, CAPACITY, SPLIT (a multiple of 32), SPLITS, HEAD_GROUP, Q_OFF, K_OFF, V_OFF.
+// QK_NORM, BIAS, SPLIT (a multiple of 32), HEAD_GROUP, Q_OFF, K_OFF, V_OFF.
 const int GROUP = HEADS / KV_HEADS;
 const int HEAD_GROUPS = GROUP / HEAD_GROUP;
 const int CHANNELS = HEAD_DIM / 32;  // value channels per lane
+const uint CAPACITY = uint(k_cache_shape[2]);
+const uint SPLITS = (CAPACITY + uint(SPLIT) - 1u) / uint(SPLIT);
 threadgroup float q_tiles[4 * HEAD_GROUP * HEAD_DIM];
 threadgroup float kv_tiles[4 * 2 * HEAD_DIM];
 uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
 uint index = threadgroup_position_in_grid.x * (threads_per_threadgroup.x / 32u) + warp;
-if (index >= uint(KV_HEADS * HEAD_GROUPS * SPLITS)) {
+if (index >= uint(KV_HEADS * HEAD_GROUPS) * SPLITS) {
   return;
 }
-uint split = index % uint(SPLITS);
-uint head_group = (index / uint(SPLITS)) % uint(HEAD_GROUPS);
-uint kv_head = index / uint(SPLITS * HEAD_GROUPS);
+uint split = index % SPLITS;
+uint head_group = (index / SPLITS) % uint(HEAD_GROUPS);
+uint kv_head = index / SPLITS / uint(HEAD_GROUPS);
 uint first_head = kv_head * uint(GROUP) + head_group * uint(HEAD_GROUP);
 threadgroup float* q_tile = q_tiles + warp * uint(HEAD_GROUP * HEAD_DIM);
 threadgroup float* k_tile = kv_tiles + warp * uint(2 * HEAD_DIM);
 threadgroup float* v_tile = k_tile + HEAD_DIM;
 int position = state[0];
-uint count = min(uint(position) + 1u, uint(CAPACITY));
-uint write_slot = uint(position) % uint(CAPACITY);
+uint count = min(uint(position) + 1u, CAPACITY);
+uint write_slot = uint(position) % CAPACITY;
 uint first = split * uint(SPLIT);
 uint last = min(first + uint(SPLIT), count);
 bool holds_new = first <= write_slot && write_slot < last;

@@ -200,6 +200,13 @@ def build(name: str, backend_name: str):
     raise ValueError(f"no GPU kernels on backend {backend_name!r}")
 
 
+@functools.lru_cache(maxsize=None)
+def parameters(*values: float) -> mx.array:
+    """A small float32 array of a launch's scalar parameters (eps, scales), made once per
+    distinct list: a step that passes the same parameters reuses the array."""
+    return mx.array(values, dtype=mx.float32)
+
+
 _poison: list[float] = []
 
 

@@ -113,11 +113,11 @@ LAUNCHES = {
         "attention_decode",
         [InputSpec(mx.float32, 1, 8192 + 512), InputSpec(mx.float32, 1, 128), InputSpec(mx.float32, 1, 128),
          InputSpec(mx.float32, 1, 1), InputSpec(mx.float32, 1, 64), InputSpec(mx.int32, 1, 1),
-         InputSpec(mx.float16, 3, 2 * 2048 * 128), InputSpec(mx.float16, 3, 2 * 2048 * 128),
+         InputSpec(mx.float16, 4, 2 * 2048 * 128), InputSpec(mx.float16, 4, 2 * 2048 * 128),
          InputSpec(mx.float32, 1, 2)],
         [mx.float32, mx.float32],
         [("HEADS", 32), ("KV_HEADS", 2), ("HEAD_DIM", 128), ("ROTARY", 128), ("TRADITIONAL", 1), ("QK_NORM", 1),
-         ("BIAS", 0), ("CAPACITY", 2048), ("SPLIT", 32), ("SPLITS", 64), ("HEAD_GROUP", 4), ("Q_OFF", 0),
+         ("BIAS", 0), ("SPLIT", 32), ("HEAD_GROUP", 4), ("Q_OFF", 0),
          ("K_OFF", 8192), ("V_OFF", 8448)],
     ),
     "attention_combine": (
@@ -125,7 +125,7 @@ LAUNCHES = {
         [InputSpec(mx.float32, 3, 32 * 64 * 128), InputSpec(mx.float32, 3, 32 * 64 * 2),
          InputSpec(mx.float32, 1, 8192 + 512)],
         [mx.int8, mx.float32, mx.float32],
-        [("HEADS", 32), ("HEAD_DIM", 128), ("SPLITS", 64), ("GATE", 1), ("G_OFF", 4096)],
+        [("HEADS", 32), ("HEAD_DIM", 128), ("GATE", 1), ("G_OFF", 4096)],
     ),
     "argmax": (
         "argmax",

@@ -37,6 +37,15 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     return mx.fast.rms_norm(x.astype(mx.float32), weight, eps)
 
 
+def fused_products(make):
+    """make(): the fused decode step's launches of some weights; None where a weight's format
+    has no q8x kernel (such a model runs the general step)."""
+    try:
+        return make()
+    except ValueError:
+        return None
+
+
 class Linear(nn.Module):
     """y = x W.T (+ b) with W kept as the GGUF tensor's raw blocks."""
 
@@ -81,6 +90,11 @@ class Projections(nn.Module):
             for name in names:
                 self.offsets[name] = start
                 start += parts[name][0].rows
+        # The fused decode step's launches, two groups each, fixed at load (None: a format
+        # has no q8x kernel, and the model does not decode fused).
+        stacks = [stacked for stacked, _, _ in self.groups]
+        self.decode_products = fused_products(lambda: [ops.Product(*stacks[i : i + 2])
+                                                       for i in range(0, len(stacks), 2)])
 
     def __call__(self, x: mx.array) -> dict:
         out = {}
@@ -98,8 +112,7 @@ class Projections(nn.Module):
     def decode_product(self, h) -> mx.array:
         """All groups for q8x input h [1, in], as one launch per two groups: float32 [1, width],
         part `name` at self.offsets[name] (biases not added)."""
-        stacks = [stacked for stacked, _, _ in self.groups]
-        pieces = [ops.product(h, *stacks[i : i + 2]) for i in range(0, len(stacks), 2)]
+        pieces = [launch(h) for launch in self.decode_products]
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
 
 
@@ -118,6 +131,7 @@ class Attention(nn.Module):
             parts["gate"] = (t("attn_gate.weight"), None)
         self.input_proj = Projections(parts)
         self.o_proj = Linear(t("attn_output.weight"))
+        self.decode_output = fused_products(lambda: ops.Product(t("attn_output.weight")))
         if config.qk_norm:
             self.q_norm = vector(t("attn_q_norm.weight"))
             self.k_norm = vector(t("attn_k_norm.weight"))
@@ -168,17 +182,19 @@ class Attention(nn.Module):
             offsets=(offsets["q"], offsets["k"], offsets["v"]), gate=offsets.get("gate"),
             q_weight=self.q_norm if c.qk_norm else None, k_weight=self.k_norm if c.qk_norm else None,
             bias=self.qkv_bias if c.qkv_bias else None, rope=rope, eps=c.eps, scale=c.attention_scale)
-        return ops.product(o, self.o_proj.weight_tensor), keys, values
+        return self.decode_output(o), keys, values
 
 
 class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tensors: dict):
         super().__init__()
-        self.activation_name = config.activation
         self.activation = nn.silu if config.activation == "silu" else ops.gelu_tanh
         self.gate, self.up = (tensors[f"blk.{layer}.ffn_{n}.weight"] for n in ("gate", "up"))
         self.input_proj = Projections({"gate": (self.gate, None), "up": (self.up, None)})
         self.down_proj = Linear(tensors[f"blk.{layer}.ffn_down.weight"])
+        self.decode_products = fused_products(lambda: (
+            ops.GatedProduct(self.gate, self.up, config.activation),
+            ops.Product(tensors[f"blk.{layer}.ffn_down.weight"])))
 
     def __call__(self, h: mx.array) -> mx.array:
         y = self.input_proj(h)
@@ -187,8 +203,8 @@ class FeedForward(nn.Module):
     def decode(self, h):
         """The fused one-token step: h as q8x [1, hidden] -> [1, hidden] float32, in two
         launches (gate/up with the activation and q8x epilogue, then down)."""
-        f = ops.product_glu(h, self.gate, self.up, self.activation_name)
-        return ops.product(f, self.down_proj.weight_tensor)
+        gate_up, down = self.decode_products
+        return down(gate_up(h))
 
 
 class Block(nn.Module):
@@ -248,6 +264,8 @@ class Transformer(nn.Module):
         self.layers = [Block(config, i, tensors) for i in range(config.layers)]
         if config.embed_norm:
             self.unit_norm = mx.ones((config.hidden,))  # the embedding's norm has no weight
+        self.decode_head = fused_products(lambda: ops.Product(
+            self.output, head=(config.logit_scale, config.softcap or 0.0)))
         self._compiled_decode = None
 
     def make_cache(self, dtype=None) -> list:
@@ -267,8 +285,10 @@ class Transformer(nn.Module):
 
     def decodes_fused(self) -> bool:
         c = self.config
-        return (c.head_dim % 64 == 0 and c.hidden % 32 == 0 and c.ff % 32 == 0
-                and all(m.ggml_type in ops.PRODUCT_FORMATS for m in self.matrices()))
+        return (c.head_dim % 64 == 0 and c.hidden % 32 == 0 and self.decode_head is not None
+                and all(layer.attention.input_proj.decode_products is not None
+                        and layer.attention.decode_output is not None
+                        and layer.feed_forward.decode_products is not None for layer in self.layers))
 
     def decode_step(self, token: mx.array, cache: list):
         """One token through the fused decode graph: eight launches a layer (Block.decode),
@@ -312,7 +332,7 @@ class Transformer(nn.Module):
         keys, values = list(keys), list(values)
         for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             x, h, keys[i], values[i] = layer.decode(x, h, keys[i], values[i], position, next_norm)
-        logits, best = ops.product(h, self.output, head=(c.logit_scale, c.softcap or 0.0))
+        logits, best = self.decode_head(h)
         return logits.reshape(1, 1, c.vocab), ops.greedy(best), keys, values
 
     def embed(self, ids: mx.array) -> mx.array:

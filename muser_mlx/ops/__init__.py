@@ -2,7 +2,8 @@
 math as MLX array ops on the CPU (muser_mlx/dequant.py), on the same raw GGUF bytes.
 
 One module per operation family: embedding, activations (x as int8 blocks), products (the
-choice of path, GPU products), cpu_products (CPU products), norm, attention.
+choice of path, GPU products), cpu_products (CPU products), fused_products (the fused decode
+step's q8x products), norm, attention.
 """
 
 from muser_mlx.kernels import MAX_GRID
@@ -10,12 +11,13 @@ from muser_mlx.ops.attention import attention_decode, qk_norm_rope, qk_norm_rope
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.embedding import check_token_ids, embedding, embedding_unchecked, make_resident
 from muser_mlx.ops.activations import Q8X, quantize_rows
-from muser_mlx.ops.products import (MATVEC_KERNELS, PRODUCT_FORMATS, MatvecKernel, dequantize_weight, gelu_tanh, greedy, linear,
-                                    linear_path, product, product_glu)
+from muser_mlx.ops.fused_products import (PRODUCT_CONFIG, PRODUCT_FORMATS, GatedProduct, Product,
+                                          ProductConfig, gelu_tanh, greedy, product, product_glu)
+from muser_mlx.ops.products import MATVEC_KERNELS, MatvecKernel, dequantize_weight, linear, linear_path
 from muser_mlx.ops.norm import residual_norm, residual_norm_quant
 
 __all__ = [
-    "MAX_GRID", "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MatvecKernel", "PRODUCT_FORMATS", "Q8X", "attention_decode", "check_token_ids",
+    "MAX_GRID", "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MatvecKernel", "PRODUCT_CONFIG", "PRODUCT_FORMATS", "ProductConfig", "Q8X", "GatedProduct", "Product", "attention_decode", "check_token_ids",
     "dequantize_weight", "embedding", "embedding_unchecked", "gelu_tanh", "greedy", "linear",
     "linear_path", "make_resident", "product", "product_glu", "qk_norm_rope", "qk_norm_rope_mlx",
     "quantize_rows", "residual_norm", "residual_norm_quant", "split_heads",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -42,7 +43,7 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
     q_out, k_out = kernels.launch(
         "qk_norm_rope",
         inputs=[q, k, q_weight, k_weight, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
-                mx.array([start], dtype=mx.int32), _scalar(eps)],
+                mx.array([start], dtype=mx.int32), kernels.parameters(eps)],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"])))],
         grid=(32 * batch * tokens * (heads + kv_heads), 1, 1),
@@ -67,11 +68,6 @@ def _inverse_frequencies(dims: int, base: float) -> mx.array:
     if dims == 0:
         return mx.zeros((1,))
     return mx.array((base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32))
-
-
-@functools.lru_cache(maxsize=None)
-def _scalar(value: float) -> mx.array:
-    return mx.array([value], dtype=mx.float32)
 
 
 ATTENTION_SPLITS = 64  # splits of a cache the first pass aims for (enough SIMD groups to fill the GPU)
@@ -105,19 +101,19 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                                      q_weight, k_weight, bias, rope, eps, scale)
     group = heads // kv_heads
     head_group = max(g for g in range(1, min(group, 4) + 1) if group % g == 0)
-    split = 32 * max(1, -(-capacity // (32 * ATTENTION_SPLITS)))
+    # Keys per split, from a few sizes (each a kernel): ATTENTION_SPLITS splits or more.
+    split = 32 * 2 ** max(0, math.ceil(math.log2(capacity / (32 * ATTENTION_SPLITS))))
     splits = -(-capacity // split)
     dims = rope["dims"] if rope is not None else 0
-    unused = _scalar(0.0)
+    unused = kernels.parameters(0.0)
     partial_o, partial_stats = kernels.launch(
         "attention_decode",
         inputs=[y, q_weight if q_weight is not None else unused, k_weight if k_weight is not None else unused,
                 bias if bias is not None else unused, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
-                position, keys, values, _pair(eps, scale)],
+                position, keys, values, kernels.parameters(eps, scale)],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
-                  ("BIAS", int(bias is not None)), ("CAPACITY", capacity), ("SPLIT", split), ("SPLITS", splits),
-                  ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],
+                  ("BIAS", int(bias is not None)), ("SPLIT", split), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],
         grid=(32 * kv_heads * (group // head_group) * splits, 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=[(heads, splits, head_dim), (heads, splits, 2)],
@@ -126,8 +122,8 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     codes, scales, sums = kernels.launch(
         "attention_combine",
         inputs=[partial_o, partial_stats, y],
-        template=[("HEADS", heads), ("HEAD_DIM", head_dim), ("SPLITS", splits),
-                  ("GATE", int(gate is not None)), ("G_OFF", gate or 0)],
+        template=[("HEADS", heads), ("HEAD_DIM", head_dim), ("GATE", int(gate is not None)),
+                  ("G_OFF", gate or 0)],
         grid=(heads * head_dim, 1, 1),  # a SIMD group per 32 channels
         threadgroup=(256, 1, 1),
         output_shapes=q8x_shapes((1,), heads * head_dim),
@@ -164,8 +160,3 @@ def _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, 
     if gate is not None:
         o = o * mx.sigmoid(y[:, gate : gate + heads * head_dim])
     return quantize_rows_mlx(o), keys, values
-
-
-@functools.lru_cache(maxsize=None)
-def _pair(first: float, second: float) -> mx.array:
-    return mx.array([first, second], dtype=mx.float32)

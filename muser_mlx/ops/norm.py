@@ -8,7 +8,6 @@ import mlx.core as mx
 
 from muser_mlx import kernels
 from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx
-from muser_mlx.ops.products import _parameters
 
 
 def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weight: mx.array,
@@ -43,7 +42,7 @@ def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weig
     residual, branch: float32 [T, hidden] (T <= 8); weights float32 [hidden]. Returns (total,
     normed as ops.Q8X). The first seam of a step has no residual (the embedding row becomes
     the residual stream, normed without a weight by a model with embed_norm: pass ones)."""
-    tokens, hidden = branch.shape[-2:]
+    hidden = branch.shape[-1]
     if hidden % 32:
         raise ValueError(f"residual_norm_quant: hidden {hidden} is not a multiple of 32")
     if kernels.backend() == "cpu":
@@ -58,7 +57,7 @@ def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weig
         "residual_norm_quant",
         inputs=[branch if residual is None else residual, branch,
                 next_weight if branch_weight is None else branch_weight, next_weight,
-                _parameters(branch_eps, next_eps, branch_scale)],
+                kernels.parameters(branch_eps, next_eps, branch_scale)],
         template=[("HIDDEN", hidden), ("RESIDUAL", int(residual is not None)),
                   ("BRANCH_NORM", int(branch_weight is not None))],
         grid=(math.prod(lead) * 32 * min(blocks, 32), 1, 1),
