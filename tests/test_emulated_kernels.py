@@ -226,7 +226,7 @@ def test_residual_norm_quant(rng, residual, branch_norm, hidden):
         b = rms(b, 1e-8) * branch_weight
     expected = b * 0.75 + (x if residual else 0)
     assert kernel_names(launches) == ["residual_norm_quant"]
-    assert relative_error(np.array(total), expected) <= 1e-6
+    assert relative_error(np.array(total), expected) <= 1e-5  # float32 sums of 6656 squares
     assert_within_half_a_code(normed, rms(expected, 1e-5) * next_weight)
 
 
