@@ -88,10 +88,14 @@ class GGUFTokenizer:
         else:
             raise TokenizerError(f"tokenizer.ggml.model {self.kind!r} is not supported "
                                  f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+        # As llama.cpp partitions text: user-defined tokens (Gemma's runs of spaces and newlines,
+        # HTML tags) are always matched whole in the raw text, before normalization; control
+        # tokens only when special-token texts are parsed (encode's parse_special).
         self.special_ids = {i for i, t in enumerate(self.token_types) if t in (CONTROL, USER_DEFINED)}
-        self._tokenizer.add_special_tokens([
-            AddedToken(self.tokens[i], special=True, normalized=False) for i in sorted(self.special_ids)
-        ])
+        self._tokenizer.add_special_tokens([AddedToken(self.tokens[i], special=True, normalized=False)
+                                            for i in sorted(self.special_ids) if self.token_types[i] == CONTROL])
+        self._tokenizer.add_tokens([AddedToken(self.tokens[i], special=False, normalized=False)
+                                    for i in sorted(self.special_ids) if self.token_types[i] == USER_DEFINED])
         self.eos_token_ids = self._end_of_generation_ids()
         self.chat_template = self._optional("tokenizer.chat_template", None, str)
         self._lock = threading.Lock()  # encode_special_tokens is a setting of the shared object

@@ -186,3 +186,14 @@ def test_gemma3_adds_bos_and_round_trips(gemma3_path):
         ids = tokenizer.encode(text)
         assert ids[0] == tokenizer.bos_token_id
         assert tokenizer.decode(ids[1:]) == text
+
+
+def test_gemma3_keeps_runs_of_spaces_whole_as_llama_cpp_does(gemma3_path):
+    """Gemma's user-defined tokens (runs of spaces, ids 138 and 139 for two and three) are
+    matched in the raw text before the SentencePiece merges, as llama.cpp partitions it."""
+    tokenizer = GGUFTokenizer(gguf.read(gemma3_path).metadata)
+    pieces = lambda text: [tokenizer.tokens[i] for i in tokenizer.encode(text, add_special_tokens=False)]
+    assert tokenizer.encode("a  word", add_special_tokens=False)[1] == 138
+    assert pieces("a  word") == ["a", "  ", "word"]
+    assert pieces("x = 1   # note") == ["x", "▁=", "▁", "1", "   ", "#", "▁note"]
+    assert pieces("  hi  ") == ["  ", "hi", "  "]
