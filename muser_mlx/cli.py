@@ -1,4 +1,4 @@
-"""`muser` command line: inspect, generate, chat, perplexity."""
+"""`muser` command line: inspect, generate, chat, perplexity, serve."""
 
 from __future__ import annotations
 
@@ -208,6 +208,11 @@ def main(argv=None) -> int:
     ppl_parser.add_argument("--text-file", required=True)
     ppl_parser.add_argument("--context", type=int, default=512, help="tokens per scored window")
     ppl_parser.add_argument("--prefill-step", type=int, default=512, help="rows per model call")
+    serve_parser = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, "
+                                                     "/v1/completions, /v1/models)")
+    serve_parser.add_argument("--model", help="a .gguf file (default: the packaged SmolLM2-135M-Instruct)")
+    serve_parser.add_argument("--host", default="127.0.0.1")
+    serve_parser.add_argument("--port", type=int, default=8080, help="0: any free port (printed)")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -219,6 +224,9 @@ def main(argv=None) -> int:
             run_chat(args)
         elif args.command == "perplexity":
             run_perplexity(args)
+        elif args.command == "serve":
+            from muser_mlx.server import serve  # the web stack loads only for this command
+            serve(args.model, args.host, args.port)
     except (ValueError, packaged.ModelNotInstalledError, FileNotFoundError) as error:
         print(f"muser: {error}", file=sys.stderr)
         return 1
