@@ -35,7 +35,7 @@ log = logging.getLogger("uvicorn.error")  # uvicorn's own log: one stream, one f
 
 
 class RequestError(Exception):
-    """A request the server refuses: becomes an OpenAI-style error response."""
+    """A request the server refuses (a 4xx): becomes an OpenAI-style error response."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  code: str | None = None):
@@ -43,8 +43,7 @@ class RequestError(Exception):
         self.param, self.status, self.code = param, status, code
 
     def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return error_response(str(self), self.status, kind, self.param, self.code)
+        return error_response(str(self), self.status, "invalid_request_error", self.param, self.code)
 
 
 def error_response(message: str, status: int, kind: str, param=None, code=None) -> JSONResponse:
@@ -294,7 +293,7 @@ def _log(head: dict, last, ended) -> None:
 
 def serve(path=None, host: str = "127.0.0.1", port: int = 8080) -> None:
     """Load the model, listen on host:port (0: any free port) and serve until interrupted.
-    The listening address is printed once the socket accepts connections."""
+    The address is printed once the socket listens (connections wait until uvicorn runs)."""
     import uvicorn
 
     service = ModelService(path)
