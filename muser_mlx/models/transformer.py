@@ -270,6 +270,11 @@ class Transformer(nn.Module):
             self.unit_norm = mx.ones((config.hidden,))  # the embedding's norm has no weight
         self.decode_head = fused_products(lambda: ops.Product(
             self.output, head=(config.logit_scale, config.softcap or 0.0)))
+        self._decodes_fused = (
+            config.head_dim % 64 == 0 and config.hidden % 32 == 0 and self.decode_head is not None
+            and all(layer.attention.input_proj.decode_products is not None
+                    and layer.attention.decode_output is not None
+                    and layer.feed_forward.decode_products is not None for layer in self.layers))
         self._compiled_decode = None
 
     def make_cache(self, dtype=None) -> list:
@@ -288,11 +293,8 @@ class Transformer(nn.Module):
         return kernels.backend() != "cpu" and self.decodes_fused()
 
     def decodes_fused(self) -> bool:
-        c = self.config
-        return (c.head_dim % 64 == 0 and c.hidden % 32 == 0 and self.decode_head is not None
-                and all(layer.attention.input_proj.decode_products is not None
-                        and layer.attention.decode_output is not None
-                        and layer.feed_forward.decode_products is not None for layer in self.layers))
+        """Whether this model has the fused step's kernels (on any device), decided at load."""
+        return self._decodes_fused
 
     def decode_step(self, token: mx.array, cache: list):
         """One token through the fused decode graph: eight launches a layer (Block.decode),
