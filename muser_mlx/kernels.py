@@ -21,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 HELPERS = "blocks"
+MAX_GRID = 2**31 - 1  # threads in one launch, at most
 
 
 def kernel_dir() -> Path:

@@ -113,7 +113,7 @@ def test_cpu_products_split_into_pieces_on_two_streams_match_reference(rng, tmp_
     in_features = max(formats.FORMATS[ggml_type].block_size, 256)
     out_features = int(rng.integers(20, 40))
     # Pieces of about 6 rows: several on each stream, the last one shorter.
-    monkeypatch.setattr(ops, "CPU_PIECE", 6 * in_features)
+    monkeypatch.setattr(ops.cpu_products, "CPU_PIECE", 6 * in_features)
     path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)
     x = rng.standard_normal((tokens, in_features)).astype(np.float32)
     with mx.stream(mx.cpu), gguf.read(path) as model:  # the CPU's path, on any machine
@@ -125,7 +125,7 @@ def test_cpu_products_split_into_pieces_on_two_streams_match_reference(rng, tmp_
 
 def test_cpu_pieces_run_from_a_thread_of_their_own(rng, tmp_path, monkeypatch):
     # MLX streams belong to the thread that made them: each thread needs its own pair.
-    monkeypatch.setattr(ops, "CPU_PIECE", 6 * 256)
+    monkeypatch.setattr(ops.cpu_products, "CPU_PIECE", 6 * 256)
     path, reference = weight_file(tmp_path, rng, GGMLType.Q4_K, 256, 31)
     x = rng.standard_normal((1, 256)).astype(np.float32)
     results = []
@@ -151,7 +151,7 @@ def test_cpu_pieces_do_not_unpack_later_layers_ahead_of_their_input(rng, tmp_pat
     layers = 12
     path = testing.tiny_model(tmp_path / "m.gguf", "llama", rng, weights="Q4_K", layers=layers,
                               hidden=256, heads=4, kv_heads=2, head_dim=64, ff=768)
-    monkeypatch.setattr(ops, "CPU_PIECE", 256 * 16)
+    monkeypatch.setattr(ops.cpu_products, "CPU_PIECE", 256 * 16)
     with mx.stream(mx.cpu):
         model, _ = generate_module().load(path)
         for tensor in model.file.tensors.values():
@@ -179,7 +179,7 @@ def test_path_choice():
 
 
 def test_the_generic_gpu_matvec_is_logged_once_per_format(caplog):
-    ops._note_generic_matvec.cache_clear()
+    ops.products._note_generic_matvec.cache_clear()
     with caplog.at_level("WARNING", logger="muser_mlx.ops"):
         for _ in range(3):
             ops.linear_path(GGMLType.Q5_K, 1, "cuda")

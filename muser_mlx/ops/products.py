@@ -1,0 +1,160 @@
+"""Linear layers straight from GGUF blocks: which implementation serves a product
+(`linear_path`), the GPU decode kernels, and the GPU prefill path (decode to f16, then the
+backend's matmul). The CPU products live in cpu_products.py."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from muser_mlx import kernels
+from muser_mlx.dequant import AFFINE_CODE_TYPES, dequantize_rows
+from muser_mlx.formats import GGMLType, block_format
+from muser_mlx.kernels import MAX_GRID
+from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS, _cpu_affine, _cpu_dequant_matmul
+
+DEQUANT_THREADGROUP = 256
+MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup, at most
+
+
+class MatvecKernel(NamedTuple):
+    """A dedicated decode kernel: its name, the output rows each threadgroup computes (its
+    threads share their x loads across those rows), the most threads that split a row's units
+    among them, and the values of a row in one unit (one thread's share per iteration)."""
+
+    name: str
+    rows: int
+    threads: int
+    unit: int
+
+
+# Rows and threads chosen by `bench/linear.py --sweep` on the H200 (bench/RESULTS.md): the best
+# or near-best over Muse Glimmer's decode shapes. Q8_0 measured best at 8 rows on large shapes
+# (the 202048-row head: 549 vs 679 µs) and equal at 4 on Muse Glimmer's 512 k/v rows; it stays
+# at 4, the configuration whose GPU tests passed first. Q4_K (session 6): 4 rows, up to 128
+# threads; 8 or 16 rows with x held in registers measured no faster (occupancy fell to 17 %).
+MATVEC_KERNELS = {GGMLType.Q4_K: MatvecKernel("matvec_q4k", 4, 128, 64),
+                  GGMLType.Q6_K: MatvecKernel("matvec_q6k", 4, 128, 32),
+                  GGMLType.Q8_0: MatvecKernel("matvec_q8_0", 4, 128, 32)}
+
+_log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _note_generic_matvec(ggml_type) -> None:
+    _log.warning("%s weights have no dedicated decode kernel: the generic per-element matvec "
+                 "serves them (several times slower than matvec_q4k/q6k/q8_0)", ggml_type.name)
+
+
+def linear_path(ggml_type, tokens: int, backend: str | None = None) -> str:
+    """Which implementation `linear` uses for a weight format and a number of rows of x.
+    The one place this is decided."""
+    backend = backend or kernels.backend()
+    ggml_type = block_format(ggml_type).ggml_type
+    if backend == "cpu":
+        # MLX's CPU quantized_matmul handles one row well enough but many rows poorly; for a
+        # prefill chunk, decoding the weight once and using the BLAS matmul is far faster.
+        if ggml_type in AFFINE_CODE_TYPES and tokens <= MATVEC_MAX_TOKENS:
+            return "cpu_affine_qmm"
+        return "cpu_dequant_matmul"
+    if tokens > MATVEC_MAX_TOKENS:
+        return "gpu_dequant_matmul"
+    if ggml_type in MATVEC_KERNELS:
+        return MATVEC_KERNELS[ggml_type].name
+    _note_generic_matvec(ggml_type)  # logged once per format: never a silent slow path
+    return "matvec"
+
+
+def linear(x, weight) -> mx.array:
+    """x @ W.T for a GGUF weight kept as raw blocks.
+
+    x: [..., in] float (f32, f16 or bf16); weight: GGUF tensor of GGUF shape [in, out]
+    returns float32 [..., out].
+    """
+    if len(weight.shape) != 2:
+        raise ValueError(f"weight {weight.name!r} must be 2-D, has shape {list(weight.shape)}")
+    in_features, out_features = weight.shape
+    if x.ndim < 1 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"x of shape {list(x.shape)} does not fit weight {weight.name!r} "
+            f"(GGUF shape [{in_features}, {out_features}]: x needs {in_features} features)"
+        )
+    lead = x.shape[:-1]
+    x = x if x.dtype == mx.float32 else x.astype(mx.float32)
+    path = linear_path(weight.ggml_type, math.prod(lead))
+    fmt = block_format(weight.ggml_type)
+    if path.startswith("matvec"):  # a decode kernel reads x as flat rows, writes [..., out]
+        return _matvec(path, x, weight.data, fmt, in_features, out_features)
+    out = _LINEAR_PATHS[path](x.reshape(-1, in_features), weight.data, fmt, in_features, out_features)
+    return out.reshape(*lead, out_features)
+
+
+def _matvec(name, x, weight_bytes, fmt, in_features, out_features):
+    """Launch matvec kernel `name` (chosen by linear_path) over a few rows of x [..., in];
+    returns [..., out]."""
+    tokens = math.prod(x.shape[:-1])
+    template = [("IN", in_features), ("ROW_BYTES", fmt.row_bytes(in_features)),
+                ("OUT", out_features), ("TOKENS", tokens)]
+    if name == "matvec":
+        # One SIMD group per output row, MATVEC_SIMD_GROUPS rows per threadgroup.
+        template.insert(0, ("FORMAT", int(fmt.ggml_type)))
+        threads, groups = 32 * MATVEC_SIMD_GROUPS, -(-out_features // MATVEC_SIMD_GROUPS)
+    else:
+        # One threadgroup per ROWS output rows; its threads split the row's units, as many
+        # SIMD groups as there are units for (a short row needs fewer).
+        kernel = MATVEC_KERNELS[fmt.ggml_type]
+        template.append(("ROWS", kernel.rows))
+        units = in_features // kernel.unit
+        threads = min(kernel.threads, 32 * MATVEC_SIMD_GROUPS, 32 * -(-units // 32))
+        groups = -(-out_features // kernel.rows)
+    (out,) = kernels.launch(
+        name,
+        inputs=[weight_bytes, x],
+        template=template,
+        grid=(threads * groups, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(*x.shape[:-1], out_features)],
+        output_dtypes=[mx.float32],
+    )
+    return out
+
+
+def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int,
+                      dtype=mx.float32) -> mx.array:
+    """Every row of a GGUF matrix decoded: [out, in] in `dtype` (kernel dequant_rows on a GPU,
+    dequant.dequantize_rows on the CPU)."""
+    fmt = block_format(ggml_type)
+    if kernels.backend() == "cpu":
+        return dequantize_rows(weight_bytes.reshape(out_features, -1), fmt.ggml_type).astype(dtype)
+    threads = out_features * -(-in_features // 256) * 32  # a SIMD group per 256 values
+    if threads > MAX_GRID:
+        raise ValueError(f"{out_features} rows of {in_features} values exceed one launch")
+    (values,) = kernels.launch(
+        "dequant_rows",
+        inputs=[weight_bytes],
+        template=[("FORMAT", int(fmt.ggml_type)), ("IN", in_features),
+                  ("ROW_BYTES", fmt.row_bytes(in_features)), ("OUT", out_features)],
+        grid=(threads, 1, 1),
+        threadgroup=(DEQUANT_THREADGROUP, 1, 1),
+        output_shapes=[(out_features, in_features)],
+        output_dtypes=[dtype],
+    )
+    return values
+
+
+def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
+    # Prefill: decode the weight once per call (its cost is shared by all T rows), then the
+    # backend's f16 matmul does the arithmetic.
+    weight = dequantize_weight(weight_bytes, fmt.ggml_type, in_features, out_features, mx.float16)
+    return (rows.astype(mx.float16) @ weight.T).astype(mx.float32)
+
+
+_LINEAR_PATHS = {
+    "gpu_dequant_matmul": _gpu_dequant_matmul,
+    "cpu_dequant_matmul": _cpu_dequant_matmul,
+    "cpu_affine_qmm": _cpu_affine,
+}
