@@ -19,8 +19,7 @@ NB_MODULE(_cpu_kernels, m) {
         R"(x @ W.T for W kept as raw GGUF blocks, on the CPU.
 
 Args:
-    x (array): float [tokens, in_features]; cast to float32 and rounded to int8 per 32
-        values inside the product (ggml's q8 form).
+    x (array): float [tokens, in_features]; cast to float32.
     weight (array): uint8 [out_features, row_bytes], blocks of ggml type `ggml_type`.
     ggml_type (int): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K.
     threads (int): threads inside the product; 0 for all of the machine's cores.

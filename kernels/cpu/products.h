@@ -25,7 +25,7 @@ bool has_product(int ggml_type);
 int block_values(int ggml_type);
 int block_bytes(int ggml_type);
 
-// The instruction set the products were compiled for: "avx512-vnni", "avx2-vnni", "avx2",
+// The vector instructions the products were compiled for: "avx512", "avx2", "neon" or
 // "scalar".
 const char* instruction_set();
 
@@ -33,8 +33,7 @@ const char* instruction_set();
 //   x:      float32 [tokens, in_features], rows contiguous
 //   weight: uint8 [out_features, row_bytes], GGUF blocks of `ggml_type`, rows contiguous
 //   out:    float32 [tokens, out_features]
-// x is rounded to int8 per 32 values (one float scale each) before the products, as ggml
-// does; `threads` threads share the output rows.
+// float32 throughout, x as given; `threads` threads share the output rows.
 void linear_from_blocks(const float* x, const uint8_t* weight, float* out, int ggml_type,
                         int64_t tokens, int64_t in_features, int64_t out_features,
                         int threads);

@@ -1,0 +1,114 @@
+"""The compiled CPU products (muser_mlx._cpu_kernels via cpu_ext): every format with a product,
+decode and prefill row counts, odd row counts, one and several threads, against float64
+products of gguf-py's decoded weights (gguf.quants: independent of our decoders).
+
+The product multiplies in float32 with x as given (no int8 rounding of x), so only float32
+rounding of the weights and of a sum in another order separates it from the reference: a
+relative error ~1e-7 measured, bound 2e-5 as for every other product (tests/test_linear.py).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GGMLType
+from gguf import quants
+
+from muser_mlx import cpu_ext, gguf, ops, testing
+from tests.conftest import relative_error
+
+FORMATS = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+           GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+BLOCK = {t: (256 if t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K) else 32) for t in FORMATS}
+# Byte offsets of each format's f16 fields (d, and dmin or m), for blocks of random bytes.
+F16_FIELDS = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
+              GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}
+BOUND = 2e-5
+
+
+def random_byte_blocks(rng, ggml_type, rows, row_length) -> np.ndarray:
+    """Every bit pattern: random bytes, with finite f16 scales so products stay finite."""
+    fmt_bytes = quants.GGML_QUANT_SIZES[ggml_type][1]
+    raw = rng.integers(0, 256, size=(rows, row_length // BLOCK[ggml_type] * fmt_bytes), dtype=np.uint8)
+    blocks = raw.reshape(-1, fmt_bytes)
+    for start in F16_FIELDS[ggml_type]:
+        scale = rng.uniform(-0.1, 0.1, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, start : start + 2] = scale.reshape(-1, 1).view(np.uint8)
+    return raw
+
+
+def product(x, raw, ggml_type, out_features, threads):
+    """The compiled product into an output buffer that held NaN: MLX's buffer cache hands the
+    poisoned buffer of the same size back, so an element left unwritten stays NaN."""
+    poison = mx.full((x.shape[0], out_features), float("nan"))
+    mx.eval(poison)
+    del poison
+    out = cpu_ext.linear(mx.array(x), mx.array(raw), ggml_type, out_features, threads)
+    return np.array(out)
+
+
+def shape_for(rng, ggml_type):
+    # 32-value formats: an odd block count too.
+    in_features = BLOCK[ggml_type] * int(rng.integers(1, 12 if BLOCK[ggml_type] == 32 else 4))
+    out_features = int(rng.integers(1, 30)) * 2 + 1  # odd: the last 4-row tile is short
+    return in_features, out_features
+
+
+def test_the_extension_is_built_and_serves_every_format():
+    # Fails where the install could not build the extension, rather than letting the suite
+    # pass on the slow MLX-ops path.
+    assert cpu_ext.available(), cpu_ext.unavailable()
+    assert cpu_ext.FORMATS == set(FORMATS)
+    for ggml_type in FORMATS:
+        for tokens in (1, 8, 9, 512):
+            assert ops.linear_path(ggml_type, tokens, "cpu") == "cpu_gguf_linear"
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 2, 7, 64, 512])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_product_matches_reference(rng, ggml_type, tokens, threads):
+    in_features, out_features = shape_for(rng, ggml_type)
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)  # [out, in]
+    x = rng.standard_normal((tokens, in_features)).astype(np.float32)
+    out = product(x, raw, ggml_type, out_features, threads)
+    assert out.shape == (tokens, out_features)
+    assert np.isfinite(out).all(), "an output left unwritten"
+    assert relative_error(out, x.astype(np.float64) @ weight.T) <= BOUND
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_product_of_random_bytes_matches_reference(rng, ggml_type, tokens):
+    # Blocks no quantizer would write: every scale, min and code bit pattern, negative d.
+    in_features, out_features = shape_for(rng, ggml_type)
+    raw = random_byte_blocks(rng, ggml_type, out_features, in_features)
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)
+    x = rng.standard_normal((tokens, in_features)).astype(np.float32)
+    out = product(x, raw, ggml_type, out_features, 2)
+    assert relative_error(out, x.astype(np.float64) @ weight.T) <= BOUND
+
+
+def test_ops_linear_runs_the_compiled_product_on_the_cpu(rng, tmp_path, monkeypatch):
+    # Through the model's entry point, with MLX's own CPU paths made to fail: the compiled
+    # product must be what ran.
+    for fallback in ("cpu_affine_qmm", "cpu_dequant_matmul"):
+        monkeypatch.setitem(ops.products._LINEAR_PATHS, fallback, None)
+    ggml_type, in_features, out_features = GGMLType.Q4_K, 512, 33
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    path = testing.write_gguf(tmp_path / "w.gguf", {}, {"w": (ggml_type, (in_features, out_features), raw)})
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)
+    x = rng.standard_normal((3, 5, in_features)).astype(np.float32)
+    with mx.stream(mx.cpu), gguf.read(path) as model:
+        out = np.array(ops.linear(mx.array(x), model.tensors["w"]))
+    assert relative_error(out, x.astype(np.float64) @ weight.T) <= BOUND
+
+
+def test_refuses_a_format_without_a_product():
+    with pytest.raises(ValueError, match="ggml type 10 has no CPU product"):
+        cpu_ext.linear(mx.zeros((1, 256)), mx.zeros((4, 84), dtype=mx.uint8), GGMLType.Q2_K, 4)
+
+
+def test_refuses_rows_that_do_not_hold_x():
+    with pytest.raises(ValueError, match="rows of 36 bytes do not hold 64 values of ggml type 8"):
+        cpu_ext.linear(mx.zeros((1, 64)), mx.zeros((4, 36), dtype=mx.uint8), GGMLType.Q8_0, 4)
