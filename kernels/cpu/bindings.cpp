@@ -1,11 +1,12 @@
-// muser_mlx._cpu_kernels: the CPU products as an MLX op (one op, one primitive, one binding).
+// muser_mlx._cpu_kernels: the CPU products and attention as MLX ops (one op, one primitive, one
+// binding each).
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
-#include "linear.h"
+#include "primitives.h"
 #include "products.h"
 
 namespace nb = nanobind;
@@ -26,6 +27,21 @@ Args:
 
 Returns:
     array: float32 [tokens, out_features].)");
+
+  m.def("attention", &muser::cpu::attention, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
+        "threads"_a = 0, nb::kw_only(), "stream"_a = nb::none(),
+        R"(softmax(q k^T * scale, masked) v on the CPU, in float32.
+
+Args:
+    q (array): [batch, heads, tokens, head_dim]
+    k, v (array): [batch, kv_heads, keys, head_dim]; heads a multiple of kv_heads (grouped
+        query attention), head_dim a multiple of 16.
+    scale (float): multiplies the scores.
+    mask (array, optional): bool [tokens, keys], True where a query may see a key.
+    threads (int): threads inside the op; 0 for all of the machine's cores.
+
+Returns:
+    array: float32 [batch, heads, tokens, head_dim]; a row that sees no key is zeros.)");
 
   m.def("has_product", &muser::cpu::has_product, "ggml_type"_a,
         "Whether ggml type `ggml_type` has a CPU product here.");

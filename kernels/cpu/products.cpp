@@ -2,14 +2,15 @@
 //
 // Every format is read the same way: 16 values at a time, each 16-value chunk of a block
 // having one scale d and one offset m (value = d * code + m: Q4_0's m is -8 d, Q4_K's is
-// -dmin * min of the sub-block, Q6_K's is -32 d). A tile of ROWS weight rows x TOKENS rows of
-// x decodes a chunk of each weight row once into a 16-float vector and multiplies it into
-// TOKENS accumulators, so a weight byte is decoded once per TOKENS tokens and x is loaded
-// once per ROWS rows. Vectors are GCC/Clang vector extensions: with -march=native they become
+// -dmin * min of the sub-block, Q6_K's is -32 d), so x . row = sum of d * (codes . x) over
+// chunks + sum of m * (sum of x) over scale groups, the sums of x taken once per call. A tile
+// of ROWS weight rows x TOKENS rows of x decodes a chunk of each weight row once into a
+// 16-float vector (codes * d) and multiplies it into TOKENS accumulators, so a weight byte is
+// decoded once per TOKENS tokens and x is loaded once per ROWS rows. Vectors are GCC/Clang vector extensions: with -march=native they become
 // AVX-512 (or AVX2, NEON) instructions; on any other target plain scalar code.
 //
-// Grid: `threads` threads (the caller one of them) take contiguous ranges of ROWS-row tiles of
-// the output. Each walks x in chunks of X_CHUNK_BYTES (kept in L2) and, inside a chunk, every
+// Grid: the output's ROWS-row tiles in TASKS_PER_THREAD x `threads` contiguous ranges, which
+// `threads` threads (the caller one of them) claim in turn (thread_pool.h). Each walks x in chunks of X_CHUNK_BYTES (kept in L2) and, inside a chunk, every
 // tile of its range (the tile's weight rows stay in L1 across the chunk's tokens).
 // Bytes per call: each weight byte once per token chunk (one chunk unless tokens x in x 4
 // bytes passes X_CHUNK_BYTES: prefill), x once per tile (from cache), out once.
@@ -21,8 +22,9 @@
 #include <algorithm>
 #include <cstring>
 #include <utility>
+#include <vector>
 
-#if defined(__F16C__)
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
 
@@ -35,6 +37,12 @@ namespace {
 constexpr int ROWS = 4;
 constexpr int TOKENS = 4;
 constexpr int64_t X_CHUNK_BYTES = 1 << 20;
+// Products of fewer multiply-adds than this run on the calling thread (~10 us of work: waking
+// a worker would cost a good part of it).
+constexpr int64_t SMALL_PRODUCT = 1 << 17;
+// Each thread's share of a product is split this many times, so that threads claim the
+// pieces as they come free (a worker the OS has descheduled leaves its pieces to the others).
+constexpr int TASKS_PER_THREAD = 4;
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -53,9 +61,24 @@ inline f32x16 floats16(const float* p) {
   return v;
 }
 
-// Through int32: GCC turns a direct u8 -> float conversion into 16 scalar conversions.
+// Byte codes to floats. GCC turns a direct u8 -> float vector conversion into 16 scalar
+// ones, and an int8 one into lane inserts: AVX-512 gets the two instructions by name.
 inline f32x16 to_float(u8x16 codes) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)codes));
+#else
   return __builtin_convertvector(__builtin_convertvector(codes, i32x16), f32x16);
+#endif
+}
+
+inline f32x16 int8_to_float(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+  i8x16 q;
+  std::memcpy(&q, p, 16);
+  return __builtin_convertvector(__builtin_convertvector(q, i32x16), f32x16);
+#endif
 }
 
 const i32x16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -91,8 +114,10 @@ inline uint32_t u32(const uint8_t* p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Formats: VALUES and BYTES per block; scales(block, d, m) fills one d and m per 16-value
-// chunk; codes(block, j) returns chunk j's 16 codes as floats.
+// Formats: VALUES and BYTES per block, GROUP values per scale; scales(block, d, m) fills the
+// block's VALUES / GROUP scales d and offsets m (value = d * code + m); codes(block, j) returns
+// 16-value chunk j's codes as floats. A product then sums d * (codes . x) per chunk and
+// m * (sum of x) per group, the sums of x taken once per call.
 // ---------------------------------------------------------------------------------------------
 
 // 32-value blocks keep value i in the low nibble of byte i, value 16 + i in the high one.
@@ -108,28 +133,31 @@ inline f32x16 with_fifth_bits(u8x16 low, uint32_t qh, int chunk) {
 }
 
 struct Q4_0Format {
-  static constexpr int VALUES = 32, BYTES = 18;
+  static constexpr int VALUES = 32, BYTES = 18, GROUP = 32;
+  static constexpr bool OFFSET = true;
   static void scales(const uint8_t* b, float* d, float* m) {
-    d[0] = d[1] = f16(b);
-    m[0] = m[1] = -8 * d[0];
+    d[0] = f16(b);
+    m[0] = -8 * d[0];
   }
   static f32x16 codes(const uint8_t* b, int j) { return to_float(nibbles(b + 2, j)); }
 };
 
 struct Q4_1Format {
-  static constexpr int VALUES = 32, BYTES = 20;
+  static constexpr int VALUES = 32, BYTES = 20, GROUP = 32;
+  static constexpr bool OFFSET = true;
   static void scales(const uint8_t* b, float* d, float* m) {
-    d[0] = d[1] = f16(b);
-    m[0] = m[1] = f16(b + 2);
+    d[0] = f16(b);
+    m[0] = f16(b + 2);
   }
   static f32x16 codes(const uint8_t* b, int j) { return to_float(nibbles(b + 4, j)); }
 };
 
 struct Q5_0Format {
-  static constexpr int VALUES = 32, BYTES = 22;
+  static constexpr int VALUES = 32, BYTES = 22, GROUP = 32;
+  static constexpr bool OFFSET = true;
   static void scales(const uint8_t* b, float* d, float* m) {
-    d[0] = d[1] = f16(b);
-    m[0] = m[1] = -16 * d[0];
+    d[0] = f16(b);
+    m[0] = -16 * d[0];
   }
   static f32x16 codes(const uint8_t* b, int j) {
     return with_fifth_bits(nibbles(b + 6, j), u32(b + 2), j);
@@ -137,10 +165,11 @@ struct Q5_0Format {
 };
 
 struct Q5_1Format {
-  static constexpr int VALUES = 32, BYTES = 24;
+  static constexpr int VALUES = 32, BYTES = 24, GROUP = 32;
+  static constexpr bool OFFSET = true;
   static void scales(const uint8_t* b, float* d, float* m) {
-    d[0] = d[1] = f16(b);
-    m[0] = m[1] = f16(b + 2);
+    d[0] = f16(b);
+    m[0] = f16(b + 2);
   }
   static f32x16 codes(const uint8_t* b, int j) {
     return with_fifth_bits(nibbles(b + 8, j), u32(b + 4), j);
@@ -148,36 +177,34 @@ struct Q5_1Format {
 };
 
 struct Q8_0Format {
-  static constexpr int VALUES = 32, BYTES = 34;
-  static void scales(const uint8_t* b, float* d, float* m) {
-    d[0] = d[1] = f16(b);
-    m[0] = m[1] = 0;
-  }
-  static f32x16 codes(const uint8_t* b, int j) {
-    i8x16 q;
-    std::memcpy(&q, b + 2 + 16 * j, 16);
-    return __builtin_convertvector(__builtin_convertvector(q, i32x16), f32x16);
-  }
+  static constexpr int VALUES = 32, BYTES = 34, GROUP = 32;
+  static constexpr bool OFFSET = false;
+  static void scales(const uint8_t* b, float* d, float*) { d[0] = f16(b); }
+  static f32x16 codes(const uint8_t* b, int j) { return int8_to_float(b + 2 + 16 * j); }
 };
 
 // Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins in 12 bytes (sub-blocks 0-3 in
 // the low 6 bits of bytes 0-3 / 4-7, sub-blocks 4-7 in the nibbles of bytes 8-11 plus the top
-// 2 bits of bytes 0-7); value = d * scale * q - dmin * min.
+// 2 bits of bytes 0-7); value = d * scale * q - dmin * min. The 12 bytes are rearranged as
+// four u32 words into 8 scale bytes then 8 min bytes, converted in one vector.
 inline void k4_scales(const uint8_t* b, float* d, float* m) {
-  float super_d = f16(b), super_min = f16(b + 2);
-  const uint8_t* packed = b + 4;
-  for (int s = 0; s < 8; ++s) {
-    int scale, minimum;
-    if (s < 4) {
-      scale = packed[s] & 63;
-      minimum = packed[s + 4] & 63;
-    } else {
-      scale = (packed[s + 4] & 15) | ((packed[s - 4] >> 6) << 4);
-      minimum = (packed[s + 4] >> 4) | ((packed[s] >> 6) << 4);
-    }
-    d[2 * s] = d[2 * s + 1] = super_d * scale;
-    m[2 * s] = m[2 * s + 1] = -super_min * minimum;
-  }
+  constexpr uint32_t LOW6 = 0x3f3f3f3f, LOW4 = 0x0f0f0f0f, LOW2 = 0x03030303;
+  uint32_t w[4];
+  std::memcpy(w, b + 4, 12);
+  w[3] = ((w[2] >> 4) & LOW4) | (((w[1] >> 6) & LOW2) << 4);  // mins 4-7
+  uint32_t mins_low = w[1] & LOW6;  // mins 0-3
+  w[1] = (w[2] & LOW4) | (((w[0] >> 6) & LOW2) << 4);  // scales 4-7
+  w[2] = mins_low;
+  w[0] &= LOW6;  // scales 0-3
+  u8x16 packed;
+  std::memcpy(&packed, w, 16);
+  float super_d = f16(b), super_min = -f16(b + 2);
+  f32x16 factor = {super_d, super_d, super_d, super_d, super_d, super_d, super_d, super_d,
+                   super_min, super_min, super_min, super_min, super_min, super_min, super_min,
+                   super_min};
+  f32x16 values = to_float(packed) * factor;
+  std::memcpy(d, &values, 32);
+  std::memcpy(m, reinterpret_cast<const float*>(&values) + 8, 32);
 }
 
 // Sub-blocks 2i and 2i+1: the low and high nibbles of bytes 32i..32i+31; chunk j is half j % 2
@@ -189,13 +216,15 @@ inline u8x16 k4_nibbles(const uint8_t* qs, int j) {
 }
 
 struct Q4_KFormat {
-  static constexpr int VALUES = 256, BYTES = 144;
+  static constexpr int VALUES = 256, BYTES = 144, GROUP = 32;
+  static constexpr bool OFFSET = true;
   static void scales(const uint8_t* b, float* d, float* m) { k4_scales(b, d, m); }
   static f32x16 codes(const uint8_t* b, int j) { return to_float(k4_nibbles(b + 16, j)); }
 };
 
 struct Q5_KFormat {
-  static constexpr int VALUES = 256, BYTES = 176;
+  static constexpr int VALUES = 256, BYTES = 176, GROUP = 32;
+  static constexpr bool OFFSET = true;
   static void scales(const uint8_t* b, float* d, float* m) { k4_scales(b, d, m); }
   static f32x16 codes(const uint8_t* b, int j) {
     // Bit s of qh[l] is bit 4 of value l of sub-block s.
@@ -209,14 +238,13 @@ struct Q5_KFormat {
 // high nibbles of each, and bits 2p..2p+1 of qh[0:32]. int8 scales per 16 values;
 // value = d * scale * (q - 32).
 struct Q6_KFormat {
-  static constexpr int VALUES = 256, BYTES = 210;
+  static constexpr int VALUES = 256, BYTES = 210, GROUP = 16;
+  static constexpr bool OFFSET = true;
   static void scales(const uint8_t* b, float* d, float* m) {
-    float super_d = f16(b + 208);
-    const int8_t* scale = reinterpret_cast<const int8_t*>(b + 192);
-    for (int j = 0; j < 16; ++j) {
-      d[j] = super_d * scale[j];
-      m[j] = -32 * d[j];
-    }
+    f32x16 scale = int8_to_float(b + 192) * f16(b + 208);
+    f32x16 offset = scale * -32.0f;
+    std::memcpy(d, &scale, 64);
+    std::memcpy(m, &offset, 64);
   }
   static f32x16 codes(const uint8_t* b, int j) {
     int half = j / 8, group = (j % 8) / 2, part = j % 2;
@@ -231,27 +259,40 @@ struct Q6_KFormat {
 // Tiles
 // ---------------------------------------------------------------------------------------------
 
-// out[c * out_stride + r] = x[c] . W[r] for R rows (rows row_bytes apart) and C tokens.
+// out[c * out_stride + r] = x[c] . W[r] for R rows (rows row_bytes apart) and C tokens;
+// sums[c * groups + g]: the sum of x[c] over scale group g (groups = in_features / GROUP).
 template <class F, int R, int C>
-void tile(const uint8_t* weight, int64_t row_bytes, const float* x, int64_t in_features,
-          float* out, int64_t out_stride) {
-  constexpr int CHUNKS = F::VALUES / 16;
+void tile(const uint8_t* weight, int64_t row_bytes, const float* x, const float* sums,
+          int64_t in_features, float* out, int64_t out_stride) {
+  constexpr int CHUNKS = F::VALUES / 16, GROUPS = F::VALUES / F::GROUP;
+  int64_t groups = in_features / F::GROUP;
   f32x16 acc[R][C] = {};
+  float offset[R][C] = {};
   for (int64_t block = 0; block < in_features / F::VALUES; ++block) {
-    float d[R][CHUNKS], m[R][CHUNKS];
+    float d[R][GROUPS], m[R][GROUPS];
     const uint8_t* blocks[R];
     for (int r = 0; r < R; ++r) {
       blocks[r] = weight + r * row_bytes + block * F::BYTES;
       F::scales(blocks[r], d[r], m[r]);
     }
+    if constexpr (F::OFFSET) {
+      for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+          for (int g = 0; g < GROUPS; ++g) {
+            offset[r][c] += m[r][g] * sums[c * groups + block * GROUPS + g];
+          }
+        }
+      }
+    }
     const float* xb = x + block * F::VALUES;
+#pragma GCC unroll 16  // chunk j's byte offsets, shifts and scale index become constants
     for (int j = 0; j < CHUNKS; ++j) {
       f32x16 xv[C];
       for (int c = 0; c < C; ++c) {
         xv[c] = floats16(xb + c * in_features + 16 * j);
       }
       for (int r = 0; r < R; ++r) {
-        f32x16 w = F::codes(blocks[r], j) * d[r][j] + m[r][j];
+        f32x16 w = F::codes(blocks[r], j) * d[r][16 * j / F::GROUP];
         for (int c = 0; c < C; ++c) {
           acc[r][c] += w * xv[c];
         }
@@ -260,7 +301,7 @@ void tile(const uint8_t* weight, int64_t row_bytes, const float* x, int64_t in_f
   }
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) {
-      float sum = 0;
+      float sum = offset[r][c];
       for (int lane = 0; lane < 16; ++lane) {
         sum += acc[r][c][lane];
       }
@@ -269,7 +310,8 @@ void tile(const uint8_t* weight, int64_t row_bytes, const float* x, int64_t in_f
   }
 }
 
-using TileFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*, int64_t);
+using TileFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t, float*,
+                        int64_t);
 
 // Every tile shape of a format, [rows - 1][tokens - 1], for the short edge tiles.
 template <class F>
@@ -292,10 +334,22 @@ void linear_format(const float* x, const uint8_t* weight, float* out, int64_t to
   static constexpr Tiles<F> tiles;
   int64_t row_bytes = in_features / F::VALUES * F::BYTES;
   int64_t row_tiles = (out_features + ROWS - 1) / ROWS;
-  int workers = static_cast<int>(std::min<int64_t>(threads, row_tiles));
+  // Small products (a decode step's norms-sized ones) stay on the calling thread.
+  bool parallel = tokens * in_features * out_features >= SMALL_PRODUCT;
+  int tasks = static_cast<int>(std::min<int64_t>(row_tiles, parallel ? TASKS_PER_THREAD * threads : 1));
   int64_t chunk = std::max<int64_t>(TOKENS, X_CHUNK_BYTES / (4 * in_features) / TOKENS * TOKENS);
-  ThreadPool::instance().run(workers, [&](int thread) {
-    int64_t first = row_tiles * thread / workers, last = row_tiles * (thread + 1) / workers;
+  int64_t groups = in_features / F::GROUP;
+  std::vector<float> sums(F::OFFSET ? tokens * groups : 0);  // [tokens, groups]
+  for (int64_t g = 0; g < static_cast<int64_t>(sums.size()); ++g) {
+    const float* values = x + g * F::GROUP;
+    float sum = 0;
+    for (int i = 0; i < F::GROUP; ++i) {
+      sum += values[i];
+    }
+    sums[g] = sum;
+  }
+  ThreadPool::instance().run(tasks, threads, [&](int task) {
+    int64_t first = row_tiles * task / tasks, last = row_tiles * (task + 1) / tasks;
     for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
       int64_t t_end = std::min(tokens, t0 + chunk);
       for (int64_t row_tile = first; row_tile < last; ++row_tile) {
@@ -304,7 +358,8 @@ void linear_format(const float* x, const uint8_t* weight, float* out, int64_t to
         for (int64_t t = t0; t < t_end; t += TOKENS) {
           int count = static_cast<int>(std::min<int64_t>(TOKENS, t_end - t));
           tiles.fn[rows - 1][count - 1](weight + row0 * row_bytes, row_bytes, x + t * in_features,
-                                        in_features, out + t * out_features + row0, out_features);
+                                        sums.data() + t * groups, in_features,
+                                        out + t * out_features + row0, out_features);
         }
       }
     }

@@ -1,10 +1,13 @@
-// A small pool of worker threads for the products: run(threads, work) calls work(i) for
-// i in 0..threads-1, the calling thread taking i = 0, and returns when every call has.
+// A small pool of worker threads for the products: run(tasks, threads, work) calls work(i)
+// once for each i in 0..tasks-1, on the calling thread and up to threads - 1 workers, and
+// returns when every call has.
 //
 // A decode step makes a few hundred products of tens of microseconds each, so starting
-// threads per call (tens of microseconds each) or waking them through the kernel on every call
-// would cost as much as the work. Workers spin on an atomic generation counter for a while
-// after each job (SPIN_ROUNDS pauses, ~0.1-0.3 ms), then sleep on a condition variable.
+// threads per call would cost as much as the work. Workers spin on the job word for a while
+// after each job (SPIN_ROUNDS pauses, ~0.1-0.3 ms) and then sleep on a condition variable.
+// Tasks are claimed one at a time from the job word (generation | tasks | next task), so a
+// worker that the OS has not scheduled (the machine busy with other processes) holds nothing
+// up: the caller claims the tasks it has not, and waits only for tasks already claimed.
 // One job at a time: a second caller waits for the first (MLX may evaluate on several
 // streams, each on its own thread).
 
@@ -12,6 +15,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -38,37 +42,42 @@ class ThreadPool {
     return pool;
   }
 
-  void run(int threads, const std::function<void(int)>& work) {
-    if (threads <= 1) {
-      work(0);
+  // tasks < 2^24.
+  void run(int tasks, int threads, const std::function<void(int)>& work) {
+    if (threads <= 1 || tasks <= 1) {
+      for (int i = 0; i < tasks; ++i) {
+        work(i);
+      }
       return;
     }
     std::lock_guard<std::mutex> job_lock(job_mutex_);
     grow(threads - 1);
-    work_ = &work;
-    active_ = threads;
-    // Every worker acknowledges every job (those past `threads` without working), so none
-    // can lag into the next job's settings.
-    remaining_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
-    {
+    uint64_t generation = (generation_of(job_.load(std::memory_order_relaxed)) + 1) & 0xffff;
+    work_[generation % 2] = &work;
+    done_.store(0, std::memory_order_relaxed);
+    // Sequentially consistent with a worker's sleeping_ increment and job_ check (Dekker's
+    // pattern): either the worker sees this job or this sees it sleeping and wakes it.
+    job_.store(pack(generation, tasks, 0));
+    if (sleeping_.load() > 0) {
       std::lock_guard<std::mutex> lock(sleep_mutex_);
-      generation_.fetch_add(1, std::memory_order_release);
+      sleep_cv_.notify_all();
     }
-    sleep_cv_.notify_all();
-    work(0);
-    while (remaining_.load(std::memory_order_acquire) != 0) {
-      cpu_relax();
+    work_on(work);
+    for (int spin = 0; done_.load(std::memory_order_acquire) != tasks; ++spin) {
+      if (spin < SPIN_ROUNDS) {
+        cpu_relax();
+      } else {
+        std::this_thread::yield();  // a worker with a claimed task is waiting for a core
+      }
     }
-    work_ = nullptr;
   }
 
   ~ThreadPool() {
+    stopping_.store(true, std::memory_order_release);
     {
       std::lock_guard<std::mutex> lock(sleep_mutex_);
-      stopping_ = true;
-      generation_.fetch_add(1, std::memory_order_release);
+      sleep_cv_.notify_all();
     }
-    sleep_cv_.notify_all();
     for (auto& worker : workers_) {
       worker.join();
     }
@@ -77,40 +86,70 @@ class ThreadPool {
  private:
   static constexpr int SPIN_ROUNDS = 1 << 14;
 
-  void grow(int workers) {
-    while (static_cast<int>(workers_.size()) < workers) {
-      int index = static_cast<int>(workers_.size()) + 1;
-      // The generation it must answer next is the one after now's, however late it starts.
-      unsigned long seen = generation_.load(std::memory_order_acquire);
-      workers_.emplace_back([this, index, seen] { loop(index, seen); });
+  // The job word: generation (16 bits), task count (24), next unclaimed task (24).
+  static uint64_t pack(uint64_t generation, uint64_t tasks, uint64_t next) {
+    return (generation << 48) | (tasks << 24) | next;
+  }
+  static uint64_t generation_of(uint64_t job) { return job >> 48; }
+
+  // The caller's share: claim and run tasks until none is left unclaimed.
+  void work_on(const std::function<void(int)>& work) {
+    uint64_t job = job_.load(std::memory_order_acquire);
+    while (true) {
+      uint64_t tasks = (job >> 24) & 0xffffff, next = job & 0xffffff;
+      if (next >= tasks) {
+        return;
+      }
+      if (job_.compare_exchange_weak(job, job + 1, std::memory_order_acq_rel)) {
+        work(static_cast<int>(next));
+        done_.fetch_add(1, std::memory_order_acq_rel);
+        job = job_.load(std::memory_order_acquire);
+      }
     }
   }
 
-  void loop(int index, unsigned long seen) {
-    while (true) {
-      unsigned long now = seen;
-      for (int spin = 0; spin < SPIN_ROUNDS; ++spin) {
-        now = generation_.load(std::memory_order_acquire);
-        if (now != seen) {
-          break;
-        }
+  void grow(int workers) {
+    while (static_cast<int>(workers_.size()) < workers) {
+      workers_.emplace_back([this] { loop(); });
+    }
+  }
+
+  void loop() {
+    uint64_t seen = 0;  // the last generation this worker joined
+    while (!stopping_.load(std::memory_order_acquire)) {
+      uint64_t job = job_.load(std::memory_order_acquire);
+      for (int spin = 0; spin < SPIN_ROUNDS && generation_of(job) == seen; ++spin) {
         cpu_relax();
+        job = job_.load(std::memory_order_acquire);
       }
-      if (now == seen) {
+      if (generation_of(job) == seen) {
         std::unique_lock<std::mutex> lock(sleep_mutex_);
+        sleeping_.fetch_add(1);
         sleep_cv_.wait(lock, [&] {
-          return generation_.load(std::memory_order_acquire) != seen;
+          return stopping_.load() || generation_of(job_.load()) != seen;
         });
-        now = generation_.load(std::memory_order_acquire);
+        sleeping_.fetch_sub(1);
+        continue;
       }
-      seen = now;
-      if (stopping_) {
+      seen = generation_of(job);
+      // The work function of generation `seen` stays in place while any of its tasks is
+      // claimed: its caller waits for them, and the next job uses the other slot.
+      claim(seen);
+    }
+  }
+
+  void claim(uint64_t generation) {
+    uint64_t job = job_.load(std::memory_order_acquire);
+    while (generation_of(job) == generation) {
+      uint64_t tasks = (job >> 24) & 0xffffff, next = job & 0xffffff;
+      if (next >= tasks) {
         return;
       }
-      if (index < active_) {
-        (*work_)(index);
+      if (job_.compare_exchange_weak(job, job + 1, std::memory_order_acq_rel)) {
+        (*work_[generation % 2])(static_cast<int>(next));
+        done_.fetch_add(1, std::memory_order_acq_rel);
+        job = job_.load(std::memory_order_acquire);
       }
-      remaining_.fetch_sub(1, std::memory_order_acq_rel);
     }
   }
 
@@ -118,11 +157,11 @@ class ThreadPool {
   std::mutex sleep_mutex_;
   std::condition_variable sleep_cv_;
   std::vector<std::thread> workers_;
-  std::atomic<unsigned long> generation_{0};
-  std::atomic<int> remaining_{0};
-  const std::function<void(int)>* work_ = nullptr;
-  int active_ = 0;
-  bool stopping_ = false;
+  std::atomic<uint64_t> job_{0};
+  std::atomic<int> done_{0};
+  std::atomic<int> sleeping_{0};
+  std::atomic<bool> stopping_{false};
+  const std::function<void(int)>* work_[2] = {nullptr, nullptr};
 };
 
 } // namespace muser::cpu
