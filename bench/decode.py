@@ -4,15 +4,18 @@ Writes a full-size random-weight `muse-glimmer` GGUF (52 layers, hidden 6656, vo
 q4_k_xl-like mix sized close to the pinned artifact's 16,756,681,056 bytes) as valid blocks,
 straight from random bytes (only the f16 scale fields are set, to small finite values), loads
 it with our loader and times:
-- decode: one token per evaluation (the whole step: 52 layers, LM head, argmax), at context
-  0, 2048 and 8192, median of N steps after warm-up;
+- decode: the fused decode step (`Transformer.decode_step`, as generate() runs it: 52 layers,
+  LM head, greedy argmax) at context 0, 2048 and 8192, median of N steps after warm-up: one
+  step per evaluation (with the host's share: building the step), and pipelined as
+  generate()'s loop (the next step queued before the last token is read);
 - prefill: 512-row chunks (`model.hidden` + the last row's logits), tokens/s.
 Floor = weight bytes one decode step reads / copy bandwidth measured in the same run
 (an elementwise device copy of 4 GiB, read + write bytes counted).
 
-    python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep] [--fusion]
+    python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep] [--general] [--no-compile]
 
---fusion also times each decode with qk_norm_rope's launch replaced by the MLX ops it fuses.
+--general also times the general step (model(...): MLX ops around float32-x matvec kernels) the
+fused one replaces; --no-compile runs the fused step without mx.compile.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ceiling import copy_bandwidth  # noqa: E402
 from muser_mlx import gguf, ops  # noqa: E402
 from muser_mlx.formats import GGMLType, tensor_bytes  # noqa: E402
-from muser_mlx.generate import load  # noqa: E402
+from muser_mlx.generate import decode, load  # noqa: E402
+from muser_mlx.models import transformer  # noqa: E402
 from muser_mlx.testing import bpe_tokenizer_metadata, write_gguf_streaming  # noqa: E402
 
 ARTIFACT_BYTES = 16_756_681_056
@@ -128,33 +132,41 @@ def peak_gb() -> str:
     return f"peak {peak:.2f} GB"
 
 
-def decode_ms(model, cache, steps: int) -> tuple[float, float]:
+def general_step(model, token, cache):
+    """The general step generate() ran before the fused one: model(...) and an argmax."""
+    logits = model.logits(model.hidden_unchecked(token, cache))
+    return mx.argmax(logits[:, -1:], axis=-1).astype(mx.int32)
+
+
+def fused_step(model, token, cache):
+    """generate()'s step: the fused decode graph, its LM head's greedy token."""
+    _, greedy = decode(model, token, cache)
+    return greedy.reshape(1, 1)
+
+
+def decode_ms(step, model, cache, steps: int) -> tuple[float, float]:
     """One token per evaluation, each step waiting for the last: median ms per token, and of
     that the ms spent building the step's graph in Python (before any of it runs)."""
     token = mx.array([[7]], dtype=mx.int32)
     times, builds = [], []
     for _ in range(steps + 3):
         tic = time.perf_counter()
-        token = mx.argmax(model(token, cache)[:, -1:], axis=-1).astype(mx.int32)
+        token = step(model, token, cache)
         builds.append(time.perf_counter() - tic)
         mx.eval(token)
         times.append(time.perf_counter() - tic)
     return 1e3 * statistics.median(times[3:]), 1e3 * statistics.median(builds[3:])
 
 
-def pipelined_decode_ms(model, cache, steps: int) -> float:
-    """As mlx-lm's generate loop runs: step n+1's graph is built from step n's lazy token and
+def pipelined_decode_ms(step, model, cache, steps: int) -> float:
+    """As generate()'s loop runs: step n+1's graph is built from step n's lazy token and
     queued (async_eval) before waiting for step n, so building overlaps the GPU's work."""
-    def step(token):
-        logits = model.logits(model.hidden_unchecked(token, cache))
-        return mx.argmax(logits[:, -1:], axis=-1).astype(mx.int32)
-
-    pending = step(mx.array([[7]], dtype=mx.int32))
+    pending = step(model, mx.array([[7]], dtype=mx.int32), cache)
     mx.async_eval(pending)
     times = []
     for _ in range(steps + 3):
         tic = time.perf_counter()
-        following = step(pending)
+        following = step(model, pending, cache)
         mx.async_eval(following)
         mx.eval(pending)
         pending = following
@@ -191,8 +203,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS, help="fewer layers: a quick smoke run")
     parser.add_argument("--contexts", default="0,2048,8192")
-    parser.add_argument("--fusion", action="store_true",
-                        help="also time each decode with qk_norm_rope as MLX ops (the fusion's gain)")
+    parser.add_argument("--general", action="store_true",
+                        help="also time the general step the fused one replaces")
+    parser.add_argument("--no-compile", action="store_true", help="the fused step without mx.compile")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
@@ -218,39 +231,23 @@ def main() -> None:
     linear_ms = linears_only_ms(model, args.steps)
     print(f"matrix products alone (all linears of one step, one evaluation): {linear_ms:.2f} ms "
           f"({weight_bytes / linear_ms / 1e9:,.0f} GB/s; {peak_gb()})", flush=True)
-    fused = ops.qk_norm_rope
+    transformer.COMPILE_DECODE = not args.no_compile
+    print(f"fused decode step: {model.fused} (mx.compile: {transformer.COMPILE_DECODE})", flush=True)
+    variants = [("fused", fused_step)] + ([("general", general_step)] if args.general else [])
     for context in (int(c) for c in args.contexts.split(",")):
         cache = model.make_cache()
         fill_context(model, cache, context, rng)
         filled = peak_gb() if context else "nothing"
-        ms, build_ms = decode_ms(model, cache, args.steps)
-        kv = sum(c.nbytes for c in cache)
-        print(f"decode at context {context:5d}: {ms:7.2f} ms/token  ({ms / floor_ms:.2f}x the floor "
-              f"{floor_ms:.2f} ms; {1e3 / ms:.1f} tokens/s; {build_ms:.2f} ms of it building the "
-              f"graph; KV cache {kv / 1e6:.0f} MB; filling it: {filled}; decoding: {peak_gb()})",
-              flush=True)
-        pipelined = pipelined_decode_ms(model, cache, args.steps)
-        print(f"  pipelined (next step built while this one runs): {pipelined:7.2f} ms/token "
-              f"({pipelined / floor_ms:.2f}x the floor; {1e3 / pipelined:.1f} tokens/s)", flush=True)
-        if args.fusion:
-            # The same steps with qk_norm_rope's MLX ops (8 per layer) in place of its one
-            # launch, alternating with the fused kernel three times (run-to-run variance is of
-            # the order of the difference). Each run adds ~25 tokens to the context.
-            runs = {ops.qk_norm_rope_mlx: ([], []), fused: ([], [])}
-            for _ in range(3):
-                for variant, (sequential, overlapped) in runs.items():
-                    ops.qk_norm_rope = variant
-                    try:
-                        sequential.append(decode_ms(model, cache, args.steps)[0])
-                        overlapped.append(pipelined_decode_ms(model, cache, args.steps))
-                    finally:
-                        ops.qk_norm_rope = fused
-            (plain, plain_piped), (ours, ours_piped) = ([statistics.median(v) for v in pair]
-                                                        for pair in runs.values())
-            print(f"  qk_norm_rope as MLX ops vs fused (medians of 3 alternating runs): one step at a "
-                  f"time {plain:.2f} vs {ours:.2f} ms, pipelined {plain_piped:.2f} vs {ours_piped:.2f} ms; "
-                  f"the fusion saves {plain - ours:.2f} ms and {plain_piped - ours_piped:.2f} ms",
+        for label, step in variants:
+            ms, build_ms = decode_ms(step, model, cache, args.steps)
+            kv = sum(c.nbytes for c in cache)
+            print(f"{label} decode at context {context:5d}: {ms:7.2f} ms/token one step at a time "
+                  f"({ms / floor_ms:.2f}x the floor {floor_ms:.2f} ms; {build_ms:.2f} ms of it building "
+                  f"the step; KV cache {kv / 1e6:.0f} MB; filling it: {filled}; decoding: {peak_gb()})",
                   flush=True)
+            pipelined = pipelined_decode_ms(step, model, cache, args.steps)
+            print(f"  {label} pipelined (generate's loop): {pipelined:7.2f} ms/token "
+                  f"({pipelined / floor_ms:.2f}x the floor; {1e3 / pipelined:.1f} tokens/s)", flush=True)
 
     cache = model.make_cache()
     chunk = 512

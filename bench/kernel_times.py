@@ -1,15 +1,16 @@
 """GPU time of each kernel in a Muse Glimmer decode step, from Nsight Compute.
 
 A decode step's wall time holds the GPU's work and, between kernels, whatever the host does
-to launch them. This tool separates the two. `run` decodes a few tokens on a full-width,
+to launch them. `run` decodes with the fused step (as generate() does; --general: the general
+step it replaced). This tool separates the two. `run` decodes a few tokens on a full-width,
 few-layer Muse Glimmer file (the shapes of the real one, with fewer layers) and prints the wall
 time per step; under ncu the same run records every kernel's duration, and `report` sums them
 per kernel and per step:
 
     python bench/kernel_times.py run [--layers 4]          # wall ms per step, no profiler
-    ncu --clock-control none --metrics gpu__time_duration.sum --csv \\
-        python bench/kernel_times.py run --steps 4 > times.csv
-    python bench/kernel_times.py report times.csv --steps 4 --layers 4
+    ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \\
+        --csv python bench/kernel_times.py run --steps 4 > times.csv
+    python bench/kernel_times.py report times.csv --steps 4 --layers 4 --ceiling-gbs 3600
     ncu --clock-control none --section SpeedOfLight ... python bench/kernel_times.py matvec \
         --type Q4_K --rows 39936 --cols 6656      # one decode product, a few calls
 """
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def run(args) -> None:
     import mlx.core as mx
 
-    from decode import write_file
+    from decode import fused_step, general_step, write_file
     from muser_mlx.generate import load
 
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
@@ -41,11 +42,12 @@ def run(args) -> None:
         write_file(path, np.random.default_rng(0), args.layers)
     model, _ = load(path)
     cache = model.make_cache()
+    step = general_step if args.general else fused_step
     token = mx.array([[7]], dtype=mx.int32)
     times = []
     for _ in range(args.warmup + args.steps):
         tic = time.perf_counter()
-        token = mx.argmax(model(token, cache)[:, -1:], axis=-1).astype(mx.int32)
+        token = step(model, token, cache)
         mx.eval(token)
         times.append(time.perf_counter() - tic)
     print(f"{args.layers} layers: {1e3 * statistics.median(times[args.warmup:]):.2f} ms per step "
@@ -72,30 +74,38 @@ def matvec(args) -> None:
 
 
 def report(args) -> None:
-    """Kernel durations from ncu's CSV: the last `steps` steps' kernels, summed per name."""
+    """Kernel durations (and, when ncu measured them, DRAM bytes) from ncu's CSV: the last
+    `steps` steps' kernels, summed per name and grid, with GB/s and % of --ceiling."""
     text = Path(args.csv).read_text()
     rows = list(csv.DictReader(io.StringIO(text[text.index('"ID"'):])))
-    kernels = {}
+    kernels, metrics = {}, collections.defaultdict(dict)
     for row in rows:
-        if row["Metric Name"] == "gpu__time_duration.sum":
-            kernels[int(row["ID"])] = (row["Kernel Name"].split("(")[0], row["Grid Size"],
-                                       float(row["Metric Value"].replace(",", "")) / 1e3)
-    launches = [kernels[i] for i in sorted(kernels)]
-    names = [name for name, _, _ in launches]  # grids of attention kernels grow with the cache
+        kernels[int(row["ID"])] = (row["Kernel Name"].split("(")[0], row["Grid Size"])
+        metrics[int(row["ID"])][row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+    launches = [(*kernels[i], metrics[i]["gpu__time_duration.sum"] / 1e3,
+                 metrics[i].get("dram__bytes_read.sum", 0) + metrics[i].get("dram__bytes_write.sum", 0))
+                for i in sorted(kernels)]
+    names = [name for name, *_ in launches]  # grids of attention kernels grow with the cache
     # The step's length: the shortest period of the last `steps` steps' kernel sequence (a
     # layer repeats within a step, but the embedding and the LM head break that shorter period).
     per_step = next(p for p in range(1, len(names) // args.steps + 1)
                     if all(names[-i] == names[-i - p] for i in range(1, p * (args.steps - 1) + 1)))
     last = launches[-per_step * args.steps:]
     totals = collections.defaultdict(list)
-    for name, grid, us in last:
-        totals[(name[:60], grid)].append(us)
-    print(f"{per_step} kernels per step; GPU time per step {sum(u for *_, u in last) / args.steps:.1f} µs\n")
-    print("| kernel | grid | launches per step | µs each (median) | µs per step |")
-    print("| --- | --- | ---: | ---: | ---: |")
-    for (name, grid), values in sorted(totals.items(), key=lambda kv: -sum(kv[1])):
-        print(f"| {name} | {grid} | {len(values) / args.steps:g} | {statistics.median(values):.1f} | "
-              f"{sum(values) / args.steps:.1f} |")
+    for name, grid, us, nbytes in last:
+        totals[(name[:60], grid)].append((us, nbytes))
+    step_us = sum(us for _, _, us, _ in last) / args.steps
+    print(f"{per_step} kernels per step ({(per_step - 4) / args.layers:.1f} per layer beside the embedding, "
+          f"first seam, LM head and argmax); GPU time per step {step_us:.1f} µs\n")
+    print("| kernel | grid | launches per step | µs each (median) | µs per step | MB each | GB/s | % of ceiling |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (name, grid), values in sorted(totals.items(), key=lambda kv: -sum(v[0] for v in kv[1])):
+        us = statistics.median(v[0] for v in values)
+        nbytes = statistics.median(v[1] for v in values)
+        rate = nbytes / us / 1e3 if us else 0.0
+        print(f"| {name} | {grid} | {len(values) / args.steps:g} | {us:.1f} | "
+              f"{sum(v[0] for v in values) / args.steps:.1f} | {nbytes / 1e6:.2f} | {rate:,.0f} | "
+              f"{100 * rate / args.ceiling_gbs:.0f} % |")
 
 
 def main() -> None:
@@ -106,6 +116,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dir", default="/dev/shm")
+    parser.add_argument("--general", action="store_true", help="run: the general step, not the fused one")
+    parser.add_argument("--ceiling-gbs", type=float, default=3600.0,
+                        help="report: the copy bandwidth of the same machine (bench/decode.py prints it)")
     parser.add_argument("--type", default="Q4_K", help="matvec: the weight format")
     parser.add_argument("--rows", type=int, default=39936, help="matvec: output rows")
     parser.add_argument("--cols", type=int, default=6656, help="matvec: input features")

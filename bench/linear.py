@@ -9,6 +9,7 @@ GB/s, and time over the floor (weight bytes / the copy bandwidth measured in thi
 T = 512: TFLOP/s of linear() against an f16 `x @ w.T` of the same shape.
 
     python bench/linear.py [--ours-only] [--sweep [--types Q4_K] [--kernel Q4_K=NAME:UNIT]]
+    python bench/linear.py --products [--types Q4_K,Q6_K]   # the fused decode's q8x kernels
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def main() -> None:
                         help="--sweep: rows per threadgroup to try (e.g. 4,8,16)")
     parser.add_argument("--sweep-shapes", type=int, default=len(SWEEP_SHAPES),
                         help="--sweep: the first N of Muse Glimmer's shapes (the last is the LM head)")
+    parser.add_argument("--products", action="store_true",
+                        help="GPU: the fused decode's q8x products on Muse Glimmer's shapes, over rows per "
+                             "SIMD group x SIMD groups per threadgroup, then stop")
     parser.add_argument("--ours-only", action="store_true",
                         help="skip MLX's quantized_matmul and the f16 matvec (measured in earlier runs)")
     args = parser.parse_args()
@@ -98,6 +102,9 @@ def main() -> None:
 
     if args.sweep:
         sweep(rng, bandwidth, args)
+        return
+    if args.products:
+        products(rng, bandwidth, args)
         return
     print("T = 1 (decode)\n")
     print(row(["shape out x in", "weight", "path", "µs / call", "weight MB", "GB/s", "% of ceiling", "time / floor"]))
@@ -192,6 +199,74 @@ def sweep(rng, bandwidth, args) -> None:
                 del weights
     finally:
         ops.MATVEC_KERNELS.update(saved)
+
+# The fused decode step's products on Muse Glimmer (out x in, the formats of the released mix):
+# the layer's projections (q+gate Q4_K with k+v Q8_0, one launch), attn_output, gate/up with
+# the SwiGLU epilogue, ffn_down (Q4_K or Q6_K), and the LM head with its softcap epilogue.
+PRODUCT_CASES = [
+    ("q+gate | k+v", (8192, 6656), GGMLType.Q4_K, (512, GGMLType.Q8_0)),
+    ("attn_output", (6656, 4096), GGMLType.Q4_K, None),
+    ("ffn gate/up GLU", (19968, 6656), GGMLType.Q4_K, "glu"),
+    ("ffn_down", (6656, 19968), GGMLType.Q4_K, None),
+    ("ffn_down", (6656, 19968), GGMLType.Q6_K, None),
+    ("LM head", (202048, 6656), GGMLType.Q6_K, "head"),
+    ("attn_output", (6656, 4096), GGMLType.Q8_0, None),
+    ("ffn_down", (6656, 19968), GGMLType.Q8_0, None),
+]
+
+
+def products(rng, bandwidth, args) -> None:
+    """µs per call and % of the copy ceiling of ops.product / product_glu (x as q8x, made once)
+    over ops.PRODUCT_CONFIG's rows per SIMD group x SIMD groups per threadgroup."""
+    configs = [(r, g) for r in (1, 2, 4, 8) for g in (2, 4, 8)]
+    print("| product | shape out x in | weight | MB | " + " | ".join(f"R{r} G{g}" for r, g in configs) + " |")
+    print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in configs) + " |")
+    saved = dict(ops.PRODUCT_CONFIG)
+    try:
+        for label, (out_features, in_features), ggml_type, extra in PRODUCT_CASES:
+            if args.types and ggml_type.name not in args.types.split(","):
+                continue
+            row_bytes = formats.FORMATS[ggml_type].row_bytes(in_features)
+            nbytes = out_features * row_bytes * (2 if extra == "glu" else 1)
+            if isinstance(extra, tuple):
+                nbytes += extra[0] * formats.FORMATS[extra[1]].row_bytes(in_features)
+            copies = max(1, math.ceil(STREAM_BYTES / nbytes))
+
+            def make():
+                w = Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type, in_features, out_features)
+                if isinstance(extra, tuple):
+                    return w, Weight(valid_weight(rng, extra[1], extra[0], in_features), extra[1], in_features, extra[0])
+                if extra == "glu":
+                    return w, Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type, in_features, out_features)
+                return w, None
+
+            weights = [make() for _ in range(copies)]
+            xs = [ops.quantize_rows(mx.random.normal((1, in_features))) for _ in range(4)]
+            mx.eval(xs)
+
+            def call(i):
+                first, second = weights[i % copies]
+                x = xs[i % 4]
+                if extra == "glu":
+                    return list(ops.product_glu(x, first, second))
+                if extra == "head":
+                    return list(ops.product(x, first, head=(0.196, 20.0)))
+                return ops.product(x, first, second)
+
+            cells = []
+            for r, g in configs:
+                ops.PRODUCT_CONFIG[ggml_type] = ops.ProductConfig(r, g)
+                if extra == "glu" and g != 4:  # product_glu's threadgroup is 32 / rows SIMD groups
+                    cells.append("")
+                    continue
+                seconds = per_call_seconds(lambda: [call(i) for i in range(args.calls)], args.repeats)
+                cells.append(f"{seconds * 1e6:,.1f} ({100 * nbytes / seconds / bandwidth:.0f}%)")
+            print(row([label, f"{out_features} x {in_features}", ggml_type.name, f"{nbytes / 1e6:,.1f}"] + cells),
+                  flush=True)
+            del weights
+    finally:
+        ops.PRODUCT_CONFIG.update(saved)
+
 
 if __name__ == "__main__":
     main()

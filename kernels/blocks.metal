@@ -296,3 +296,254 @@ inline float muser_value(const device uint8_t* row, uint element) {
     default: return 0.0f;
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Activations as int8 blocks ("q8x"), for the decode products. x [T, IN] f32 becomes
+//   xq int8 [T, IN]: q = round(x / d), half away from zero (0 where d is 0);
+//   xd f32 [T, IN / 32]: d = max |x| / 127 over each 32 values;
+//   xs f32 [T, IN / 8]: d * (the sum of each 8 codes), for the formats' offset and min terms.
+// formats.quantize_activations is the numpy reference.
+
+// The four signed bytes of a times those of b, summed (a packed int8 dot product: one dp4a
+// instruction on NVIDIA GPUs).
+#if defined(__CUDACC__)
+inline int muser_dot4(uint a, uint b) {
+  return __dp4a(int(a), int(b), 0);
+}
+#else
+inline int muser_dot4(uint a, uint b) {
+  return (int(a << 24) >> 24) * (int(b << 24) >> 24) + (int(a << 16) >> 24) * (int(b << 16) >> 24) +
+         (int(a << 8) >> 24) * (int(b << 8) >> 24) + (int(a) >> 24) * (int(b) >> 24);
+}
+#endif
+
+// The low 32 bits of (high:low) >> shift, shift 0 or 16: a word at a 2-byte offset from two
+// aligned words (one funnel-shift instruction on NVIDIA GPUs).
+#if defined(__CUDACC__)
+inline uint muser_funnel(uint low, uint high, uint shift) {
+  return __funnelshift_r(low, high, shift);
+}
+#else
+inline uint muser_funnel(uint low, uint high, uint shift) {
+  return uint(((ulong(high) << 32) | ulong(low)) >> shift);
+}
+#endif
+
+// The 8 bytes at byte `offset` of `base` (base 4-byte aligned, offset even) as two words, from
+// aligned word loads. The third word is read only when the bytes straddle it.
+inline uint2 muser_words2(const device uint8_t* base, size_t offset) {
+  const device uint* words = (const device uint*)(base + (offset & ~size_t(3)));
+  uint shift = uint(offset & 2u) * 8u;
+  uint w0 = words[0];
+  uint w1 = words[1];
+  uint w2 = shift != 0u ? words[2] : 0u;
+  return uint2(muser_funnel(w0, w1, shift), muser_funnel(w1, w2, shift));
+}
+
+// One 32-value block of activations quantized by a SIMD group, lane l holding value l: writes
+// codes xq[32 * block + l], the scale xd[block] and the four sums xs[4 * block + l / 8].
+inline void muser_quantize_block(float value, uint lane, device int8_t* xq, device float* xd,
+                                 device float* xs, uint block) {
+  float d = simd_max(fabs(value)) / 127.0f;
+  float q = d > 0.0f ? round(value / d) : 0.0f;
+  xq[32u * block + lane] = int8_t(q);
+  float sum = q + simd_shuffle_xor(q, 1u);
+  sum += simd_shuffle_xor(sum, 2u);
+  sum += simd_shuffle_xor(sum, 4u);
+  if (lane % 8u == 0u) {
+    xs[4u * block + lane / 8u] = d * sum;
+  }
+  if (lane == 0u) {
+    xd[block] = d;
+  }
+}
+
+// The activations one product unit reads (32 values of x for one token): codes as 8 words
+// (int8 x4), and the scales and sums of the blocks they come from. Which 32 values, and which
+// scales and sums, depends on the weight format's unit (muser_x_unit).
+struct muser_x_unit {
+  uint codes[8];
+  float scale[4];
+  float sum[4];
+};
+
+// Unit u of a row (u < IN / 32) for FORMAT (Q4_K, Q6_K or Q8_0); each unit covers 32 values.
+//   Q4_K: super-block u / 8, 16 quant bytes c = u % 8 (group g = c / 2, half h = c % 2): low
+//         nibbles are values 16h..16h+15 of sub-block 2g ("a"), high ones of sub-block 2g+1 ("b").
+//   Q6_K: super-block u / 8, half h = (u % 8) / 4, positions l0 = 8 (u % 4) .. l0 + 7 of each
+//         of the half's four 32-value quarters.
+//   Q8_0: block u.
+template <int FORMAT>
+inline muser_x_unit muser_load_x_unit(const device int8_t* xq, const device float* xd,
+                                      const device float* xs, uint unit) {
+  muser_x_unit x;
+  uint super_block = unit / 8u;
+  if (FORMAT == MUSER_Q4_K) {
+    uint c = unit % 8u;
+    uint first = 256u * super_block + 64u * (c / 2u) + 16u * (c % 2u);  // value 0 of "a"
+    uint4 a = *((const device uint4*)(xq + first));
+    uint4 b = *((const device uint4*)(xq + first + 32u));
+    x.codes[0] = a.x; x.codes[1] = a.y; x.codes[2] = a.z; x.codes[3] = a.w;
+    x.codes[4] = b.x; x.codes[5] = b.y; x.codes[6] = b.z; x.codes[7] = b.w;
+    x.scale[0] = xd[first / 32u];
+    x.scale[1] = xd[first / 32u + 1u];
+    x.sum[0] = xs[first / 8u] + xs[first / 8u + 1u];
+    x.sum[1] = xs[first / 8u + 4u] + xs[first / 8u + 5u];
+  } else if (FORMAT == MUSER_Q6_K) {
+    uint first = 256u * super_block + 128u * ((unit % 8u) / 4u) + 8u * (unit % 4u);
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      uint2 codes = *((const device uint2*)(xq + first + 32u * uint(quarter)));
+      x.codes[2 * quarter] = codes.x;
+      x.codes[2 * quarter + 1] = codes.y;
+      x.scale[quarter] = xd[first / 32u + uint(quarter)];
+      x.sum[quarter] = xs[first / 8u + 4u * uint(quarter)];
+    }
+  } else {
+    uint4 a = *((const device uint4*)(xq + 32u * unit));
+    uint4 b = *((const device uint4*)(xq + 32u * unit + 16u));
+    x.codes[0] = a.x; x.codes[1] = a.y; x.codes[2] = a.z; x.codes[3] = a.w;
+    x.codes[4] = b.x; x.codes[5] = b.y; x.codes[6] = b.z; x.codes[7] = b.w;
+    x.scale[0] = xd[unit];
+  }
+  return x;
+}
+
+// Unit u of one weight row (starting at byte `row` of `weight`, 4-byte aligned base) dotted
+// with the activations of TOKENS tokens; adds into out[t * STRIDE].
+//   Q4_K: sum_i (d sc q_i - dmin m) x_i = d sc xd (sum_i q_i c_i) - dmin m (xd sum_i c_i).
+//   Q6_K: sum_i d sc (q_i - 32) x_i = d sc (xd (sum_i q_i c_i) - 32 (xd sum_i c_i)).
+//   Q8_0: sum_i d q_i x_i = d xd (sum_i q_i c_i).
+template <int FORMAT, int TOKENS, int STRIDE>
+inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
+                           thread const muser_x_unit* x, thread float* out) {
+  uint super_block = unit / 8u;
+  if (FORMAT == MUSER_Q4_K) {
+    const device uint8_t* block = weight + row + 144u * super_block;
+    uint c = unit % 8u;
+    uint4 head = *((const device uint4*)block);
+    uint4 quants = *((const device uint4*)(block + 16u + 16u * c));
+    uint4 pairs = muser_q4k_group_scales(head.y, head.z, head.w, c / 2u);
+    float d = muser_half_low(head.x);
+    float dmin = muser_half_high(head.x);
+    for (int t = 0; t < TOKENS; ++t) {
+      int dot_a = muser_dot4(quants.x & 0x0F0F0F0Fu, x[t].codes[0]) + muser_dot4(quants.y & 0x0F0F0F0Fu, x[t].codes[1]) +
+                  muser_dot4(quants.z & 0x0F0F0F0Fu, x[t].codes[2]) + muser_dot4(quants.w & 0x0F0F0F0Fu, x[t].codes[3]);
+      int dot_b = muser_dot4((quants.x >> 4) & 0x0F0F0F0Fu, x[t].codes[4]) + muser_dot4((quants.y >> 4) & 0x0F0F0F0Fu, x[t].codes[5]) +
+                  muser_dot4((quants.z >> 4) & 0x0F0F0F0Fu, x[t].codes[6]) + muser_dot4((quants.w >> 4) & 0x0F0F0F0Fu, x[t].codes[7]);
+      out[t * STRIDE] += d * (float(pairs.x) * x[t].scale[0] * float(dot_a) + float(pairs.z) * x[t].scale[1] * float(dot_b)) -
+                         dmin * (float(pairs.y) * x[t].sum[0] + float(pairs.w) * x[t].sum[1]);
+    }
+  } else if (FORMAT == MUSER_Q6_K) {
+    size_t block = row + 210u * super_block;
+    uint half_index = (unit % 8u) / 4u;
+    uint l0 = 8u * (unit % 4u);
+    uint2 low_a = muser_words2(weight, block + 64u * half_index + l0);        // quarters 0 and 2
+    uint2 low_b = muser_words2(weight, block + 64u * half_index + 32u + l0);  // quarters 1 and 3
+    uint2 high = muser_words2(weight, block + 128u + 32u * half_index + l0);  // bits 2q, 2q+1
+    uint2 scales = muser_words2(weight, block + 192u + 8u * half_index);      // 8 int8 scales
+    float d = float(as_type<half>(*((const device ushort*)(weight + block + 208u))));
+    float sc[4];
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      uint k = 2u * uint(quarter) + l0 / 16u;  // scale byte of this quarter's 16 values
+      uint word = k < 4u ? scales.x : scales.y;
+      sc[quarter] = d * float(int(word << (24u - 8u * (k % 4u))) >> 24);
+    }
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      uint2 low = quarter % 2 == 0 ? low_a : low_b;
+      uint nibble = 4u * uint(quarter / 2);
+      uint code0 = ((low.x >> nibble) & 0x0F0F0F0Fu) | (((high.x >> (2u * uint(quarter))) & 0x03030303u) << 4);
+      uint code1 = ((low.y >> nibble) & 0x0F0F0F0Fu) | (((high.y >> (2u * uint(quarter))) & 0x03030303u) << 4);
+      for (int t = 0; t < TOKENS; ++t) {
+        int dot = muser_dot4(code0, x[t].codes[2 * quarter]) + muser_dot4(code1, x[t].codes[2 * quarter + 1]);
+        out[t * STRIDE] += sc[quarter] * (x[t].scale[quarter] * float(dot) - 32.0f * x[t].sum[quarter]);
+      }
+    }
+  } else {
+    size_t block = row + 34u * size_t(unit);
+    float d = float(as_type<half>(*((const device ushort*)(weight + block))));
+    uint codes[8];
+    for (int pair = 0; pair < 4; ++pair) {
+      uint2 words = muser_words2(weight, block + 2u + 8u * uint(pair));
+      codes[2 * pair] = words.x;
+      codes[2 * pair + 1] = words.y;
+    }
+    for (int t = 0; t < TOKENS; ++t) {
+      int dot = 0;
+      for (int word = 0; word < 8; ++word) {
+        dot += muser_dot4(codes[word], x[t].codes[word]);
+      }
+      out[t * STRIDE] += d * x[t].scale[0] * float(dot);
+    }
+  }
+}
+
+// The ROWS rows first_row.. of a weight (rows past OUT re-read row OUT-1; the caller never
+// stores them) dotted with TOKENS tokens of q8x activations by one SIMD group: lane l takes
+// units l, l + 32, ... of every row, so the lanes' weight loads are consecutive. Adds each
+// lane's share into acc[t * ROWS + r]; the caller sums the lanes.
+template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN>
+inline void muser_rows_dot(const device uint8_t* weight, uint first_row, const device int8_t* xq,
+                           const device float* xd, const device float* xs, uint lane, thread float* acc) {
+  for (uint unit = lane; unit < uint(IN / 32); unit += 32u) {
+    muser_x_unit x[TOKENS];
+    for (int t = 0; t < TOKENS; ++t) {
+      x[t] = muser_load_x_unit<FORMAT>(xq + t * IN, xd + t * (IN / 32), xs + t * (IN / 8), unit);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      uint row = min(first_row + uint(r), uint(OUT - 1));
+      muser_unit_dot<FORMAT, TOKENS, ROWS>(weight, size_t(row) * size_t(ROW_BYTES), unit, x, acc + r);
+    }
+  }
+}
+
+// RoPE's pair i of a head: the channels (a, b) it rotates, (2i, 2i+1) when TRADITIONAL
+// (llama.cpp's NORM), (i, i + ROTARY/2) otherwise (NEOX); pairs past the rotary width keep
+// their channels and pass through (muser_rope_rotates says which).
+template <int ROTARY, int TRADITIONAL>
+inline uint2 muser_rope_pair(uint pair) {
+  if (TRADITIONAL || pair >= uint(ROTARY / 2)) {
+    uint a = TRADITIONAL ? 2u * pair : uint(ROTARY) + 2u * (pair - uint(ROTARY / 2));
+    return uint2(a, a + 1u);
+  }
+  return uint2(pair, pair + uint(ROTARY / 2));
+}
+
+template <int ROTARY, int TRADITIONAL>
+inline bool muser_rope_rotates(uint pair) {
+  return TRADITIONAL ? 2u * pair < uint(ROTARY) : pair < uint(ROTARY / 2);
+}
+
+// One head of a projection made ready for attention, by one SIMD group: (source + bias),
+// RMS-normed with norm_weight when QK_NORM, rotated by RoPE at `position` (ROTARY 0: none),
+// times `scale`, into out[HEAD_DIM]. Lane l takes pairs l, l + 32, ... (HEAD_DIM / 64 each).
+template <int HEAD_DIM, int ROTARY, int TRADITIONAL, int QK_NORM, int BIAS>
+inline void muser_head_prepare(const device float* source, const device float* bias,
+                               const device float* norm_weight, const device float* inv_freq,
+                               float position, float eps, float scale, uint lane, threadgroup float* out) {
+  float first[HEAD_DIM / 64];
+  float second[HEAD_DIM / 64];
+  float squares = 0.0f;
+  for (int k = 0; k < HEAD_DIM / 64; ++k) {
+    uint2 channels = muser_rope_pair<ROTARY, TRADITIONAL>(lane + 32u * uint(k));
+    first[k] = source[channels.x] + (BIAS ? bias[channels.x] : 0.0f);
+    second[k] = source[channels.y] + (BIAS ? bias[channels.y] : 0.0f);
+    squares += first[k] * first[k] + second[k] * second[k];
+  }
+  float norm = QK_NORM ? 1.0f / sqrt(simd_sum(squares) / float(HEAD_DIM) + eps) : 1.0f;
+  for (int k = 0; k < HEAD_DIM / 64; ++k) {
+    uint pair = lane + 32u * uint(k);
+    uint2 channels = muser_rope_pair<ROTARY, TRADITIONAL>(pair);
+    float x0 = first[k] * norm * (QK_NORM ? norm_weight[channels.x] : 1.0f);
+    float x1 = second[k] * norm * (QK_NORM ? norm_weight[channels.y] : 1.0f);
+    if (muser_rope_rotates<ROTARY, TRADITIONAL>(pair)) {
+      float angle = position * inv_freq[pair];
+      float c = cos(angle);
+      float s = sin(angle);
+      float r0 = x0 * c - x1 * s;
+      x1 = x0 * s + x1 * c;
+      x0 = r0;
+    }
+    out[channels.x] = x0 * scale;
+    out[channels.y] = x1 * scale;
+  }
+}

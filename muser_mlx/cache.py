@@ -1,60 +1,67 @@
 """KV caches, one per attention layer, passed into the model (never hidden inside it).
 
-Both caches hand attention the keys and values it may see plus each key's position, so the
-mask is built from positions in one place (`attention_mask`), whatever order the keys are in.
+Both caches keep their keys and values in one preallocated array each, [B, kv_heads,
+capacity, head_dim], in a fixed slot layout that two kinds of step share:
+- a prefill chunk or a step of several tokens (`update_and_fetch`, MLX ops) writes its keys
+  into their slots and gets back the keys it may see with each one's position, so the mask is
+  built from positions in one place (`attention_mask`);
+- a fused one-token decode step (ops.attention_decode) reads the arrays as they are and writes
+  the token's key into its slot itself, in place on a GPU.
 
-- `KVCache`: every position; storage grows in steps of `STEP` entries so that appending one
-  token is a slice write, not a copy of everything so far.
-- `SlidingWindowCache`: a ring buffer of `window` entries. A one-token step overwrites the
-  oldest slot; a chunk of T tokens briefly needs window-1 + T keys (its first query still sees
-  window-1 older keys), then the cache keeps the newest `window`.
+- `KVCache`: every position; position s at slot s. Capacity grows in steps of `STEP` slots.
+- `SlidingWindowCache`: a ring of exactly `window` slots; position s at slot s % window, so a
+  new position overwrites the one that just left the window.
+The dtype is float16 on a GPU (half the bytes attention reads per step), float32 on the CPU.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 STEP = 256
+NOWHERE = -(2**30)  # the position of an empty or invalidated slot: no query sees it
 
 
 class KVCache:
-    """keys/values: [B, kv_heads, capacity, head_dim]; positions: [capacity] int32."""
+    """keys/values: [B, kv_heads, capacity, head_dim] in `dtype`, position s at slot s."""
 
-    def __init__(self):
+    def __init__(self, dtype=mx.float32):
+        self.dtype = dtype
         self.keys = None
         self.values = None
-        self.positions = None
         self.offset = 0  # tokens seen so far = position of the next token
 
+    def reserve(self, batch: int, kv_heads: int, head_dim: int, end: int) -> None:
+        """Make room for positions up to end - 1 (whole STEPs; the stored keys are copied)."""
+        if self.keys is not None and end <= self.keys.shape[2]:
+            return
+        capacity = -(-end // STEP) * STEP
+        self.keys = _grown(self.keys, (batch, kv_heads, capacity, head_dim), self.dtype)
+        self.values = _grown(self.values, (batch, kv_heads, capacity, head_dim), self.dtype)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Append keys/values [B, kv_heads, T, head_dim]; return the keys, values and key
-        positions attention may see: [B, kv_heads, S, head_dim] twice and [S]."""
-        tokens = keys.shape[2]
+        """Append keys/values [B, kv_heads, T, head_dim]; return the keys, values (float32) and
+        key positions attention may see: [B, kv_heads, S, head_dim] twice and [S]."""
+        batch, kv_heads, tokens, head_dim = keys.shape
         start = self.offset
-        if self.keys is None or start + tokens > self.keys.shape[2]:
-            capacity = -(-(start + tokens) // STEP) * STEP
-            self.keys = self._grow(self.keys, keys, capacity)
-            self.values = self._grow(self.values, values, capacity)
-            self.positions = mx.arange(capacity, dtype=mx.int32)
-        self.keys[:, :, start : start + tokens] = keys
-        self.values[:, :, start : start + tokens] = values
-        self.offset += tokens
+        self.reserve(batch, kv_heads, head_dim, start + tokens)
+        self.keys[:, :, start : start + tokens] = keys.astype(self.dtype)
+        self.values[:, :, start : start + tokens] = values.astype(self.dtype)
+        self.advance(tokens)
         end = self.offset
-        return self.keys[:, :, :end], self.values[:, :, :end], self.positions[:end]
+        return (self.keys[:, :, :end].astype(mx.float32), self.values[:, :, :end].astype(mx.float32),
+                mx.arange(end, dtype=mx.int32))
+
+    def advance(self, tokens: int) -> None:
+        """Count `tokens` positions as written (a fused decode step wrote them itself)."""
+        self.offset += tokens
 
     def trim(self, tokens: int) -> None:
         """Forget the last `tokens` positions (their slots are overwritten by what comes next)."""
         if not 0 <= tokens <= self.offset:
             raise ValueError(f"cannot trim {tokens} of {self.offset} cached positions")
         self.offset -= tokens
-
-    @staticmethod
-    def _grow(stored, new, capacity):
-        batch, heads, _, dim = new.shape
-        grown = mx.zeros((batch, heads, capacity, dim), dtype=new.dtype)
-        if stored is not None:
-            grown[:, :, : stored.shape[2]] = stored
-        return grown
 
     @property
     def size(self) -> int:
@@ -67,76 +74,84 @@ class KVCache:
 
 
 class SlidingWindowCache:
-    """A ring buffer of the last `window` positions. keys/values: [B, kv_heads, <=window, head_dim];
-    positions: [<=window] int32, the position of the key in each slot."""
+    """The last `window` positions, a ring: keys/values [B, kv_heads, window, head_dim] in
+    `dtype`, position s at slot s % window."""
 
-    def __init__(self, window: int):
+    def __init__(self, window: int, dtype=mx.float32):
         if window < 1:
             raise ValueError(f"sliding window must be at least 1, got {window}")
         self.window = window
+        self.dtype = dtype
         self.keys = None
         self.values = None
-        self.positions = None
         self.offset = 0
+        self.stale = None  # a slot whose position a trim took back, until it is written again
+
+    def reserve(self, batch: int, kv_heads: int, head_dim: int, end: int) -> None:
+        if self.keys is None:
+            self.keys = mx.zeros((batch, kv_heads, self.window, head_dim), dtype=self.dtype)
+            self.values = mx.zeros((batch, kv_heads, self.window, head_dim), dtype=self.dtype)
+
+    def positions(self) -> np.ndarray:
+        """int32 [window]: the position each slot holds (NOWHERE for none)."""
+        slots = np.arange(self.window)
+        held = slots + self.window * ((self.offset - 1 - slots) // self.window)
+        held = np.where(slots < self.offset, held, NOWHERE)
+        if self.stale is not None:
+            held[self.stale] = NOWHERE
+        return held.astype(np.int32)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        tokens = keys.shape[2]
+        """Add keys/values [B, kv_heads, T, head_dim]; return what attention may see: the ring's
+        keys before this chunk and the chunk's own (a chunk's first query still sees window-1
+        older keys), float32, with their positions. One token is written first and the ring
+        returned as it is (its mask drops the key that just left the window)."""
+        batch, kv_heads, tokens, head_dim = keys.shape
+        self.reserve(batch, kv_heads, head_dim, self.offset + tokens)
         start = self.offset
-        new_positions = mx.arange(start, start + tokens, dtype=mx.int32)
+        if tokens > 1:
+            seen = (mx.concatenate([self.keys.astype(mx.float32), keys.astype(mx.float32)], axis=2),
+                    mx.concatenate([self.values.astype(mx.float32), values.astype(mx.float32)], axis=2),
+                    mx.array(np.concatenate([self.positions(), np.arange(start, start + tokens, dtype=np.int32)])))
+        kept = min(tokens, self.window)  # the chunk's last `window` keys stay
+        slots = mx.array(np.arange(start + tokens - kept, start + tokens) % self.window)
+        self.keys[:, :, slots] = keys[:, :, tokens - kept :].astype(self.dtype)
+        self.values[:, :, slots] = values[:, :, tokens - kept :].astype(self.dtype)
+        self.advance(tokens)
+        if tokens > 1:
+            return seen
+        return self.keys.astype(mx.float32), self.values.astype(mx.float32), mx.array(self.positions())
+
+    def advance(self, tokens: int) -> None:
         self.offset += tokens
-        if tokens == 1 and self.keys is not None and self.keys.shape[2] == self.window:
-            slot = start % self.window
-            self.keys[:, :, slot : slot + 1] = keys
-            self.values[:, :, slot : slot + 1] = values
-            self.positions[slot : slot + 1] = new_positions
-            return self.keys, self.values, self.positions
-        if tokens == 1 and self.keys is not None and self.keys.shape[2] == start:
-            # Not full yet: slots 0..start-1 hold positions 0..start-1, so the new key goes at
-            # the end (slot = position) with no sorting.
-            self.keys = mx.concatenate([self.keys, keys], axis=2)
-            self.values = mx.concatenate([self.values, values], axis=2)
-            self.positions = mx.concatenate([self.positions, new_positions])
-            return self.keys, self.values, self.positions
-        if self.keys is None:
-            seen_keys, seen_values, seen_positions = keys, values, new_positions
-        else:
-            seen_keys = mx.concatenate([self.keys, keys], axis=2)
-            seen_values = mx.concatenate([self.values, values], axis=2)
-            seen_positions = mx.concatenate([self.positions, new_positions])
-        # Keep the newest `window` entries, in position order: slot = position % window
-        # holds again once the buffer is full, so one-token steps can overwrite in place.
-        kept = min(self.window, seen_keys.shape[2])
-        order = mx.argsort(seen_positions)[-kept:]
-        if kept == self.window:
-            order = order[mx.argsort(mx.take(seen_positions, order) % self.window)]
-        self.keys = mx.take(seen_keys, order, axis=2)
-        self.values = mx.take(seen_values, order, axis=2)
-        self.positions = mx.take(seen_positions, order)
-        return seen_keys, seen_values, seen_positions
+        self.stale = None
 
     def trim(self, tokens: int) -> None:
         """Forget the last position (at most one: a full ring has already overwritten the
-        oldest key the one before it would need). Its slot is marked never visible, and the
+        oldest key the one before it would need). Its slot is marked never visible until the
         next token writes there again."""
         if tokens == 0:
             return
         if tokens != 1 or self.offset < 1:
             raise ValueError(f"a sliding-window cache can trim one position, not {tokens} of {self.offset}")
         self.offset -= 1
-        if self.keys.shape[2] == self.window:
-            slot = self.offset % self.window
-            self.positions[slot : slot + 1] = mx.array([-(2**30)], dtype=mx.int32)
-        else:
-            self.keys, self.values = self.keys[:, :, :-1], self.values[:, :, :-1]
-            self.positions = self.positions[:-1]
+        self.stale = self.offset % self.window
 
     @property
     def size(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        """Entries attention can see from this cache."""
+        return min(self.offset, self.window)
 
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def _grown(stored: mx.array | None, shape: tuple[int, ...], dtype) -> mx.array:
+    grown = mx.zeros(shape, dtype=dtype)
+    if stored is not None:
+        grown[:, :, : stored.shape[2]] = stored
+    return grown
 
 
 def attention_mask(query_positions: mx.array, key_positions: mx.array, window: int | None):

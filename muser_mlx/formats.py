@@ -626,3 +626,37 @@ def quantize(values: np.ndarray, ggml_type: GGMLType | str | int) -> np.ndarray:
     blocks = np.ascontiguousarray(values).reshape(-1, fmt.block_size)
     encoded = _QUANTIZERS[fmt.ggml_type](blocks)
     return np.ascontiguousarray(encoded, dtype=np.uint8).reshape(*values.shape[:-1], row_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations as int8 blocks ("q8x"): what the GPU decode products read instead of float32 x.
+# ---------------------------------------------------------------------------------------------
+
+Q8X_BLOCK = 32  # values per scale
+Q8X_SUM = 8  # values per stored sum
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [..., n] (n a multiple of 32) as the kernels write it, in float32 arithmetic:
+    codes int8 [..., n] = round(x / d), half away from zero (0 where d is 0);
+    scales f32 [..., n/32]: d = max |x| / 127 over each 32 values;
+    sums f32 [..., n/8]: d * (the sum of each 8 codes).
+    Each code is off by at most d/2, so a value's error is at most max|x| / 254 of its block."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] % Q8X_BLOCK:
+        raise ValueError(f"activations of {x.shape[-1]} values are not whole {Q8X_BLOCK}-value blocks")
+    blocks = x.reshape(*x.shape[:-1], -1, Q8X_BLOCK)
+    scales = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = (blocks / scales[..., None]).astype(np.float32)
+    codes = np.where(scales[..., None] > 0, np.sign(ratio) * np.floor(np.abs(ratio) + np.float32(0.5)), 0)
+    codes = codes.astype(np.int8)
+    sums = codes.reshape(*x.shape[:-1], -1, Q8X_SUM).sum(axis=-1, dtype=np.int32).astype(np.float32)
+    sums = (sums.reshape(*scales.shape, -1) * scales[..., None]).reshape(*x.shape[:-1], -1)
+    return codes.reshape(x.shape), scales, sums.astype(np.float32)
+
+
+def dequantize_activations(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """codes int8 [..., n], scales [..., n/32] -> float32 [..., n]: code * d."""
+    blocks = codes.astype(np.float32).reshape(*codes.shape[:-1], -1, Q8X_BLOCK)
+    return (blocks * np.asarray(scales, np.float32)[..., None]).reshape(codes.shape)

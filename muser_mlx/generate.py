@@ -132,15 +132,26 @@ def _prompt_ids(tokenizer, prompt) -> list[int]:
     return values.astype(np.int64).tolist()
 
 
-def prefill(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP) -> mx.array:
-    """Run `ids` through the model in chunks of `step`; return the last row's logits [vocab]."""
+def prefill(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP):
+    """Run `ids` through the model in chunks of `step`; the last id goes alone, as a decode
+    step. Returns that step's logits [vocab] and greedy token (int32 [1], or None)."""
     if step < 1:
         raise ValueError(f"prefill_step_size must be >= 1, got {step}")
     for start in range(0, len(ids) - 1, step):
         chunk = ids[start : min(start + step, len(ids) - 1)]
         with MODEL_LOCK:
             mx.eval(model.hidden(mx.array([chunk], dtype=mx.int32), cache))
-    return model.logits(model.hidden(mx.array([ids[-1:]], dtype=mx.int32), cache))[0, -1]
+    return decode(model, mx.array([ids[-1:]], dtype=mx.int32), cache)
+
+
+def decode(model, token: mx.array, cache):
+    """One token [1, 1] (int32, in range; may be lazy) -> (logits [vocab], greedy token int32
+    [1] or None): the fused decode graph where the model has one on this device (its LM head
+    picks the greedy token too), else the model's general step."""
+    if model.fused:
+        logits, greedy = model.decode_step(token, cache)
+        return logits[0, -1], greedy
+    return model.logits(model.hidden_unchecked(token, cache))[0, -1], None
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: int | None = None,
@@ -179,27 +190,30 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
     penalised = sampler.repetition_penalty != 1.0
     recent = mx.array(ids[-sampler.repetition_context_size:], dtype=mx.int32)
 
-    def choose(logits, recent):
-        """The graph from a step's logits to its token (lazy): penalty, log-softmax, sample."""
+    def choose(logits, greedy, recent):
+        """The graph from a step's logits to its token (lazy): penalty, log-softmax, sample.
+        Greedy sampling without a penalty takes the LM head's own argmax when it has one."""
         nonlocal key
         key, draw = mx.random.split(key)
         logits = sampler.penalise(logits, recent)
         logprobs = logits - mx.logsumexp(logits)
+        if greedy is not None and sampler.temperature == 0 and not penalised:
+            return greedy[0], logprobs
         return sampler.sample(logprobs, draw), logprobs
 
     def step_after(token, recent):
         """The next step fed with `token` while it is still lazy (sampled from the model's own
         logits, so in range: no host check that would wait for it)."""
-        logits = model.logits(model.hidden_unchecked(token.reshape(1, 1).astype(mx.int32), cache))[0, -1]
+        logits, greedy = decode(model, token.reshape(1, 1).astype(mx.int32), cache)
         if penalised:
             recent = mx.concatenate([recent, token.reshape(1).astype(mx.int32)])
             recent = recent[-sampler.repetition_context_size:]
-        return (*choose(logits, recent), recent)
+        return (*choose(logits, greedy, recent), recent)
 
     tic = time.perf_counter()
     prompt_time = None
     with MODEL_LOCK:
-        token, logprobs = choose(prefill(model, ids, cache, prefill_step_size), recent)
+        token, logprobs = choose(*prefill(model, ids, cache, prefill_step_size), recent)
         mx.async_eval(token, logprobs)
     for n in range(1, max_tokens + 1):
         # Pipelined as mlx-lm's loop: the step after this token is built and queued before this

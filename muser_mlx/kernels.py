@@ -8,6 +8,8 @@ For NVIDIA GPUs the same text becomes an `mx.fast.cuda_kernel` through `CUDA_TRA
 short table of textual rewrites plus `CUDA_PRELUDE` (the few Metal builtins CUDA lacks). The
 kernel dialect is kept small enough for that table: one-dimensional threadgroups, no vector
 types beyond uint2, uint4 and float4, scalars passed as template constants or read from input shapes.
+The two intrinsics Metal lacks (a packed int8 dot product, a funnel shift) are the helpers'
+only `#if defined(__CUDACC__)` branches.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _used_helpers(helpers: str, body: str) -> str:
     `MUSER_*` name the kernel uses, directly or through another helper, in file order."""
     paragraphs = [p for p in re.split(r"\n\s*\n", helpers) if p.strip()]
     code = [_code_only(p) for p in paragraphs]
-    defined = [set(re.findall(r"#define\s+(MUSER_\w+)", c)) |
+    defined = [set(re.findall(r"#define\s+(MUSER_\w+)", c)) | set(re.findall(r"^struct\s+(muser_\w+)", c, re.M)) |
                set(re.findall(r"^(?:template\b.*\n)?(?:inline|constant)\b[^(\[]*?\b(muser_\w+)\s*[(\[]", c, re.M))
                for c in code]
     wanted, used = set(re.findall(r"\b(?:muser|MUSER)_\w+", _code_only(body))), set()
@@ -104,11 +106,14 @@ CUDA_TRANSLATION: list[tuple[str, str]] = [
     (r"\bthreads_per_threadgroup\.x\b", "blockDim.x"),
     (r"\bthread_index_in_simdgroup\b", "(threadIdx.x % 32u)"),
     (r"\bsimdgroup_index_in_threadgroup\b", "(threadIdx.x / 32u)"),
+    (r"\bthreadgroups_per_grid\.x\b", "gridDim.x"),
     (r"threadgroup_barrier\(mem_flags::mem_threadgroup\)", "__syncthreads()"),
+    (r"simdgroup_barrier\(mem_flags::mem_threadgroup\)", "__syncwarp()"),
     # Address spaces: a pointer parameter into threadgroup or thread memory is a plain pointer
     # in CUDA (generic addressing); a threadgroup array in a kernel body is __shared__.
     (r"\bthreadgroup\s+(\w+)\s*\*", r"\1*"),
     (r"\bthread\s+(\w+)\s*\*", r"\1*"),
+    (r"\bthread\s+", ""),
     (r"\bthreadgroup\s+", "__shared__ "),
     (r"\bdevice\s+", ""),
     (r"\bconstant\s+", "__constant__ "),
@@ -130,6 +135,18 @@ __device__ inline float simd_sum(float value) {
     value += __shfl_xor_sync(0xffffffffu, value, offset);
   }
   return value;
+}
+__device__ inline float simd_max(float value) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  }
+  return value;
+}
+__device__ inline float simd_shuffle_xor(float value, unsigned int mask) {
+  return __shfl_xor_sync(0xffffffffu, value, mask);
+}
+__device__ inline float simd_shuffle(float value, unsigned int lane) {
+  return __shfl_sync(0xffffffffu, value, lane);
 }
 """
 
@@ -181,6 +198,13 @@ def build(name: str, backend_name: str):
             header=CUDA_PRELUDE + to_cuda(kernel.header),
         )
     raise ValueError(f"no GPU kernels on backend {backend_name!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def parameters(*values: float) -> mx.array:
+    """A small float32 array of a launch's scalar parameters (eps, scales), made once per
+    distinct list: a step that passes the same parameters reuses the array."""
+    return mx.array(values, dtype=mx.float32)
 
 
 _poison: list[float] = []

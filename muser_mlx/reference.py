@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from muser_mlx.formats import dequantize
+from muser_mlx.formats import dequantize, dequantize_activations, quantize_activations
 from muser_mlx.models.config import ModelConfig
 
 
@@ -44,12 +44,28 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class Reference:
-    """Decoded float64 weights of one model. weights(name) -> [out, in] (matrices) or [n]."""
+    """Decoded float64 weights of one model. weights(name) -> [out, in] (matrices) or [n].
 
-    def __init__(self, config: ModelConfig, tensors: dict):
+    decode_numerics: compute what the fused GPU decode step does on purpose, rather than the
+    exact function: every product's input rounded to q8x (formats.quantize_activations) and
+    keys and values rounded to float16 as the cache stores them. The rest stays float64."""
+
+    def __init__(self, config: ModelConfig, tensors: dict, decode_numerics: bool = False):
         self.config = config
         self.tensors = tensors
+        self.decode_numerics = decode_numerics
         self._cache = {}
+
+    def product_input(self, x: np.ndarray) -> np.ndarray:
+        """x [T, n] as a product reads it."""
+        if not self.decode_numerics:
+            return x
+        codes, scales, _ = quantize_activations(x.astype(np.float32))
+        return dequantize_activations(codes, scales).astype(np.float64)
+
+    def cached(self, x: np.ndarray) -> np.ndarray:
+        """Keys or values as the cache holds them."""
+        return x.astype(np.float16).astype(np.float64) if self.decode_numerics else x
 
     def weight(self, name: str) -> np.ndarray:
         if name not in self._cache:
@@ -69,7 +85,7 @@ class Reference:
         x = x * c.embed_scale
         for layer in range(c.layers):
             x = self.block(layer, x, positions)
-        y = rms(x, c.eps) * self.weight("output_norm.weight")
+        y = self.product_input(rms(x, c.eps) * self.weight("output_norm.weight"))
         head = "token_embd.weight" if c.tied_embeddings else "output.weight"
         logits = y @ self.weight(head).T * c.logit_scale
         if c.softcap is not None:
@@ -84,9 +100,9 @@ class Reference:
         if c.sandwich_norms:
             a = rms(a, post_eps) * w("post_attention_norm.weight")
         x = x + a
-        h = rms(x, c.eps) * w("ffn_norm.weight")
+        h = self.product_input(rms(x, c.eps) * w("ffn_norm.weight"))
         act = silu if c.activation == "silu" else gelu_tanh
-        f = (act(h @ w("ffn_gate.weight").T) * (h @ w("ffn_up.weight").T)) @ w("ffn_down.weight").T
+        f = self.product_input(act(h @ w("ffn_gate.weight").T) * (h @ w("ffn_up.weight").T)) @ w("ffn_down.weight").T
         if c.sandwich_norms:
             f = rms(f, post_eps) * w("post_ffw_norm.weight")
         return x + f
@@ -96,6 +112,7 @@ class Reference:
         c = self.config
         w = lambda name: self.weight(f"blk.{layer}.{name}")  # noqa: E731
         T = h.shape[0]
+        h = self.product_input(h)
         q, k, v = h @ w("attn_q.weight").T, h @ w("attn_k.weight").T, h @ w("attn_v.weight").T
         if c.qkv_bias:
             q, k, v = q + w("attn_q.bias"), k + w("attn_k.bias"), v + w("attn_v.bias")
@@ -110,6 +127,7 @@ class Reference:
             base = c.rope_base_swa if sliding else c.rope_base
             q = rope(q, positions, c.rotary_dim, base, c.rope_traditional)
             k = rope(k, positions, c.rotary_dim, base, c.rope_traditional)
+        k, v = self.cached(k), self.cached(v)
         query_pos, key_pos = positions[:, None], positions[None, :]
         visible = key_pos <= query_pos
         if sliding:
@@ -126,4 +144,4 @@ class Reference:
         o = out.reshape(T, c.heads * c.head_dim)
         if c.attn_gate:
             o = o / (1.0 + np.exp(-(h @ w("attn_gate.weight").T)))
-        return o @ w("attn_output.weight").T
+        return self.product_input(o) @ w("attn_output.weight").T

@@ -13,16 +13,17 @@ import pytest
 
 from muser_mlx import kernels, ops
 from muser_mlx.generate import load
+from muser_mlx.models import transformer
 from muser_mlx.testing import recorded_launches, tiny_model
 
 SIMD_REDUCING = {kernel.name: kernel for kernel in ops.MATVEC_KERNELS.values()}
 
 
 def declared_constants(name: str) -> set[str]:
-    """The names on the kernel file's '// Template constants:' line."""
+    """The names on the kernel file's '// Template constants:' lines (to the header's end)."""
     text = (kernels.kernel_dir() / f"{name}.metal").read_text()
-    line = re.search(r"//\s*Template constants:(.*)", text).group(1)
-    return set(re.findall(r"\b([A-Z][A-Z_]+)\b(?![^(]*\))", line))
+    lines = re.search(r"//\s*Template constants:((?:.*\n)(?://.*\n)*)", text).group(1)
+    return set(re.findall(r"\b([A-Z][A-Z_0-9]*[A-Z])\b(?![^(]*\))", lines.replace("//", " ")))
 
 
 @pytest.fixture
@@ -69,3 +70,37 @@ def test_every_launch_of_prefill_and_decode_is_well_formed(tmp_path, rng, record
             batch, tokens, width = inputs[0].shape
             assert width == template["HEADS"] * template["HEAD_DIM"], where
             assert grid[0] == 32 * batch * tokens * (template["HEADS"] + template["KV_HEADS"]), where
+
+
+# Kernels a fused decode step launches once per step, outside the layers.
+STEP_KERNELS = {"embedding": 1, "residual_norm_quant": 1, "product": 1, "argmax": 1}
+LAUNCHES_PER_LAYER = 8  # ARCHITECTURE.md's decode budget
+
+
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "llama", "gemma3", "qwen2"])
+def test_a_fused_decode_step_launches_at_most_8_kernels_a_layer(tmp_path, rng, recorded, monkeypatch,
+                                                                  architecture):
+    monkeypatch.setattr(transformer, "COMPILE_DECODE", False)  # count the launches of every step
+    layers = 3
+    path = tiny_model(tmp_path / "m.gguf", architecture, rng, weights="Q4_K_M", layers=layers)
+    with mx.stream(mx.cpu):
+        model, _ = load(path)
+        assert model.fused
+        cache = model.make_cache()
+        for token in (5, 9):
+            recorded.clear()
+            mx.eval(model.decode_step(mx.array([[token]], dtype=mx.int32), cache))
+            per_layer = (len(recorded) - sum(STEP_KERNELS.values())) / layers
+            assert per_layer <= LAUNCHES_PER_LAYER, [launch[0] for launch in recorded]
+    names = [launch[0] for launch in recorded]
+    assert names[0] == "embedding" and names[-2:] == ["product", "argmax"]
+    for name, inputs, template, grid, threadgroup, output_shapes in recorded:
+        where = f"{name} {template}"
+        assert set(template) == declared_constants(name), where
+        assert threadgroup[0] % 32 == 0 and threadgroup[0] <= 1024 and grid[0] <= ops.MAX_GRID, where
+        if name == "product":  # whole SIMD groups of ROWS rows; q8x x of IN values
+            rows = -(-template["OUT_A"] // template["ROWS"]) - (-template["OUT_B"] // template["ROWS"])
+            assert grid[0] >= 32 * rows and grid[0] % threadgroup[0] == 0, where
+            assert inputs[2].dtype == mx.int8 and inputs[2].shape[-1] == template["IN"], where
+        if name == "attention_decode":
+            assert inputs[6].dtype == mx.float16 and template["SPLIT"] % 32 == 0, where

@@ -211,3 +211,98 @@ def test_a_block_count_that_contradicts_the_tensors_is_refused_at_once(tmp_path,
                       extra_metadata={"llama.block_count": ("u64", layers)})
     with pytest.raises(ModelConfigError, match=message):
         load(path)
+
+
+# --- the fused decode step (Transformer.decode_step) --------------------------------------------
+# Every product reads its input as q8x and keys and values are stored as float16 (ops.Q8X,
+# reference.Reference(decode_numerics=True)). A q8x value is off by at most half a code step,
+# max|x| / 254 of its block: ~0.5 % of a vector's norm for Gaussian-like activations, and each
+# product passes that on. Through four layers of these tiny random models the logits move by
+# 0.5-2.5 % (measured over the four architectures); FUSED_BOUND doubles the worst seen. Against
+# the reference that rounds the same way, what is left is float32's drift moving a few codes
+# across a rounding boundary (a code is 1/127 of a block's range, and these rows are short).
+FUSED_BOUND = 5e-2
+FUSED_NUMERICS_BOUND = 2.5e-2
+
+
+def decode_one_by_one(model, ids, cache):
+    logits, greedy = [], []
+    for token in ids:
+        step_logits, step_greedy = model.decode_step(mx.array([[int(token)]], dtype=mx.int32), cache)
+        logits.append(step_logits[0, 0])
+        greedy.append(step_greedy[0])
+    return np.array(mx.stack(logits)), np.array(mx.stack(greedy))
+
+
+@pytest.mark.parametrize("weights", ["Q4_K_M", "Q8_0"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_fused_decode_steps_match_the_reference(tiny, rng, architecture, weights):
+    file, model = tiny(architecture, weights)
+    assert model.decodes_fused()
+    ids = random_ids(rng, model, 3 * WINDOW + 2)
+    logits, greedy = decode_one_by_one(model, ids, model.make_cache(mx.float16))
+    exact = Reference(model.config, file.tensors).forward(ids)
+    rounded = Reference(model.config, file.tensors, decode_numerics=True).forward(ids)
+    assert relative_error(logits, exact) <= FUSED_BOUND
+    assert relative_error(logits, rounded) <= FUSED_NUMERICS_BOUND
+    np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_fused_greedy_decoding_stays_within_the_bound_for_32_steps(tiny, rng, architecture):
+    # The reference is fed the fused path's own tokens, so one near-tie (two logits closer than
+    # the bound; common in these tiny random models) does not derail the comparison of the rest.
+    file, model = tiny(architecture, "Q4_K_M")
+    reference = Reference(model.config, file.tensors)
+    tokens = list(random_ids(rng, model, 5))
+    cache = model.make_cache(mx.float16)
+    logits, greedy = decode_one_by_one(model, tokens, cache)
+    for _ in range(32):
+        tokens.append(int(greedy[-1]))
+        expected = reference.forward(np.array(tokens[:-1]))[-1]
+        assert relative_error(logits[-1], expected) <= FUSED_BOUND
+        logits, greedy = decode_one_by_one(model, tokens[-1:], cache)
+
+
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
+def test_fused_sliding_window_layers_see_exactly_window_keys(tiny, rng, architecture):
+    file, model = tiny(architecture, "Q8_0")
+    ids = random_ids(rng, model, 5 * WINDOW)
+    decoded = decode_one_by_one(model, ids, model.make_cache(mx.float16))[0][WINDOW:]
+
+    def reference(window):
+        config = dataclasses.replace(model.config, sliding_window=window)
+        return Reference(config, file.tensors, decode_numerics=True).forward(ids)[WINDOW:]
+
+    right = relative_error(decoded, reference(WINDOW))
+    assert right <= FUSED_NUMERICS_BOUND
+    assert relative_error(decoded, reference(WINDOW + 1)) > 4 * right
+    assert relative_error(decoded, reference(WINDOW - 1)) > 4 * right
+
+
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "qwen2"])
+def test_fused_decode_follows_a_prefill_chunk_and_a_trimmed_step(tiny, rng, architecture):
+    # generate()'s order: a chunk through the general path, then fused steps; the step fed ahead
+    # of a stop is trimmed and the next token takes its position.
+    file, model = tiny(architecture, "Q4_K_M")
+    ids = random_ids(rng, model, 3 * WINDOW)
+    cache = model.make_cache(mx.float16)
+    chunk = 2 * WINDOW + 3
+    mx.eval(model(ids[None, :chunk], cache))
+    decode_one_by_one(model, random_ids(rng, model, 1), cache)  # fed ahead, then trimmed
+    for layer_cache in cache:
+        layer_cache.trim(1)
+    logits, _ = decode_one_by_one(model, ids[chunk:], cache)
+    expected = Reference(model.config, file.tensors).forward(ids)[chunk:]
+    assert relative_error(logits, expected) <= FUSED_BOUND
+
+
+def test_decode_step_refuses_a_float32_cache(tiny):
+    _, model = tiny("llama", "Q8_0")
+    with pytest.raises(ValueError, match="float16"):
+        model.decode_step(mx.array([[1]], dtype=mx.int32), model.make_cache(mx.float32))
+
+
+def test_models_without_q8x_kernels_for_their_formats_do_not_decode_fused(tiny):
+    _, model = tiny("llama", "F16")
+    assert not model.decodes_fused() and not model.fused

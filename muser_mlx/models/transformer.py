@@ -23,6 +23,8 @@ from muser_mlx.models.config import ModelConfig
 
 
 PREFILL_LAYERS_AHEAD = 2  # GPU prefill: layers queued beyond the one being waited for
+# decode_step compiles its graph on a GPU (bench/decode.py --no-compile measures without).
+COMPILE_DECODE = True
 
 
 def vector(tensor) -> mx.array:
@@ -33,6 +35,15 @@ def vector(tensor) -> mx.array:
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     """x / sqrt(mean(x²) + eps) · weight, in float32 (an eps of 1e-8 vanishes in float16)."""
     return mx.fast.rms_norm(x.astype(mx.float32), weight, eps)
+
+
+def fused_products(make):
+    """make(): the fused decode step's launches of some weights; None where a weight's format
+    has no q8x kernel (such a model runs the general step)."""
+    try:
+        return make()
+    except ValueError:
+        return None
 
 
 class Linear(nn.Module):
@@ -73,6 +84,17 @@ class Projections(nn.Module):
             offsets = list(itertools.accumulate(w.rows for w in weights))[:-1]
             self.groups.append((stacked, names, offsets))
         self.biases = {n: vector(b) for n, (_, b) in parts.items() if b is not None}
+        # Where each part lands in the concatenated output of all groups (decode_product).
+        self.offsets, start = {}, 0
+        for stacked, names, _ in self.groups:
+            for name in names:
+                self.offsets[name] = start
+                start += parts[name][0].rows
+        # The fused decode step's launches, two groups each, fixed at load (None: a format
+        # has no q8x kernel, and the model does not decode fused).
+        stacks = [stacked for stacked, _, _ in self.groups]
+        self.decode_products = fused_products(lambda: [ops.Product(*stacks[i : i + 2])
+                                                       for i in range(0, len(stacks), 2)])
 
     def __call__(self, x: mx.array) -> dict:
         out = {}
@@ -86,6 +108,12 @@ class Projections(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(stacked.nbytes for stacked, _, _ in self.groups)
+
+    def decode_product(self, h) -> mx.array:
+        """All groups for q8x input h [1, in], as one launch per two groups: float32 [1, width],
+        part `name` at self.offsets[name] (biases not added)."""
+        pieces = [launch(h) for launch in self.decode_products]
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
 
 
 class Attention(nn.Module):
@@ -103,9 +131,12 @@ class Attention(nn.Module):
             parts["gate"] = (t("attn_gate.weight"), None)
         self.input_proj = Projections(parts)
         self.o_proj = Linear(t("attn_output.weight"))
+        self.decode_output = fused_products(lambda: ops.Product(t("attn_output.weight")))
         if config.qk_norm:
             self.q_norm = vector(t("attn_q_norm.weight"))
             self.k_norm = vector(t("attn_k_norm.weight"))
+        if bias:
+            self.qkv_bias = mx.concatenate([self.input_proj.biases[n] for n in "qkv"])
 
     def __call__(self, h: mx.array, cache) -> mx.array:
         """h: [B, T, hidden] (normed) -> [B, T, hidden]."""
@@ -125,7 +156,7 @@ class Attention(nn.Module):
             k = ops.split_heads(y["k"], c.kv_heads, c.head_dim, rope=rope, start=start)
         keys, values, key_positions = cache.update_and_fetch(k, v)
         mask = None
-        if tokens > 1:
+        if tokens > 1 or self.sliding:  # one token sees a whole full cache; a ring may hold empty slots
             query_positions = mx.arange(start, start + tokens, dtype=mx.int32)
             mask = attention_mask(query_positions, key_positions, self.window)
         o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=c.attention_scale, mask=mask)
@@ -135,17 +166,45 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
 
+    def decode(self, h, keys: mx.array, values: mx.array, position: mx.array):
+        """The fused one-token step: h as q8x [1, hidden]; keys/values: this layer's cache
+        arrays (float16); position: int32 [1]. Returns (attention output [1, hidden] float32,
+        keys, values) in three launches: the projections, kernel attention_decode with its
+        combine (norms, RoPE, cache write, gate, quantized), the output projection."""
+        c = self.config
+        y = self.input_proj.decode_product(h)
+        offsets = self.input_proj.offsets
+        rope = None
+        if self.rotates:
+            rope = dict(dims=c.rotary_dim, traditional=c.rope_traditional, base=self.rope_base)
+        o, keys, values = ops.attention_decode(
+            y, keys, values, position, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
+            offsets=(offsets["q"], offsets["k"], offsets["v"]), gate=offsets.get("gate"),
+            q_weight=self.q_norm if c.qk_norm else None, k_weight=self.k_norm if c.qk_norm else None,
+            bias=self.qkv_bias if c.qkv_bias else None, rope=rope, eps=c.eps, scale=c.attention_scale)
+        return self.decode_output(o), keys, values
+
+
 class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tensors: dict):
         super().__init__()
-        self.activation = nn.silu if config.activation == "silu" else nn.gelu_approx
-        self.input_proj = Projections({n: (tensors[f"blk.{layer}.ffn_{n}.weight"], None)
-                                       for n in ("gate", "up")})
+        self.activation = nn.silu if config.activation == "silu" else ops.gelu_tanh
+        self.gate, self.up = (tensors[f"blk.{layer}.ffn_{n}.weight"] for n in ("gate", "up"))
+        self.input_proj = Projections({"gate": (self.gate, None), "up": (self.up, None)})
         self.down_proj = Linear(tensors[f"blk.{layer}.ffn_down.weight"])
+        self.decode_products = fused_products(lambda: (
+            ops.GatedProduct(self.gate, self.up, config.activation),
+            ops.Product(tensors[f"blk.{layer}.ffn_down.weight"])))
 
     def __call__(self, h: mx.array) -> mx.array:
         y = self.input_proj(h)
         return self.down_proj(self.activation(y["gate"]) * y["up"])
+
+    def decode(self, h):
+        """The fused one-token step: h as q8x [1, hidden] -> [1, hidden] float32, in two
+        launches (gate/up with the activation and q8x epilogue, then down)."""
+        gate_up, down = self.decode_products
+        return down(gate_up(h))
 
 
 class Block(nn.Module):
@@ -176,6 +235,23 @@ class Block(nn.Module):
                                  post_eps, c.eps)
 
 
+    def decode(self, x: mx.array, h, keys: mx.array, values: mx.array, position: mx.array,
+               next_norm: mx.array):
+        """The fused one-token step of this layer: x [1, hidden] the residual stream, h it
+        normed for attention as q8x. Returns (x, h for the next layer, keys, values): eight
+        launches (Attention.decode's three, two seams, FeedForward.decode's two)."""
+        c = self.config
+        post_eps = c.eps if c.post_norm_eps is None else c.post_norm_eps
+        sandwich = c.sandwich_norms
+        a, keys, values = self.attention.decode(h, keys, values, position)
+        x, h = ops.residual_norm_quant(x, a, self.post_attention_norm if sandwich else None,
+                                       self.ffn_norm, post_eps, c.eps)
+        f = self.feed_forward.decode(h)
+        x, h = ops.residual_norm_quant(x, f, self.post_ffw_norm if sandwich else None, next_norm,
+                                       post_eps, c.eps)
+        return x, h, keys, values
+
+
 class Transformer(nn.Module):
     """The whole decoder. tensors: GGUF name -> GGUFTensor, already checked against config."""
 
@@ -186,11 +262,82 @@ class Transformer(nn.Module):
         self.output = tensors["token_embd.weight" if config.tied_embeddings else "output.weight"]
         self.output_norm = vector(tensors["output_norm.weight"])
         self.layers = [Block(config, i, tensors) for i in range(config.layers)]
+        if config.embed_norm:
+            self.unit_norm = mx.ones((config.hidden,))  # the embedding's norm has no weight
+        self.decode_head = fused_products(lambda: ops.Product(
+            self.output, head=(config.logit_scale, config.softcap or 0.0)))
+        self._compiled_decode = None
 
-    def make_cache(self) -> list:
+    def make_cache(self, dtype=None) -> list:
+        """One cache per layer. dtype: float16 where the fused decode step runs (`fused`: a
+        GPU), else float32."""
         c = self.config
-        return [SlidingWindowCache(c.sliding_window) if sliding else KVCache()
+        dtype = dtype or (mx.float16 if self.fused else mx.float32)
+        return [SlidingWindowCache(c.sliding_window, dtype) if sliding else KVCache(dtype)
                 for sliding in c.swa_layers]
+
+    @property
+    def fused(self) -> bool:
+        """Whether one-token steps run the fused decode graph (`decode_step`): on a GPU, for a
+        model whose kernels exist (every product's format has a q8x kernel, head_dim a
+        multiple of 64, hidden and ff multiples of 32)."""
+        return kernels.backend() != "cpu" and self.decodes_fused()
+
+    def decodes_fused(self) -> bool:
+        c = self.config
+        return (c.head_dim % 64 == 0 and c.hidden % 32 == 0 and self.decode_head is not None
+                and all(layer.attention.input_proj.decode_products is not None
+                        and layer.attention.decode_output is not None
+                        and layer.feed_forward.decode_products is not None for layer in self.layers))
+
+    def decode_step(self, token: mx.array, cache: list):
+        """One token through the fused decode graph: eight launches a layer (Block.decode),
+        then the LM head with logit scale, softcap and greedy argmax in its epilogue.
+
+        token: int32 [1, 1], which may be lazy (sampled from this model's logits, so in range:
+        no host check). cache: from make_cache(mx.float16) (make_cache() on a GPU). Returns
+        (logits [1, 1, vocab] float32, the greedy token int32 [1]). On a GPU the graph is
+        compiled once per cache shape (mx.compile: its Python runs once, not every step)."""
+        c = self.config
+        position = cache[0].offset
+        if position + 1 > c.context:
+            raise ValueError(f"{position + 1} positions exceed the model's context of {c.context} tokens")
+        if len(cache) != c.layers or any(layer_cache.dtype != mx.float16 for layer_cache in cache):
+            raise ValueError("decode_step needs this model's caches in float16: make_cache(mx.float16)")
+        for layer_cache in cache:
+            layer_cache.reserve(1, c.kv_heads, c.head_dim, position + 1)
+        graph = self._decode_graph
+        if kernels.backend() != "cpu" and COMPILE_DECODE:
+            self._compiled_decode = self._compiled_decode or mx.compile(self._decode_graph)
+            graph = self._compiled_decode
+        logits, greedy, keys, values = graph(token.reshape(1, 1).astype(mx.int32),
+                                             mx.array([position], dtype=mx.int32),
+                                             [layer_cache.keys for layer_cache in cache],
+                                             [layer_cache.values for layer_cache in cache])
+        for layer_cache, layer_keys, layer_values in zip(cache, keys, values):
+            # On a GPU the kernels wrote these arrays in place, which MLX cannot see: whatever
+            # reads the cache next (a step fed a token from the host, a prefill chunk) must run
+            # after this step. The caches become the same buffers, made to depend on the logits,
+            # which depend on every layer's cache write.
+            layer_cache.keys, layer_cache.values = mx.depends([layer_keys, layer_values], [logits])
+            layer_cache.advance(1)
+        return logits, greedy
+
+    def _decode_graph(self, token: mx.array, position: mx.array, keys: list, values: list):
+        """decode_step's graph, a function of arrays alone (so that mx.compile can trace it):
+        token int32 [1, 1], position int32 [1], every layer's cache arrays. On a GPU the caches
+        are written in place and returned as given; on the CPU new arrays are returned."""
+        c = self.config
+        x = ops.embedding_unchecked(self.token_embd.data, token, self.token_embd.ggml_type,
+                                    c.hidden, c.vocab).reshape(1, c.hidden)
+        x, h = ops.residual_norm_quant(None, x, self.unit_norm if c.embed_norm else None,
+                                       self.layers[0].attn_norm, c.eps, c.eps, c.embed_scale)
+        next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.output_norm]
+        keys, values = list(keys), list(values)
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            x, h, keys[i], values[i] = layer.decode(x, h, keys[i], values[i], position, next_norm)
+        logits, best = self.decode_head(h)
+        return logits.reshape(1, 1, c.vocab), ops.greedy(best), keys, values
 
     def embed(self, ids: mx.array) -> mx.array:
         """ids: validated int32 [B, T] -> float32 [B, T, hidden]."""

@@ -1,20 +1,24 @@
 """The operations the model graph calls. Each runs our kernel on Metal or CUDA, or the same
 math as MLX array ops on the CPU (muser_mlx/dequant.py), on the same raw GGUF bytes.
 
-One module per operation family: embedding, products (the choice of path, GPU products),
-cpu_products (CPU products), norm, attention.
+One module per operation family: embedding, activations (x as int8 blocks), products (the
+choice of path, GPU products), cpu_products (CPU products), fused_products (the fused decode
+step's q8x products), norm, attention.
 """
 
 from muser_mlx.kernels import MAX_GRID
-from muser_mlx.ops.attention import qk_norm_rope, qk_norm_rope_mlx, split_heads
+from muser_mlx.ops.attention import attention_decode, qk_norm_rope, qk_norm_rope_mlx, split_heads
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.embedding import check_token_ids, embedding, embedding_unchecked, make_resident
-from muser_mlx.ops.products import (MATVEC_KERNELS, MatvecKernel, dequantize_weight, linear,
-                                  linear_path)
-from muser_mlx.ops.norm import residual_norm
+from muser_mlx.ops.activations import Q8X, quantize_rows
+from muser_mlx.ops.fused_products import (PRODUCT_CONFIG, PRODUCT_FORMATS, GatedProduct, Product,
+                                          ProductConfig, gelu_tanh, greedy, product, product_glu)
+from muser_mlx.ops.products import MATVEC_KERNELS, MatvecKernel, dequantize_weight, linear, linear_path
+from muser_mlx.ops.norm import residual_norm, residual_norm_quant
 
 __all__ = [
-    "MAX_GRID", "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MatvecKernel", "check_token_ids",
-    "dequantize_weight", "embedding", "embedding_unchecked", "linear", "linear_path",
-    "make_resident", "qk_norm_rope", "qk_norm_rope_mlx", "residual_norm", "split_heads",
+    "MAX_GRID", "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MatvecKernel", "PRODUCT_CONFIG", "PRODUCT_FORMATS", "ProductConfig", "Q8X", "GatedProduct", "Product", "attention_decode", "check_token_ids",
+    "dequantize_weight", "embedding", "embedding_unchecked", "gelu_tanh", "greedy", "linear",
+    "linear_path", "make_resident", "product", "product_glu", "qk_norm_rope", "qk_norm_rope_mlx",
+    "quantize_rows", "residual_norm", "residual_norm_quant", "split_heads",
 ]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 import numpy as np
 
 from muser_mlx import kernels
+from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx
 
 
 def split_heads(y: mx.array, heads: int, head_dim: int, weight: mx.array | None = None,
@@ -41,7 +43,7 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
     q_out, k_out = kernels.launch(
         "qk_norm_rope",
         inputs=[q, k, q_weight, k_weight, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
-                mx.array([start], dtype=mx.int32), _scalar(eps)],
+                mx.array([start], dtype=mx.int32), kernels.parameters(eps)],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"])))],
         grid=(32 * batch * tokens * (heads + kv_heads), 1, 1),
@@ -68,6 +70,93 @@ def _inverse_frequencies(dims: int, base: float) -> mx.array:
     return mx.array((base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32))
 
 
-@functools.lru_cache(maxsize=None)
-def _scalar(value: float) -> mx.array:
-    return mx.array([value], dtype=mx.float32)
+ATTENTION_SPLITS = 64  # splits of a cache the first pass aims for (enough SIMD groups to fill the GPU)
+
+
+def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, *, heads: int,
+                     kv_heads: int, head_dim: int, offsets: tuple[int, int, int], gate: int | None,
+                     q_weight: mx.array | None, k_weight: mx.array | None, bias: mx.array | None,
+                     rope: dict | None, eps: float, scale: float):
+    """One decode token's attention from its projections to the output projection's input.
+
+    y: float32 [1, width], the q/k/v (and gate) projections' output: q at offsets[0]
+    (heads * head_dim), k at offsets[1], v at offsets[2] (kv_heads * head_dim each), the gate's
+    sigmoid input at `gate` (None: no attention gate). q_weight/k_weight [head_dim]: per-head norm
+    (None: none); bias: q, k, v biases concatenated (None: none); rope: dict(dims, base,
+    traditional) or None; position: int32 [1], the token's position p.
+    keys, values: the layer's cache [1, kv_heads, capacity, head_dim] float16: slot p % capacity
+    receives this token's key and value, slots 0 .. min(p + 1, capacity) - 1 are attended (a full
+    cache: capacity > p; a sliding-window ring: capacity = window).
+    Returns (o as q8x [1, heads * head_dim], keys, values): on a GPU, kernels attention_decode
+    (norm, RoPE, cache write in place, split attention) and attention_combine (splits merged,
+    gate, quantized), the caches returned as given; on the CPU, MLX ops and new cache arrays."""
+    batch, capacity = keys.shape[0], keys.shape[2]
+    if batch != 1 or y.shape[0] != 1 or keys.dtype != mx.float16 or head_dim % 64 or heads % kv_heads:
+        raise ValueError(f"attention_decode takes one token of batch 1, a float16 cache and head_dim a "
+                         f"multiple of 64; got y {list(y.shape)}, cache {list(keys.shape)} {keys.dtype}, "
+                         f"heads {heads}/{kv_heads}, head_dim {head_dim}")
+    q_off, k_off, v_off = offsets
+    if kernels.backend() == "cpu":
+        return _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, offsets, gate,
+                                     q_weight, k_weight, bias, rope, eps, scale)
+    group = heads // kv_heads
+    head_group = max(g for g in range(1, min(group, 4) + 1) if group % g == 0)
+    # Keys per split, from a few sizes (each a kernel): ATTENTION_SPLITS splits or more.
+    split = 32 * 2 ** max(0, math.ceil(math.log2(capacity / (32 * ATTENTION_SPLITS))))
+    splits = -(-capacity // split)
+    dims = rope["dims"] if rope is not None else 0
+    unused = kernels.parameters(0.0)
+    partial_o, partial_stats = kernels.launch(
+        "attention_decode",
+        inputs=[y, q_weight if q_weight is not None else unused, k_weight if k_weight is not None else unused,
+                bias if bias is not None else unused, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
+                position, keys, values, kernels.parameters(eps, scale)],
+        template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
+                  ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
+                  ("BIAS", int(bias is not None)), ("SPLIT", split), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],
+        grid=(32 * kv_heads * (group // head_group) * splits, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(heads, splits, head_dim), (heads, splits, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    codes, scales, sums = kernels.launch(
+        "attention_combine",
+        inputs=[partial_o, partial_stats, y],
+        template=[("HEADS", heads), ("HEAD_DIM", head_dim), ("GATE", int(gate is not None)),
+                  ("G_OFF", gate or 0)],
+        grid=(heads * head_dim, 1, 1),  # a SIMD group per 32 channels
+        threadgroup=(256, 1, 1),
+        output_shapes=q8x_shapes((1,), heads * head_dim),
+        output_dtypes=Q8X_DTYPES,
+    )
+    return Q8X(codes, scales, sums), keys, values
+
+
+def _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, offsets, gate,
+                          q_weight, k_weight, bias, rope, eps, scale):
+    """attention_decode's CPU rendering: the same steps as MLX ops on the same cache layout."""
+    q_off, k_off, v_off = offsets
+    capacity = keys.shape[2]
+    q = y[:, q_off : q_off + heads * head_dim]
+    k = y[:, k_off : k_off + kv_heads * head_dim]
+    v = y[:, v_off : v_off + kv_heads * head_dim]
+    if bias is not None:
+        q = q + bias[: heads * head_dim]
+        k = k + bias[heads * head_dim : (heads + kv_heads) * head_dim]
+        v = v + bias[(heads + kv_heads) * head_dim :]
+    offset = position[0]
+    q = split_heads(q[None], heads, head_dim, q_weight, eps, rope, offset)  # [1, heads, 1, hd]
+    k = split_heads(k[None], kv_heads, head_dim, k_weight, eps, rope, offset)
+    v = v.reshape(1, kv_heads, 1, head_dim)
+    slot = (position % capacity).astype(mx.int32)
+    keys = mx.slice_update(keys, k.astype(keys.dtype), mx.concatenate([mx.zeros((2,), mx.int32), slot,
+                                                                       mx.zeros((1,), mx.int32)]), (0, 1, 2, 3))
+    values = mx.slice_update(values, v.astype(values.dtype), mx.concatenate([mx.zeros((2,), mx.int32), slot,
+                                                                             mx.zeros((1,), mx.int32)]), (0, 1, 2, 3))
+    visible = mx.arange(capacity) < mx.minimum(position + 1, capacity)
+    o = mx.fast.scaled_dot_product_attention(q, keys.astype(mx.float32), values.astype(mx.float32),
+                                             scale=scale, mask=visible[None, None, None, :])
+    o = o.reshape(1, heads * head_dim)
+    if gate is not None:
+        o = o * mx.sigmoid(y[:, gate : gate + heads * head_dim])
+    return quantize_rows_mlx(o), keys, values

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
+
+from muser_mlx import kernels
+from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx
 
 
 def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weight: mx.array,
@@ -23,3 +28,41 @@ def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weig
         branch = mx.fast.rms_norm(branch, branch_weight, branch_eps)
     total = residual + branch
     return total, mx.fast.rms_norm(total, next_weight, next_eps)
+
+
+def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weight: mx.array | None,
+                        next_weight: mx.array, branch_eps: float, next_eps: float,
+                        branch_scale: float = 1.0):
+    """The seam of a decode step, ready for the next products (kernel residual_norm_quant):
+
+        total  = residual + b * branch_scale      (residual None: total = b * branch_scale)
+        b      = rms(branch, branch_eps) * branch_weight   (branch_weight None: b = branch)
+        normed = rms(total, next_eps) * next_weight, as q8x
+
+    residual, branch: float32 [T, hidden] (T <= 8); weights float32 [hidden]. Returns (total,
+    normed as ops.Q8X). The first seam of a step has no residual (the embedding row becomes
+    the residual stream, normed without a weight by a model with embed_norm: pass ones)."""
+    hidden = branch.shape[-1]
+    if hidden % 32:
+        raise ValueError(f"residual_norm_quant: hidden {hidden} is not a multiple of 32")
+    if kernels.backend() == "cpu":
+        b = branch.astype(mx.float32)
+        if branch_weight is not None:
+            b = mx.fast.rms_norm(b, branch_weight, branch_eps)
+        total = b * branch_scale if residual is None else residual + b * branch_scale
+        return total, quantize_rows_mlx(mx.fast.rms_norm(total, next_weight, next_eps))
+    blocks = hidden // 32
+    lead = tuple(branch.shape[:-1])
+    total, codes, scales, sums = kernels.launch(
+        "residual_norm_quant",
+        inputs=[branch if residual is None else residual, branch,
+                next_weight if branch_weight is None else branch_weight, next_weight,
+                kernels.parameters(branch_eps, next_eps, branch_scale)],
+        template=[("HIDDEN", hidden), ("RESIDUAL", int(residual is not None)),
+                  ("BRANCH_NORM", int(branch_weight is not None))],
+        grid=(math.prod(lead) * 32 * min(blocks, 32), 1, 1),
+        threadgroup=(32 * min(blocks, 32), 1, 1),
+        output_shapes=[(*lead, hidden)] + q8x_shapes(lead, hidden),
+        output_dtypes=[mx.float32] + Q8X_DTYPES,
+    )
+    return total, Q8X(codes, scales, sums)

@@ -21,7 +21,6 @@ from muser_mlx.ops.cpu_products import (MATVEC_MAX_TOKENS, _cpu_affine, _cpu_deq
 DEQUANT_THREADGROUP = 256
 MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup, at most
 
-
 class MatvecKernel(NamedTuple):
     """A dedicated decode kernel: its name, the output rows each threadgroup computes (its
     threads share their x loads across those rows), the most threads that split a row's units

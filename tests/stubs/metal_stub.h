@@ -13,6 +13,7 @@
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
+typedef unsigned long ulong;
 
 struct half {
   half() = default;
@@ -55,6 +56,10 @@ using ::mem_flags;
 void threadgroup_barrier(mem_flags);
 float simd_sum(float);
 uint simd_sum(uint);
+float simd_max(float);
+float simd_shuffle_xor(float, uint);
+float simd_shuffle(float, uint);
+void simdgroup_barrier(mem_flags);
 
 inline uint min(uint a, uint b) { return a < b ? a : b; }
 inline uint max(uint a, uint b) { return a > b ? a : b; }
@@ -63,6 +68,10 @@ inline int max(int a, int b) { return a > b ? a : b; }
 inline float min(float a, float b) { return a < b ? a : b; }
 inline float max(float a, float b) { return a > b ? a : b; }
 using std::exp;
+using std::cos;
+using std::fabs;
+using std::round;
+using std::sin;
 using std::sqrt;
 using std::tanh;
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }

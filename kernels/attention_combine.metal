@@ -1,0 +1,42 @@
+// kernel: attention_combine
+// inputs: partial_o partial_stats y
+// outputs: oq od os
+//
+// One decode token's attention, second pass: the splits of kernel attention_decode merged,
+// the attention gate applied (GATE 1: o * sigmoid(y[G_OFF + h * HEAD_DIM + e]), the gate
+// projection's output), and the result written as q8x for the output projection:
+//   o[h, e] = sum_s e^(m_s - M) partial_o[h, s, e] / sum_s e^(m_s - M) l_s,  M = max_s m_s.
+// partial_o f32 [HEADS, SPLITS, HEAD_DIM]; partial_stats f32 [HEADS, SPLITS, 2] (m, l); y f32
+// [Y_WIDTH]. oq int8 [HEADS * HEAD_DIM], od [HEADS * HEAD_DIM / 32], os [HEADS * HEAD_DIM / 8].
+// Grid: one SIMD group per 32 channels of one head (one q8x block): HEADS * HEAD_DIM / 32
+// SIMD groups; lane l takes channel l of the block and every split's weight.
+// Bytes per call: HEADS * SPLITS * (HEAD_DIM + 2) * 4 read, HEADS * HEAD_DIM * 1.375 written.
+// Bounds: SIMD groups past the last block (CUDA's surplus) return whole.
+// SPLITS is partial_stats' second dimension, read at run time.
+// Template constants: HEADS, HEAD_DIM, GATE, G_OFF.
+const uint SPLITS = uint(partial_stats_shape[1]);
+uint lane = thread_index_in_simdgroup;
+uint block = thread_position_in_grid.x / 32u;
+if (block >= uint(HEADS * HEAD_DIM / 32)) {
+  return;
+}
+uint head = block / uint(HEAD_DIM / 32);
+uint channel = 32u * (block % uint(HEAD_DIM / 32)) + lane;
+const device float* stats = partial_stats + size_t(head) * SPLITS * 2u;
+float top = -3.0e38f;
+for (uint s = lane; s < SPLITS; s += 32u) {
+  top = max(top, stats[2u * s]);
+}
+top = simd_max(top);
+float total = 0.0f;
+float weight_sum = 0.0f;
+for (uint s = 0; s < SPLITS; ++s) {
+  float weight = exp(stats[2u * s] - top);
+  weight_sum += weight * stats[2u * s + 1u];
+  total += weight * partial_o[(size_t(head) * SPLITS + s) * HEAD_DIM + channel];
+}
+float o = total / weight_sum;
+if (GATE) {
+  o /= 1.0f + exp(-y[G_OFF + head * uint(HEAD_DIM) + channel]);
+}
+muser_quantize_block(o, lane, oq, od, os, block);

@@ -1,0 +1,182 @@
+// kernel: attention_decode
+// inputs: y q_weight k_weight bias inv_freq state k_cache v_cache params
+// outputs: partial_o partial_stats
+//
+// One decode token's attention, first pass (flash-decoding), fused with what precedes it: the
+// per-head norm and RoPE of q and k (kernel qk_norm_rope's work) and the KV-cache write.
+//   y: the q/k/v projections' output f32 [Y_WIDTH]: q at Q_OFF (HEADS * HEAD_DIM), k at K_OFF
+//      and v at V_OFF (KV_HEADS * HEAD_DIM each); bias: q, k, v biases concatenated (BIAS 1);
+//      q_weight, k_weight [HEAD_DIM]: the per-head norm weights (QK_NORM 1); inv_freq
+//      [ROTARY / 2]; state int32 [1]: the token's position p; params f32 [2]: eps, the
+//      attention scale (folded into q).
+//   k_cache, v_cache: f16 [1, KV_HEADS, CAPACITY, HEAD_DIM]. The token's key and value are
+//      written IN PLACE at slot w = p % CAPACITY (MLX knows these arrays only as inputs: the
+//      caller keeps them alive and orders every later reader after this launch through the
+//      outputs). Slots 0 .. n-1, n = min(p + 1, CAPACITY), are the keys p may see: a full
+//      cache holds position s at slot s (CAPACITY > p); a sliding-window ring of CAPACITY =
+//      window keys holds position s at slot s % window, so slot w held p - window, which p
+//      no longer sees. Slot w is read from the new key, never from the cache.
+// Each SIMD group takes one kv head j, HEAD_GROUP of its GROUP = HEADS / KV_HEADS query heads
+// and one split: slots [s * SPLIT, (s + 1) * SPLIT) (SPLITS = ceil(CAPACITY / SPLIT)). It
+// prepares its q heads (and, if its split holds slot w, the new key and value) in threadgroup
+// memory, then walks its slots 32 at a time: lane l scores slot base + l against every q head
+// (the key row read as 16-byte loads), an online softmax keeps each head's max m and sum l,
+// and for the values the lanes switch roles: lane l accumulates channels 2l, 2l+1, 2l+64, ...
+// of every head, the probabilities broadcast by simd_shuffle.
+//   partial_o f32 [HEADS, SPLITS, HEAD_DIM]: sum_slots e^(score - m) v (not yet divided);
+//   partial_stats f32 [HEADS, SPLITS, 2]: (m, l); an empty split writes (-3e38, 0) and zeros.
+// Kernel attention_combine merges the splits.
+// Grid: KV_HEADS * (GROUP / HEAD_GROUP) * SPLITS SIMD groups, up to 4 per threadgroup, each on
+// its own (no threadgroup barrier).
+// Bytes per call: n * KV_HEADS * HEAD_DIM * 4 read (f16 keys and values), y and weights,
+// HEADS * SPLITS * (HEAD_DIM + 2) * 4 written.
+// Bounds: SIMD groups past the last (the last threadgroup's surplus) return whole; lanes past
+// slot n score nothing.
+// CAPACITY is the caches' third dimension, read at run time (a growing cache does not make a
+// new kernel).
+// Template constants: HEADS, KV_HEADS, HEAD_DIM (a multiple of 64), ROTARY, TRADITIONAL,
+// QK_NORM, BIAS, SPLIT (a multiple of 32), HEAD_GROUP, Q_OFF, K_OFF, V_OFF.
+const int GROUP = HEADS / KV_HEADS;
+const int HEAD_GROUPS = GROUP / HEAD_GROUP;
+const int CHANNELS = HEAD_DIM / 32;  // value channels per lane
+const uint CAPACITY = uint(k_cache_shape[2]);
+const uint SPLITS = (CAPACITY + uint(SPLIT) - 1u) / uint(SPLIT);
+threadgroup float q_tiles[4 * HEAD_GROUP * HEAD_DIM];
+threadgroup float kv_tiles[4 * 2 * HEAD_DIM];
+uint lane = thread_index_in_simdgroup;
+uint warp = simdgroup_index_in_threadgroup;
+uint index = threadgroup_position_in_grid.x * (threads_per_threadgroup.x / 32u) + warp;
+if (index >= uint(KV_HEADS * HEAD_GROUPS) * SPLITS) {
+  return;
+}
+uint split = index % SPLITS;
+uint head_group = (index / SPLITS) % uint(HEAD_GROUPS);
+uint kv_head = index / SPLITS / uint(HEAD_GROUPS);
+uint first_head = kv_head * uint(GROUP) + head_group * uint(HEAD_GROUP);
+threadgroup float* q_tile = q_tiles + warp * uint(HEAD_GROUP * HEAD_DIM);
+threadgroup float* k_tile = kv_tiles + warp * uint(2 * HEAD_DIM);
+threadgroup float* v_tile = k_tile + HEAD_DIM;
+int position = state[0];
+uint count = min(uint(position) + 1u, CAPACITY);
+uint write_slot = uint(position) % CAPACITY;
+uint first = split * uint(SPLIT);
+uint last = min(first + uint(SPLIT), count);
+bool holds_new = first <= write_slot && write_slot < last;
+float m[HEAD_GROUP];
+float l[HEAD_GROUP];
+float acc[HEAD_GROUP * CHANNELS];
+for (int i = 0; i < HEAD_GROUP; ++i) {
+  m[i] = -3.0e38f;
+  l[i] = 0.0f;
+  for (int c = 0; c < CHANNELS; ++c) {
+    acc[i * CHANNELS + c] = 0.0f;
+  }
+}
+if (first < last) {
+  float eps = params[0];
+  for (int i = 0; i < HEAD_GROUP; ++i) {
+    uint head = first_head + uint(i);
+    muser_head_prepare<HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
+        y + Q_OFF + head * uint(HEAD_DIM), bias + head * uint(HEAD_DIM), q_weight, inv_freq,
+        float(position), eps, params[1], lane, q_tile + i * HEAD_DIM);
+  }
+  if (holds_new) {
+    uint k_bias = uint(HEADS * HEAD_DIM) + kv_head * uint(HEAD_DIM);
+    muser_head_prepare<HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
+        y + K_OFF + kv_head * uint(HEAD_DIM), bias + k_bias, k_weight, inv_freq, float(position), eps,
+        1.0f, lane, k_tile);
+    for (int c = 0; c < CHANNELS; ++c) {
+      uint e = lane + 32u * uint(c);
+      v_tile[e] = y[V_OFF + kv_head * uint(HEAD_DIM) + e] +
+                  (BIAS ? bias[k_bias + uint(KV_HEADS * HEAD_DIM) + e] : 0.0f);
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  if (holds_new && head_group == 0u) {
+    device half* k_store = (device half*)k_cache + (size_t(kv_head) * CAPACITY + write_slot) * HEAD_DIM;
+    device half* v_store = (device half*)v_cache + (size_t(kv_head) * CAPACITY + write_slot) * HEAD_DIM;
+    for (int c = 0; c < CHANNELS; ++c) {
+      uint e = lane + 32u * uint(c);
+      k_store[e] = half(k_tile[e]);
+      v_store[e] = half(v_tile[e]);
+    }
+  }
+  const device half* keys = k_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
+  const device half* values = v_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
+  for (uint base = first; base < last; base += 32u) {
+    uint slot = base + lane;
+    bool valid = slot < last;
+    float score[HEAD_GROUP];
+    for (int i = 0; i < HEAD_GROUP; ++i) {
+      score[i] = 0.0f;
+    }
+    if (valid && slot != write_slot) {
+      const device uint4* key = (const device uint4*)(keys + size_t(slot) * HEAD_DIM);
+      for (int chunk = 0; chunk < HEAD_DIM / 8; ++chunk) {
+        uint4 packed = key[chunk];
+        float k8[8] = {muser_half_low(packed.x), muser_half_high(packed.x), muser_half_low(packed.y),
+                       muser_half_high(packed.y), muser_half_low(packed.z), muser_half_high(packed.z),
+                       muser_half_low(packed.w), muser_half_high(packed.w)};
+        for (int i = 0; i < HEAD_GROUP; ++i) {
+          for (int e = 0; e < 8; ++e) {
+            score[i] += q_tile[i * HEAD_DIM + 8 * chunk + e] * k8[e];
+          }
+        }
+      }
+    } else if (valid) {  // slot w: the new key, as the cache will hold it (f16)
+      for (int e = 0; e < HEAD_DIM; ++e) {
+        float key = float(half(k_tile[e]));
+        for (int i = 0; i < HEAD_GROUP; ++i) {
+          score[i] += q_tile[i * HEAD_DIM + e] * key;
+        }
+      }
+    }
+    for (int i = 0; i < HEAD_GROUP; ++i) {
+      float top = max(m[i], simd_max(valid ? score[i] : -3.0e38f));
+      float correction = exp(m[i] - top);
+      score[i] = valid ? exp(score[i] - top) : 0.0f;
+      l[i] = l[i] * correction + simd_sum(score[i]);
+      m[i] = top;
+      for (int c = 0; c < CHANNELS; ++c) {
+        acc[i * CHANNELS + c] *= correction;
+      }
+    }
+    uint keys_here = min(32u, last - base);
+    for (uint k = 0; k < keys_here; ++k) {
+      uint key_slot = base + k;
+      float p[HEAD_GROUP];
+      for (int i = 0; i < HEAD_GROUP; ++i) {
+        p[i] = simd_shuffle(score[i], k);
+      }
+      for (int c = 0; c < CHANNELS / 2; ++c) {
+        uint e = 2u * lane + 64u * uint(c);
+        float v0;
+        float v1;
+        if (key_slot == write_slot) {
+          v0 = float(half(v_tile[e]));
+          v1 = float(half(v_tile[e + 1u]));
+        } else {
+          uint packed = *((const device uint*)(values + size_t(key_slot) * HEAD_DIM + e));
+          v0 = muser_half_low(packed);
+          v1 = muser_half_high(packed);
+        }
+        for (int i = 0; i < HEAD_GROUP; ++i) {
+          acc[i * CHANNELS + 2 * c] += p[i] * v0;
+          acc[i * CHANNELS + 2 * c + 1] += p[i] * v1;
+        }
+      }
+    }
+  }
+}
+for (int i = 0; i < HEAD_GROUP; ++i) {
+  size_t slot = size_t(first_head + uint(i)) * SPLITS + split;
+  for (int c = 0; c < CHANNELS / 2; ++c) {
+    uint e = 2u * lane + 64u * uint(c);
+    partial_o[slot * HEAD_DIM + e] = acc[i * CHANNELS + 2 * c];
+    partial_o[slot * HEAD_DIM + e + 1u] = acc[i * CHANNELS + 2 * c + 1];
+  }
+  if (lane == 0u) {
+    partial_stats[2u * slot] = m[i];
+    partial_stats[2u * slot + 1u] = l[i];
+  }
+}

@@ -1,0 +1,89 @@
+// kernel: product
+// inputs: weight_a weight_b xq xd xs params
+// outputs: y best
+//
+// y = x W.T for activations given as int8 blocks (q8x: xq, xd, xs; see blocks.metal) and up
+// to two weights of their own formats (Q4_K, Q6_K or Q8_0), a few tokens at a time (decode):
+//   EPILOGUE 0: y [TOKENS, OUT_A + OUT_B] = [x A.T | x B.T] (no B when OUT_B is 0: q/gate and
+//               k/v of one layer are one launch even when their formats differ).
+//   EPILOGUE 1: the LM head. y [TOKENS, OUT_A] = c * tanh(s * x A.T / c) with s = params[0]
+//               and c = params[1] (c = 0: s * x A.T), and best [TOKENS, threadgroups, 2]: each
+//               threadgroup's largest value and its row (the first on ties), for kernel argmax.
+// weight_a, weight_b: raw GGUF bytes [OUT, ROW_BYTES] uint8 (4-byte aligned); xq int8
+// [TOKENS, IN]; xd f32 [TOKENS, IN/32]; xs f32 [TOKENS, IN/8]; params f32 [2].
+// Grid: one SIMD group per ROWS consecutive rows of A, then of B: ceil(OUT_A / ROWS) +
+// ceil(OUT_B / ROWS) SIMD groups, up to 8 per threadgroup. Lane l takes units l, l + 32, ...
+// of its rows (a unit is 32 values: 16 bytes of Q4_K quants, 24 bytes of Q6_K, one Q8_0
+// block), so consecutive lanes read consecutive weight bytes; it loads its unit of x once for
+// all ROWS rows. A code times an activation code is an integer (muser_dot4: four at a time);
+// the block scales apply once per 32 or 16 values. simd_sum adds the lanes.
+// Bytes per call: OUT_A * ROW_BYTES_A + OUT_B * ROW_BYTES_B + TOKENS * IN * 1.375 read,
+// TOKENS * (OUT_A + OUT_B) * 4 written.
+// Bounds: SIMD groups past the last row group (the last threadgroup's surplus) compute nothing
+// and store nothing, but reach the barrier; rows past OUT re-read row OUT-1 and are not stored.
+// Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
+// ROWS, EPILOGUE.
+threadgroup float best_rows[8 * TOKENS * 2];
+const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
+const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);
+uint lane = thread_index_in_simdgroup;
+uint warp = simdgroup_index_in_threadgroup;
+uint warps = threads_per_threadgroup.x / 32u;
+uint group = threadgroup_position_in_grid.x * warps + warp;
+bool in_a = group < GROUPS_A;
+bool active = group < GROUPS_A + GROUPS_B;
+uint first_row = in_a ? group * uint(ROWS) : (group - GROUPS_A) * uint(ROWS);
+float acc[TOKENS * ROWS];
+for (int i = 0; i < TOKENS * ROWS; ++i) {
+  acc[i] = 0.0f;
+}
+if (in_a) {
+  muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN>(weight_a, first_row, xq, xd, xs, lane, acc);
+} else if (active) {
+  muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN>(weight_b, first_row, xq, xd, xs, lane, acc);
+}
+const uint WIDTH = EPILOGUE == 0 ? uint(OUT_A + OUT_B) : uint(OUT_A);
+uint rows = in_a ? uint(OUT_A) : uint(OUT_B);
+uint column = in_a ? first_row : uint(OUT_A) + first_row;
+for (int t = 0; t < TOKENS; ++t) {
+  float top = -3.0e38f;
+  float top_row = 0.0f;
+  for (int r = 0; r < ROWS; ++r) {
+    float total = simd_sum(acc[t * ROWS + r]);
+    if (EPILOGUE == 1) {
+      total *= params[0];
+      if (params[1] > 0.0f) {
+        total = params[1] * tanh(total / params[1]);
+      }
+    }
+    bool stored = active && first_row + uint(r) < rows;
+    if (stored && lane == uint(r)) {
+      y[uint(t) * WIDTH + column + uint(r)] = total;
+    }
+    if (stored && total > top) {
+      top = total;
+      top_row = float(first_row + uint(r));
+    }
+  }
+  if (EPILOGUE == 1 && lane == 0u) {
+    best_rows[(warp * uint(TOKENS) + uint(t)) * 2u] = top;
+    best_rows[(warp * uint(TOKENS) + uint(t)) * 2u + 1u] = top_row;
+  }
+}
+if (EPILOGUE == 1) {
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (warp == 0u && lane < uint(TOKENS)) {
+    float top = -3.0e38f;
+    float top_row = 0.0f;
+    for (uint w = 0; w < warps; ++w) {  // SIMD groups hold increasing rows: ties keep the first
+      float value = best_rows[(w * uint(TOKENS) + lane) * 2u];
+      if (value > top) {
+        top = value;
+        top_row = best_rows[(w * uint(TOKENS) + lane) * 2u + 1u];
+      }
+    }
+    uint slot = (lane * threadgroups_per_grid.x + threadgroup_position_in_grid.x) * 2u;
+    best[slot] = top;
+    best[slot + 1u] = top_row;
+  }
+}

@@ -1,0 +1,48 @@
+// kernel: product_glu
+// inputs: weight_gate weight_up xq xd xs
+// outputs: fq fd fs
+//
+// The gated FFN's first half for q8x activations, fused with its epilogue:
+//   f = act(x G.T) * (x U.T), act = silu (ACTIVATION 0) or tanh-approximated gelu (1),
+// written again as q8x (fq int8 [TOKENS, OUT], fd [TOKENS, OUT/32], fs [TOKENS, OUT/8]): the
+// input of the down projection, which never exists in float32.
+// weight_gate, weight_up: raw GGUF bytes [OUT, ROW_BYTES] (formats FORMAT_G, FORMAT_U: Q4_K,
+// Q6_K or Q8_0); xq, xd, xs: q8x [TOKENS, IN].
+// Grid: one threadgroup per 32 rows (one q8x block of f): 32 / ROWS SIMD groups, each taking
+// ROWS rows of both weights the way kernel product does (lane l: units l, l + 32, ...). The
+// products meet in threadgroup memory; SIMD group t then quantizes token t's block.
+// Bytes per call: OUT * (ROW_BYTES_G + ROW_BYTES_U) + TOKENS * IN * 1.375 read,
+// TOKENS * OUT * 1.375 written.
+// Bounds: OUT is a multiple of 32 (the host checks), so every threadgroup is whole and every
+// row exists.
+// Template constants: FORMAT_G, ROW_BYTES_G, FORMAT_U, ROW_BYTES_U, OUT, IN, TOKENS, ROWS,
+// ACTIVATION.
+threadgroup float tile[TOKENS * 32];
+uint lane = thread_index_in_simdgroup;
+uint warp = simdgroup_index_in_threadgroup;
+uint block = threadgroup_position_in_grid.x;
+uint first_row = 32u * block + warp * uint(ROWS);
+float gate[TOKENS * ROWS];
+float up[TOKENS * ROWS];
+for (int i = 0; i < TOKENS * ROWS; ++i) {
+  gate[i] = 0.0f;
+  up[i] = 0.0f;
+}
+muser_rows_dot<FORMAT_G, ROW_BYTES_G, OUT, ROWS, TOKENS, IN>(weight_gate, first_row, xq, xd, xs, lane, gate);
+muser_rows_dot<FORMAT_U, ROW_BYTES_U, OUT, ROWS, TOKENS, IN>(weight_up, first_row, xq, xd, xs, lane, up);
+for (int t = 0; t < TOKENS; ++t) {
+  for (int r = 0; r < ROWS; ++r) {
+    float g = simd_sum(gate[t * ROWS + r]);
+    float u = simd_sum(up[t * ROWS + r]);
+    float activated = ACTIVATION == 0 ? g / (1.0f + exp(-g))
+                                      : 0.5f * g * (1.0f + tanh(0.7978845608f * (g + 0.044715f * g * g * g)));
+    if (lane == uint(r)) {
+      tile[t * 32 + int(warp) * ROWS + r] = activated * u;
+    }
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+for (uint t = warp; t < uint(TOKENS); t += threads_per_threadgroup.x / 32u) {
+  muser_quantize_block(tile[t * 32u + lane], lane, fq + t * uint(OUT), fd + t * uint(OUT / 32),
+                       fs + t * uint(OUT / 8), block);
+}

@@ -1,0 +1,80 @@
+"""Activations as int8 blocks (q8x): the input format of the GPU decode products.
+
+A product reads each weight byte once; with float32 x it also read 4 bytes of x per value for
+every few rows, which bound the kernels by L1 traffic, not by DRAM (bench/RESULTS.md, session
+6). As q8x, x is 1.375 bytes a value and the products multiply codes by codes (dp4a). x is
+converted once per input, by the kernel that produced it (the seams, the attention's second
+pass, the FFN's gate/up product) or by `quantize_rows`, and shared by every product that
+reads it. formats.quantize_activations is the numpy reference; formats.py states its error.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from muser_mlx import kernels
+from muser_mlx.formats import Q8X_BLOCK, Q8X_SUM
+
+
+class Q8X(NamedTuple):
+    """x [..., n] as codes int8 [..., n], scales f32 [..., n/32] (max |x| / 127 per 32
+    values) and sums f32 [..., n/8] (scale * the sum of each 8 codes)."""
+
+    codes: mx.array
+    scales: mx.array
+    sums: mx.array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> mx.array:
+        """float32 [..., n]: code * scale, the values the products multiply by."""
+        blocks = self.codes.astype(mx.float32).reshape(*self.codes.shape[:-1], -1, Q8X_BLOCK)
+        return (blocks * self.scales[..., None]).reshape(self.codes.shape)
+
+
+def q8x_shapes(lead: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
+    """The shapes of a Q8X of x [*lead, n]: codes, scales, sums."""
+    return [(*lead, n), (*lead, n // Q8X_BLOCK), (*lead, n // Q8X_SUM)]
+
+
+Q8X_DTYPES = [mx.int8, mx.float32, mx.float32]
+
+
+def quantize_rows(x: mx.array) -> Q8X:
+    """x [..., n] float (n a multiple of 32) as q8x: kernel quantize_rows on a GPU, the same
+    arithmetic as MLX ops on the CPU (round half away from zero, as the kernels' round)."""
+    n = x.shape[-1]
+    if n % Q8X_BLOCK:
+        raise ValueError(f"activations of {n} values are not whole {Q8X_BLOCK}-value blocks")
+    lead = tuple(x.shape[:-1])
+    x = x.astype(mx.float32)
+    if kernels.backend() == "cpu":
+        return quantize_rows_mlx(x)
+    rows = x.reshape(-1, n)
+    codes, scales, sums = kernels.launch(
+        "quantize_rows",
+        inputs=[rows],
+        template=[("IN", n)],
+        grid=(rows.shape[0] * n, 1, 1),  # a SIMD group per 32 values
+        threadgroup=(256, 1, 1),
+        output_shapes=q8x_shapes(lead, n),
+        output_dtypes=Q8X_DTYPES,
+    )
+    return Q8X(codes, scales, sums)
+
+
+def quantize_rows_mlx(x: mx.array) -> Q8X:
+    """The CPU rendering of quantize_rows (and of every kernel's quantizing epilogue)."""
+    n = x.shape[-1]
+    blocks = x.astype(mx.float32).reshape(*x.shape[:-1], -1, Q8X_BLOCK)
+    scales = mx.max(mx.abs(blocks), axis=-1) / 127.0
+    safe = mx.where(scales > 0, scales, 1.0)[..., None]
+    ratio = blocks / safe
+    codes = mx.where(scales[..., None] > 0, mx.sign(ratio) * mx.floor(mx.abs(ratio) + 0.5), 0.0)
+    sums = codes.reshape(*x.shape[:-1], -1, Q8X_BLOCK // Q8X_SUM, Q8X_SUM).sum(axis=-1) * scales[..., None]
+    return Q8X(codes.astype(mx.int8).reshape(x.shape), scales,
+               sums.reshape(*x.shape[:-1], n // Q8X_SUM))

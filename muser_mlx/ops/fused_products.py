@@ -1,0 +1,199 @@
+"""The fused decode step's products: q8x activations times raw GGUF weights (kernels product,
+product_glu, argmax), each launch's arguments fixed once per weight (`Product`, `GatedProduct`:
+built at load by the model, so a step only calls them)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from muser_mlx import kernels
+from muser_mlx.formats import GGMLType, block_format
+from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx
+from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
+from muser_mlx.ops.products import linear
+
+# Formats the q8x product kernels read (blocks.metal: muser_load_x_unit / muser_unit_dot).
+PRODUCT_FORMATS = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
+
+
+class ProductConfig(NamedTuple):
+    """Rows per SIMD group and SIMD groups per threadgroup of kernel product for a weight
+    format (a launch of two weights takes its first's); product_glu takes `rows` (its
+    threadgroups hold 32 rows: 32 / rows SIMD groups)."""
+
+    rows: int
+    simd_groups: int
+
+
+# Chosen by `bench/linear.py --products` on the H200 (bench/RESULTS.md).
+PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8), GGMLType.Q6_K: ProductConfig(2, 4),
+                  GGMLType.Q8_0: ProductConfig(2, 4)}
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def _format(weight, what: str) -> GGMLType:
+    if len(weight.shape) != 2:
+        raise ValueError(f"{what}: weight {weight.name!r} must be 2-D, has shape {list(weight.shape)}")
+    ggml_type = block_format(weight.ggml_type).ggml_type
+    if ggml_type not in PRODUCT_FORMATS:
+        raise ValueError(f"{what}: weight {weight.name!r} is {ggml_type.name}; the q8x products read "
+                         f"{', '.join(t.name for t in PRODUCT_FORMATS)}")
+    return ggml_type
+
+
+def _weight_template(suffix: str, weight) -> list:
+    fmt = block_format(weight.ggml_type)
+    return [(f"FORMAT_{suffix}", int(fmt.ggml_type)), (f"ROW_BYTES_{suffix}", fmt.row_bytes(weight.shape[0]))]
+
+
+def _check_rows(x: Q8X, in_features: int, tokens: int, what: str) -> None:
+    if x.shape[-1] != in_features or math.prod(x.shape[:-1]) != tokens:
+        raise ValueError(f"{what}: x of shape {list(x.shape)} does not fit: the launch takes {tokens} "
+                         f"rows of {in_features} features")
+
+
+class Product:
+    """x @ W.T for q8x activations x [..., in] (`tokens` rows, 1..8) and a Q4_K / Q6_K / Q8_0
+    weight (a GGUF tensor or stacked rows), with the launch's arguments fixed here.
+
+    second: another weight of the same input (any of those formats): one launch computes both,
+    returning [..., out + out2] (first's columns, then second's).
+    head: (logit scale s, softcap c) for the LM head: returns (c * tanh(s * x W.T / c) [..., out],
+    best [rows, groups, 2]), the per-threadgroup maxima kernel argmax reduces (`greedy`); c = 0:
+    no softcap. On the CPU: the same math on x's dequantized values (MLX ops)."""
+
+    def __init__(self, weight, second=None, head: tuple[float, float] | None = None, tokens: int = 1):
+        ggml_type = _format(weight, "product")
+        if second is not None:
+            _format(second, "product")
+            if second.shape[0] != weight.shape[0]:
+                raise ValueError(f"product: {weight.name!r} and {second.name!r} take different inputs")
+        if not 1 <= tokens <= MATVEC_MAX_TOKENS:
+            raise ValueError(f"product: {tokens} rows of x; the decode products take 1..{MATVEC_MAX_TOKENS}")
+        self.weight, self.second, self.head, self.tokens = weight, second, head, tokens
+        self.in_features = weight.shape[0]
+        out_a, out_b = weight.shape[1], second.shape[1] if second is not None else 0
+        self.out_features = out_a + out_b
+        rows, simd_groups = PRODUCT_CONFIG[ggml_type]
+        self.groups = -(-(-(-out_a // rows) - (-out_b // rows)) // simd_groups)  # threadgroups
+        self.template = (_weight_template("A", weight) + [("OUT_A", out_a)]
+                         + _weight_template("B", second if second is not None else weight)
+                         + [("OUT_B", out_b), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", rows),
+                            ("EPILOGUE", int(head is not None))])
+        self.threadgroup = (32 * simd_groups, 1, 1)
+        self.grid = (32 * simd_groups * self.groups, 1, 1)
+        self.parameters = kernels.parameters(*(head if head is not None else (1.0, 0.0)))
+
+    def __call__(self, x: Q8X):
+        _check_rows(x, self.in_features, self.tokens, "product")
+        lead = tuple(x.shape[:-1])
+        if kernels.backend() == "cpu":
+            return self._mlx(x)
+        y, best = kernels.launch(
+            "product",
+            inputs=[self.weight.data, (self.second if self.second is not None else self.weight).data, *x,
+                    self.parameters],
+            template=self.template,
+            grid=self.grid,
+            threadgroup=self.threadgroup,
+            output_shapes=[(*lead, self.out_features), (self.tokens, self.groups, 2) if self.head else (1,)],
+            output_dtypes=[mx.float32, mx.float32],
+        )
+        return (y, best) if self.head is not None else y
+
+    def _mlx(self, x: Q8X):
+        """The CPU rendering."""
+        values = x.dequantize()
+        y = linear(values, self.weight)
+        if self.second is not None:
+            y = mx.concatenate([y, linear(values, self.second)], axis=-1)
+        if self.head is None:
+            return y
+        scale, cap = self.head
+        y = y * scale
+        if cap > 0:
+            y = cap * mx.tanh(y / cap)
+        rows = y.reshape(self.tokens, -1)
+        best = mx.stack([mx.max(rows, axis=-1), mx.argmax(rows, axis=-1).astype(mx.float32)], axis=-1)
+        return y, best[:, None]
+
+
+class GatedProduct:
+    """The gated FFN's first half: act(x G.T) * (x U.T) for q8x x [..., in] (`tokens` rows),
+    returned as q8x [..., ff] for the down projection (kernel product_glu). act: "silu" or
+    "gelu_tanh". The launch's arguments are fixed here."""
+
+    def __init__(self, gate, up, activation: str = "silu", tokens: int = 1):
+        ggml_type = _format(gate, "product_glu")
+        _format(up, "product_glu")
+        if up.shape != gate.shape or gate.shape[1] % 32:
+            raise ValueError(f"product_glu: gate {gate.name!r} {list(gate.shape)} and up {up.name!r} "
+                             f"{list(up.shape)} must have one shape with a multiple of 32 rows")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.gate, self.up, self.activation, self.tokens = gate, up, activation, tokens
+        self.in_features, self.ff = gate.shape
+        rows = PRODUCT_CONFIG[ggml_type].rows
+        self.template = (_weight_template("G", gate) + _weight_template("U", up)
+                         + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", rows),
+                            ("ACTIVATION", ACTIVATIONS[activation])])
+        self.threadgroup = (32 * (32 // rows), 1, 1)  # a threadgroup per 32 rows
+        self.grid = (self.ff // 32 * self.threadgroup[0], 1, 1)
+
+    def __call__(self, x: Q8X) -> Q8X:
+        _check_rows(x, self.in_features, self.tokens, "product_glu")
+        lead = tuple(x.shape[:-1])
+        if kernels.backend() == "cpu":
+            values = x.dequantize()
+            g = linear(values, self.gate)
+            g = g * mx.sigmoid(g) if self.activation == "silu" else gelu_tanh(g)
+            return quantize_rows_mlx(g * linear(values, self.up))
+        codes, scales, sums = kernels.launch(
+            "product_glu",
+            inputs=[self.gate.data, self.up.data, *x],
+            template=self.template,
+            grid=self.grid,
+            threadgroup=self.threadgroup,
+            output_shapes=q8x_shapes(lead, self.ff),
+            output_dtypes=Q8X_DTYPES,
+        )
+        return Q8X(codes, scales, sums)
+
+
+def product(x: Q8X, weight, second=None, head: tuple[float, float] | None = None):
+    """Product(weight, second, head) for x's rows, called once (tests, benchmarks)."""
+    return Product(weight, second, head, math.prod(x.shape[:-1]))(x)
+
+
+def product_glu(x: Q8X, gate, up, activation: str = "silu") -> Q8X:
+    """GatedProduct(gate, up, activation) for x's rows, called once (tests, benchmarks)."""
+    return GatedProduct(gate, up, activation, math.prod(x.shape[:-1]))(x)
+
+
+def greedy(best: mx.array) -> mx.array:
+    """The row of each token's largest value from a head Product's best [T, groups, 2]: int32
+    [T] (kernel argmax; ties keep the first row, as mx.argmax)."""
+    tokens, groups, _ = best.shape
+    if kernels.backend() == "cpu":
+        values, rows = best[..., 0], best[..., 1]
+        top = mx.max(values, axis=-1, keepdims=True)
+        return mx.min(mx.where(values == top, rows, float("inf")), axis=-1).astype(mx.int32)
+    (token,) = kernels.launch(
+        "argmax",
+        inputs=[best],
+        template=[("GROUPS", groups)],
+        grid=(1024 * tokens, 1, 1),
+        threadgroup=(1024, 1, 1),
+        output_shapes=[(tokens,)],
+        output_dtypes=[mx.int32],
+    )
+    return token
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """gelu with tanh's approximation, as the kernel computes it."""
+    return 0.5 * x * (1.0 + mx.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))

@@ -1,0 +1,237 @@
+"""The fused decode step's operations (ops.quantize_rows, product, product_glu, greedy,
+residual_norm_quant, attention_decode) against numpy float64, on every backend.
+
+Each takes or makes activations as q8x (formats.quantize_activations). Where a kernel is given
+q8x input, only float32 accumulation separates it from the reference (bound 2e-5). Where it
+quantizes its own float32 result, a code may land on the other side of a rounding boundary from
+the float64 reference's; so each value is checked to lie within half a code step (d / 2) of the
+exact result, which is the quantization's own bound, plus float32 rounding."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GGMLType
+
+from muser_mlx import formats, kernels, ops, testing
+from muser_mlx.gguf import StackedRows
+from muser_mlx.reference import rms, rope
+from tests.conftest import relative_error
+
+PRODUCT_BOUND = 2e-5
+
+
+def q8x(x: np.ndarray) -> tuple[ops.Q8X, np.ndarray]:
+    """x as the kernels' q8x input, and the float64 values it stands for."""
+    codes, scales, sums = formats.quantize_activations(x)
+    values = formats.dequantize_activations(codes, scales).astype(np.float64)
+    return ops.Q8X(mx.array(codes), mx.array(scales), mx.array(sums)), values
+
+
+def weight(rng, ggml_type, in_features, out_features, name="w"):
+    """A weight of random valid blocks (a GGUF tensor stand-in) and its float64 values [out, in]."""
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    values = formats.dequantize(raw, ggml_type, [in_features, out_features]).astype(np.float64)
+    return StackedRows(name, ggml_type, (in_features, out_features), mx.array(raw)), values
+
+
+def assert_within_half_a_code(out: ops.Q8X, exact: np.ndarray, slack: float = 1e-4):
+    """Every dequantized value of `out` lies within d/2 of `exact` (d: its block's scale) plus
+    float32 slack relative to the block's largest value; every scale is written and right."""
+    codes, scales = np.array(out.codes), np.array(out.scales)
+    assert np.isfinite(scales).all(), "a block's scale was left unwritten"
+    blocks = exact.reshape(*exact.shape[:-1], -1, 32)
+    amax = np.abs(blocks).max(axis=-1)
+    np.testing.assert_allclose(scales, amax / 127, rtol=1e-4, atol=1e-30)
+    values = formats.dequantize_activations(codes, scales).reshape(blocks.shape)
+    allowed = (0.5 + slack * 127) * scales[..., None] + 1e-30
+    assert (np.abs(values - blocks) <= allowed).all()
+    sums = np.array(out.sums).reshape(*scales.shape, 4)
+    np.testing.assert_allclose(sums, values.reshape(*scales.shape, 4, 8).sum(-1), rtol=1e-5,
+                               atol=1e-5 * float(np.abs(sums).max()))
+
+
+def test_quantize_rows_matches_the_numpy_reference_exactly(backend, rng):
+    x = rng.standard_normal((5, 640)).astype(np.float32) * rng.uniform(0.01, 100, size=(5, 1)).astype(np.float32)
+    x[1, 32:64] = 0.0  # a block of zeros: scale 0, codes 0
+    x[2, 64:96] = np.float32(3.5) * np.sign(rng.standard_normal(32)).astype(np.float32)  # ties at .5
+    with kernels.poisoned_outputs():
+        out = ops.quantize_rows(mx.array(x).reshape(5, 1, 640))
+        mx.eval(out)
+    codes, scales, sums = formats.quantize_activations(x)
+    assert out.shape == (5, 1, 640)
+    np.testing.assert_array_equal(np.array(out.codes).reshape(5, 640), codes)
+    np.testing.assert_array_equal(np.array(out.scales).reshape(5, -1), scales)
+    np.testing.assert_allclose(np.array(out.sums).reshape(5, -1), sums, rtol=1e-6)
+
+
+FORMAT_PAIRS = [(GGMLType.Q4_K, None), (GGMLType.Q6_K, None), (GGMLType.Q8_0, None),
+                (GGMLType.Q4_K, GGMLType.Q8_0), (GGMLType.Q8_0, GGMLType.Q6_K)]
+
+
+@pytest.mark.parametrize("formats_ab", FORMAT_PAIRS, ids=lambda p: "+".join(t.name for t in p if t))
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_product_of_one_or_two_weights_matches_numpy(backend, rng, formats_ab, tokens):
+    first, second = formats_ab
+    in_features = 256 * int(rng.integers(1, 5))
+    out_a, out_b = int(rng.integers(1, 30)) * 3 + 1, int(rng.integers(1, 20)) * 5 + 2  # odd rows
+    a, a_values = weight(rng, first, in_features, out_a, "a")
+    b, b_values = weight(rng, second, in_features, out_b, "b") if second else (None, None)
+    x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32))
+    with kernels.poisoned_outputs():
+        out = np.array(ops.product(x, a, b))
+    expected = x_values @ a_values.T
+    if second:
+        expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
+    assert out.shape == expected.shape and np.isfinite(out).all()
+    assert relative_error(out, expected) <= PRODUCT_BOUND
+
+
+@pytest.mark.parametrize("cap", [20.0, 0.0], ids=["softcap", "no-softcap"])
+def test_lm_head_epilogue_scales_caps_and_picks_the_greedy_row(backend, rng, cap):
+    vocab, hidden, scale = 2003, 512, 0.2
+    head, head_values = weight(rng, GGMLType.Q6_K, hidden, vocab)
+    x, x_values = q8x(rng.standard_normal((2, hidden)).astype(np.float32))
+    with kernels.poisoned_outputs():
+        logits, best = ops.product(x, head, head=(scale, cap))
+        token = np.array(ops.greedy(best))
+    expected = x_values @ head_values.T * scale
+    if cap:
+        expected = cap * np.tanh(expected / cap)
+    assert relative_error(np.array(logits), expected) <= PRODUCT_BOUND
+    np.testing.assert_array_equal(token, np.argmax(np.array(logits), axis=-1))
+
+
+def test_greedy_keeps_the_first_of_equal_maxima(backend):
+    best = np.zeros((1, 3000, 2), dtype=np.float32)
+    best[0, :, 0] = -1.0
+    best[0, :, 1] = np.arange(3000) * 4
+    best[0, [2999, 1700, 1701], 0] = 5.0
+    assert int(np.array(ops.greedy(mx.array(best)))[0]) == 1700 * 4
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_product_glu_quantizes_the_gated_product(backend, rng, activation, tokens):
+    in_features, ff = 512, 32 * int(rng.integers(1, 6))
+    gate, gate_values = weight(rng, GGMLType.Q4_K, in_features, ff, "gate")
+    up, up_values = weight(rng, GGMLType.Q6_K, in_features, ff, "up")
+    x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32))
+    with kernels.poisoned_outputs():
+        out = ops.product_glu(x, gate, up, activation)
+        mx.eval(out)
+    g, u = x_values @ gate_values.T, x_values @ up_values.T
+    act = g / (1 + np.exp(-g)) if activation == "silu" else 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3)))
+    assert out.shape == (tokens, ff)
+    assert_within_half_a_code(out, act * u)
+
+
+def test_product_refuses_a_format_it_has_no_kernel_for(rng):
+    w, _ = weight(rng, GGMLType.Q4_1, 256, 8)
+    x, _ = q8x(rng.standard_normal((1, 256)).astype(np.float32))
+    with pytest.raises(ValueError, match="Q4_1"):
+        ops.product(x, w)
+
+
+@pytest.mark.parametrize("residual, branch_norm", [(True, True), (True, False), (False, True)],
+                         ids=["sandwich", "plain", "embedding"])
+@pytest.mark.parametrize("hidden", [256, 6656])
+def test_residual_norm_quant_matches_numpy(backend, rng, residual, branch_norm, hidden):
+    tokens = 2
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32) * 3
+    branch = rng.standard_normal((tokens, hidden)).astype(np.float32) * 40
+    branch_weight, next_weight = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
+    with kernels.poisoned_outputs():
+        total, normed = ops.residual_norm_quant(mx.array(x) if residual else None, mx.array(branch),
+                                                mx.array(branch_weight) if branch_norm else None,
+                                                mx.array(next_weight), 1e-8, 1e-5, 0.75)
+        mx.eval(total, normed)
+    b = branch.astype(np.float64)
+    if branch_norm:
+        b = rms(b, 1e-8) * branch_weight
+    expected = b * 0.75 + (x if residual else 0)
+    assert relative_error(np.array(total), expected) <= 1e-6
+    assert_within_half_a_code(normed, rms(expected, 1e-5) * next_weight)
+
+
+# --- attention -------------------------------------------------------------------------------
+
+HEAD_DIM = 64
+
+
+def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec):
+    """Random projections and a cache that already holds positions < position; the numpy
+    float64 result of attention_decode for them: (inputs, expected o, expected key/value rows)."""
+    q_width, kv_width = heads * HEAD_DIM, kv_heads * HEAD_DIM
+    gate_off = q_width + 2 * kv_width if gate else None
+    y = rng.standard_normal((1, q_width + 2 * kv_width + (q_width if gate else 0))).astype(np.float32)
+    keys = (rng.standard_normal((1, kv_heads, capacity, HEAD_DIM))).astype(np.float16)
+    values = (rng.standard_normal((1, kv_heads, capacity, HEAD_DIM))).astype(np.float16)
+    weights = [rng.uniform(0.5, 1.5, HEAD_DIM).astype(np.float32) for _ in range(2)] if qk_norm else [None, None]
+    bias_values = (0.3 * rng.standard_normal(q_width + 2 * kv_width)).astype(np.float32) if bias else None
+    rope_dict = None if rope_spec is None else dict(dims=rope_spec[0], traditional=rope_spec[1], base=10000.0)
+    eps, scale = 1e-6, HEAD_DIM**-0.5
+    # numpy float64
+    yy = y[0].astype(np.float64) + np.concatenate([bias_values, np.zeros(y.shape[1] - bias_values.size)]) \
+        if bias else y[0].astype(np.float64)
+    q = yy[:q_width].reshape(heads, HEAD_DIM)
+    k = yy[q_width : q_width + kv_width].reshape(kv_heads, HEAD_DIM)
+    v = yy[q_width + kv_width : q_width + 2 * kv_width].reshape(kv_heads, HEAD_DIM)
+    if qk_norm:
+        q, k = rms(q, eps) * weights[0], rms(k, eps) * weights[1]
+    if rope_dict:
+        pos = np.array([float(position)])
+        q = rope(q[None], pos, rope_dict["dims"], 10000.0, rope_dict["traditional"])[0]
+        k = rope(k[None], pos, rope_dict["dims"], 10000.0, rope_dict["traditional"])[0]
+    new_k, new_v = k.astype(np.float16), v.astype(np.float16)
+    slot, count = position % capacity, min(position + 1, capacity)
+    stored_k = keys[0].astype(np.float64).copy()
+    stored_v = values[0].astype(np.float64).copy()
+    stored_k[:, slot], stored_v[:, slot] = new_k, new_v
+    group = heads // kv_heads
+    o = np.empty((heads, HEAD_DIM))
+    for h in range(heads):
+        scores = stored_k[h // group, :count] @ q[h] * scale
+        p = np.exp(scores - scores.max())
+        o[h] = p @ stored_v[h // group, :count] / p.sum()
+    o = o.reshape(1, -1)
+    if gate:
+        o = o / (1 + np.exp(-y[:, gate_off:].astype(np.float64)))
+    inputs = dict(y=mx.array(y), keys=mx.array(keys), values=mx.array(values),
+                  position=mx.array([position], dtype=mx.int32), heads=heads, kv_heads=kv_heads,
+                  head_dim=HEAD_DIM, offsets=(0, q_width, q_width + kv_width), gate=gate_off,
+                  q_weight=mx.array(weights[0]) if qk_norm else None,
+                  k_weight=mx.array(weights[1]) if qk_norm else None,
+                  bias=mx.array(bias_values) if bias else None, rope=rope_dict, eps=eps, scale=scale)
+    return inputs, o, (slot, new_k, new_v, keys, values)
+
+
+@pytest.mark.parametrize("capacity, position", [(256, 0), (256, 1), (256, 200), (8, 5), (8, 8), (8, 29), (4096, 3000)],
+                         ids=["first", "second", "full-200", "ring-filling", "ring-wraps", "ring-29", "long"])
+@pytest.mark.parametrize("variant", ["muse", "llama", "qwen2", "gqa-3"])
+def test_attention_decode_matches_numpy_and_writes_its_slot(backend, rng, capacity, position, variant):
+    heads, kv_heads, gate, bias, qk_norm, rope_spec = {
+        "muse": (8, 2, True, False, True, (64, True)),
+        "llama": (4, 2, False, False, False, (64, False)),
+        "qwen2": (4, 1, False, True, False, (32, False)),
+        "gqa-3": (6, 2, False, False, True, None),
+    }[variant]
+    inputs, expected, (slot, new_k, new_v, keys, values) = attention_case(
+        rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec)
+    with kernels.poisoned_outputs():
+        out, cache_keys, cache_values = ops.attention_decode(**inputs)
+        mx.eval(out, cache_keys, cache_values)
+    assert out.shape == (1, heads * HEAD_DIM)
+    assert_within_half_a_code(out, expected, slack=2e-3)  # float32 angles, exp
+    written_keys, written_values = np.array(cache_keys), np.array(cache_values)
+    np.testing.assert_allclose(written_keys[0, :, slot].astype(np.float64), new_k, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(written_values[0, :, slot].astype(np.float64), new_v, atol=2e-3, rtol=2e-3)
+    others = np.arange(capacity) != slot
+    np.testing.assert_array_equal(written_keys[:, :, others], keys[:, :, others])
+    np.testing.assert_array_equal(written_values[:, :, others], values[:, :, others])
+
+
+def test_attention_decode_refuses_a_float32_cache(rng):
+    inputs, _, _ = attention_case(rng, 4, 2, 8, 3, False, False, False, None)
+    inputs["keys"] = inputs["keys"].astype(mx.float32)
+    with pytest.raises(ValueError, match="float16"):
+        ops.attention_decode(**inputs)
