@@ -1,8 +1,9 @@
-"""The CPU products as compiled MLX primitives: muser_mlx._cpu_kernels, built at install from
-kernels/cpu by setup.py for the installing machine's CPU.
+"""The CPU products and attention as compiled MLX primitives: muser_mlx._cpu_kernels, built at
+install from kernels/cpu by setup.py for the installing machine's CPU.
 
-`linear` is one MLX op (primitive GGUFLinear): lazy, evaluated by mx.eval on a CPU stream, it
-reads the raw GGUF blocks and multiplies on all cores with the CPU's vector instructions.
+`linear` and `attention` are MLX ops (primitives GGUFLinear, Attention): lazy, evaluated by
+mx.eval on a CPU stream, in float32 on all cores with the CPU's vector instructions; `linear`
+reads the raw GGUF blocks.
 Where the extension was not built or does not load, `available()` is False, `unavailable()`
 says why, and ops.linear_path sends the products to MLX's own ops (logged once).
 """
@@ -65,3 +66,11 @@ def linear(rows: mx.array, weight_bytes: mx.array, ggml_type, out_features: int,
     shape holding [out, row_bytes]); returns float32 [T, out], multiplied in float32.
     threads: 0 for all cores."""
     return _cpu_kernels.linear(rows, weight_bytes.reshape(out_features, -1), int(ggml_type), threads)
+
+
+def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | None,
+              threads: int = 0) -> mx.array:
+    """softmax(q keysᵀ · scale, where mask) values in float32: q [B, heads, T, head_dim], keys
+    and values [B, kv_heads, S, head_dim] (head_dim a multiple of 16), mask bool [T, S] or
+    None; returns float32 [B, heads, T, head_dim] (zeros for a row that sees no key)."""
+    return _cpu_kernels.attention(q, keys, values, scale, mask, threads)

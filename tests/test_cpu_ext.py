@@ -1,6 +1,7 @@
-"""The compiled CPU products (muser_mlx._cpu_kernels via cpu_ext): every format with a product,
-decode and prefill row counts, odd row counts, one and several threads, against float64
-products of gguf-py's decoded weights (gguf.quants: independent of our decoders).
+"""The compiled CPU products and attention (muser_mlx._cpu_kernels via cpu_ext). Products:
+every format with a product, decode and prefill row counts, odd row counts, one and several
+threads, against float64 products of gguf-py's decoded weights (gguf.quants: independent of
+our decoders). Attention: decode and prefill shapes, masks, grouped heads, against float64.
 
 The product multiplies in float32 with x as given (no int8 rounding of x), so only float32
 rounding of the weights and of a sum in another order separates it from the reference: a
@@ -112,3 +113,74 @@ def test_refuses_a_format_without_a_product():
 def test_refuses_rows_that_do_not_hold_x():
     with pytest.raises(ValueError, match="rows of 36 bytes do not hold 64 values of ggml type 8"):
         cpu_ext.linear(mx.zeros((1, 64)), mx.zeros((4, 36), dtype=mx.uint8), GGMLType.Q8_0, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_reference(q, k, v, scale, mask):
+    """float64 softmax(q kᵀ scale, where mask) v with kv heads shared by heads // kv_heads."""
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1).astype(np.float64), np.repeat(v, group, axis=1).astype(np.float64)
+    scores = np.einsum("bhtd,bhsd->bhts", q.astype(np.float64), k) * scale
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(top), top, 0))
+    total = weights.sum(axis=-1, keepdims=True)
+    return np.where(total > 0, (weights / np.where(total > 0, total, 1)) @ v, 0.0)
+
+
+@pytest.mark.parametrize("tokens, keys, heads, kv_heads, head_dim, window", [
+    (1, 37, 9, 3, 64, None),  # a decode step over a full cache: no mask
+    (1, 16, 4, 2, 128, 5),  # a decode step on a sliding-window layer
+    (7, 20, 4, 1, 256, None),  # a prefill chunk after 13 cached tokens, Gemma's head_dim
+    (64, 64, 4, 2, 64, 8),  # a windowed prefill
+    (33, 50, 6, 6, 16, None),  # no grouping; keys past a multiple of 16
+])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_attention_matches_reference(rng, tokens, keys, heads, kv_heads, head_dim, window, threads):
+    q = rng.standard_normal((1, heads, tokens, head_dim)).astype(np.float32)
+    k = rng.standard_normal((1, kv_heads, keys, head_dim)).astype(np.float32)
+    v = rng.standard_normal((1, kv_heads, keys, head_dim)).astype(np.float32)
+    mask = None
+    if tokens > 1 or window:
+        positions = np.arange(keys - tokens, keys)[:, None]
+        visible = np.arange(keys)[None, :] <= positions
+        if window:
+            visible &= np.arange(keys)[None, :] > positions - window
+        mask = visible
+    scale = head_dim ** -0.5
+    out = cpu_ext.attention(mx.array(q), mx.array(k), mx.array(v), scale,
+                            None if mask is None else mx.array(mask), threads)
+    assert relative_error(np.array(out), attention_reference(q, k, v, scale, mask)) <= BOUND
+
+
+def test_attention_row_that_sees_no_key_is_zeros(rng):
+    q = rng.standard_normal((1, 2, 3, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 4, 16)).astype(np.float32)
+    mask = np.ones((3, 4), dtype=bool)
+    mask[1] = False
+    out = np.array(cpu_ext.attention(mx.array(q), mx.array(k), mx.array(k), 0.25, mx.array(mask)))
+    assert (out[:, :, 1] == 0).all()
+    assert relative_error(out, attention_reference(q, k, k, 0.25, mask)) <= BOUND
+
+
+def test_ops_attention_runs_the_compiled_attention_on_the_cpu(rng, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("MLX's own attention ran on the CPU")
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", refuse)
+    q = rng.standard_normal((1, 4, 5, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 5, 64)).astype(np.float32)
+    mask = np.tril(np.ones((5, 5), dtype=bool))
+    with mx.stream(mx.cpu):
+        out = ops.attention(mx.array(q), mx.array(k), mx.array(k), 0.125, mx.array(mask))
+        assert relative_error(np.array(out), attention_reference(q, k, k, 0.125, mask)) <= BOUND
+
+
+def test_attention_refuses_a_head_dim_off_16():
+    with pytest.raises(ValueError, match=r"head_dim of 16\), got q \(1,2,1,24\)"):
+        cpu_ext.attention(mx.zeros((1, 2, 1, 24)), mx.zeros((1, 1, 3, 24)), mx.zeros((1, 1, 3, 24)), 1.0, None)

@@ -4,14 +4,15 @@
 // having one scale d and one offset m (value = d * code + m: Q4_0's m is -8 d, Q4_K's is
 // -dmin * min of the sub-block, Q6_K's is -32 d), so x . row = sum of d * (codes . x) over
 // chunks + sum of m * (sum of x) over scale groups, the sums of x taken once per call. A tile
-// of ROWS weight rows x TOKENS rows of x decodes a chunk of each weight row once into a
-// 16-float vector (codes * d) and multiplies it into TOKENS accumulators, so a weight byte is
-// decoded once per TOKENS tokens and x is loaded once per ROWS rows. Vectors are GCC/Clang vector extensions: with -march=native they become
-// AVX-512 (or AVX2, NEON) instructions; on any other target plain scalar code.
+// of R weight rows x C rows of x decodes a chunk of each weight row once into a 16-float
+// vector (codes * d) and multiplies it into C accumulators, so a weight byte is decoded once
+// per C tokens and x is loaded once per R rows. Vectors are GCC/Clang vector extensions:
+// with -march=native they become AVX-512 (or AVX2, NEON) instructions; elsewhere scalar code.
 //
-// Grid: the output's ROWS-row tiles in TASKS_PER_THREAD x `threads` contiguous ranges, which
-// `threads` threads (the caller one of them) claim in turn (thread_pool.h). Each walks x in chunks of X_CHUNK_BYTES (kept in L2) and, inside a chunk, every
-// tile of its range (the tile's weight rows stay in L1 across the chunk's tokens).
+// Grid: the output's DECODE_ROWS-row blocks in TASKS_PER_THREAD x `threads` contiguous ranges,
+// which `threads` threads (the caller one of them) claim in turn (thread_pool.h). Each walks
+// x in chunks of X_CHUNK_BYTES (kept in L2) and, inside a chunk, every block of its range (the
+// block's weight rows stay in L1 across the chunk's tokens).
 // Bytes per call: each weight byte once per token chunk (one chunk unless tokens x in x 4
 // bytes passes X_CHUNK_BYTES: prefill), x once per tile (from cache), out once.
 // Bounds: in_features must be whole blocks (the op checks); the last row tile and token tile
@@ -34,8 +35,13 @@ namespace muser::cpu {
 
 namespace {
 
-constexpr int ROWS = 4;
-constexpr int TOKENS = 4;
+// Tile shapes (rows x tokens): a decode product (fewer than PREFILL_TOKENS tokens) decodes
+// each weight chunk once for DECODE_ROWS rows; a prefill product multiplies each decoded
+// chunk into PREFILL_ROWS x PREFILL_TOKENS accumulators (16 of the 32 AVX-512 registers).
+constexpr int DECODE_ROWS = 4;
+constexpr int PREFILL_ROWS = 2;
+constexpr int PREFILL_TOKENS = 8;
+static_assert(DECODE_ROWS % PREFILL_ROWS == 0);
 constexpr int64_t X_CHUNK_BYTES = 1 << 20;
 // Products of fewer multiply-adds than this run on the calling thread (~10 us of work: waking
 // a worker would cost a good part of it).
@@ -313,19 +319,17 @@ void tile(const uint8_t* weight, int64_t row_bytes, const float* x, const float*
 using TileFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t, float*,
                         int64_t);
 
-// Every tile shape of a format, [rows - 1][tokens - 1], for the short edge tiles.
+// The tiles a product uses, [rows][tokens]: DECODE_ROWS rows (or 1, for a short last block)
+// by 1..PREFILL_TOKENS-1 tokens, and PREFILL_ROWS rows (or 1) by PREFILL_TOKENS tokens.
 template <class F>
 struct Tiles {
-  TileFn fn[ROWS][TOKENS];
-  template <int R, int... C>
-  constexpr void fill(std::integer_sequence<int, C...>) {
-    ((fn[R - 1][C] = tile<F, R, C + 1>), ...);
-  }
-  template <int... R>
-  constexpr Tiles(std::integer_sequence<int, R...>) : fn{} {
-    (fill<R + 1>(std::make_integer_sequence<int, TOKENS>{}), ...);
-  }
-  constexpr Tiles() : Tiles(std::make_integer_sequence<int, ROWS>{}) {}
+  TileFn decode[2][PREFILL_TOKENS - 1];  // [0]: 1 row, [1]: DECODE_ROWS rows
+  TileFn prefill[2];  // [0]: 1 row, [1]: PREFILL_ROWS rows
+  template <int... C>
+  constexpr Tiles(std::integer_sequence<int, C...>)
+      : decode{{tile<F, 1, C + 1>...}, {tile<F, DECODE_ROWS, C + 1>...}},
+        prefill{tile<F, 1, PREFILL_TOKENS>, tile<F, PREFILL_ROWS, PREFILL_TOKENS>} {}
+  constexpr Tiles() : Tiles(std::make_integer_sequence<int, PREFILL_TOKENS - 1>{}) {}
 };
 
 template <class F>
@@ -333,11 +337,12 @@ void linear_format(const float* x, const uint8_t* weight, float* out, int64_t to
                    int64_t in_features, int64_t out_features, int threads) {
   static constexpr Tiles<F> tiles;
   int64_t row_bytes = in_features / F::VALUES * F::BYTES;
-  int64_t row_tiles = (out_features + ROWS - 1) / ROWS;
+  int64_t row_blocks = (out_features + DECODE_ROWS - 1) / DECODE_ROWS;
   // Small products (a decode step's norms-sized ones) stay on the calling thread.
   bool parallel = tokens * in_features * out_features >= SMALL_PRODUCT;
-  int tasks = static_cast<int>(std::min<int64_t>(row_tiles, parallel ? TASKS_PER_THREAD * threads : 1));
-  int64_t chunk = std::max<int64_t>(TOKENS, X_CHUNK_BYTES / (4 * in_features) / TOKENS * TOKENS);
+  int tasks = static_cast<int>(std::min<int64_t>(row_blocks, parallel ? TASKS_PER_THREAD * threads : 1));
+  int64_t chunk = std::max<int64_t>(
+      PREFILL_TOKENS, X_CHUNK_BYTES / (4 * in_features) / PREFILL_TOKENS * PREFILL_TOKENS);
   int64_t groups = in_features / F::GROUP;
   std::vector<float> sums(F::OFFSET ? tokens * groups : 0);  // [tokens, groups]
   for (int64_t g = 0; g < static_cast<int64_t>(sums.size()); ++g) {
@@ -348,18 +353,39 @@ void linear_format(const float* x, const uint8_t* weight, float* out, int64_t to
     }
     sums[g] = sum;
   }
+  // Rows [row0, row0 + rows) times tokens [t, t + count).
+  auto multiply = [&](TileFn fn, int64_t row0, int64_t t) {
+    fn(weight + row0 * row_bytes, row_bytes, x + t * in_features, sums.data() + t * groups,
+       in_features, out + t * out_features + row0, out_features);
+  };
   ThreadPool::instance().run(tasks, threads, [&](int task) {
-    int64_t first = row_tiles * task / tasks, last = row_tiles * (task + 1) / tasks;
+    int64_t first = row_blocks * task / tasks, last = row_blocks * (task + 1) / tasks;
     for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
       int64_t t_end = std::min(tokens, t0 + chunk);
-      for (int64_t row_tile = first; row_tile < last; ++row_tile) {
-        int64_t row0 = row_tile * ROWS;
-        int rows = static_cast<int>(std::min<int64_t>(ROWS, out_features - row0));
-        for (int64_t t = t0; t < t_end; t += TOKENS) {
-          int count = static_cast<int>(std::min<int64_t>(TOKENS, t_end - t));
-          tiles.fn[rows - 1][count - 1](weight + row0 * row_bytes, row_bytes, x + t * in_features,
-                                        sums.data() + t * groups, in_features,
-                                        out + t * out_features + row0, out_features);
+      for (int64_t block = first; block < last; ++block) {
+        int64_t row0 = block * DECODE_ROWS;
+        bool whole = row0 + DECODE_ROWS <= out_features;
+        int64_t t = t0;
+        for (; t + PREFILL_TOKENS <= t_end; t += PREFILL_TOKENS) {
+          if (whole) {
+            for (int r = 0; r < DECODE_ROWS; r += PREFILL_ROWS) {
+              multiply(tiles.prefill[1], row0 + r, t);
+            }
+          } else {
+            for (int64_t r = row0; r < out_features; ++r) {
+              multiply(tiles.prefill[0], r, t);
+            }
+          }
+        }
+        if (t < t_end) {
+          int count = static_cast<int>(t_end - t);
+          if (whole) {
+            multiply(tiles.decode[1][count - 1], row0, t);
+          } else {
+            for (int64_t r = row0; r < out_features; ++r) {
+              multiply(tiles.decode[0][count - 1], r, t);
+            }
+          }
         }
       }
     }

@@ -7,7 +7,7 @@ step's q8x products), norm, attention.
 """
 
 from muser_mlx.kernels import MAX_GRID
-from muser_mlx.ops.attention import attention_decode, qk_norm_rope, qk_norm_rope_mlx, split_heads
+from muser_mlx.ops.attention import attention, attention_decode, qk_norm_rope, qk_norm_rope_mlx, split_heads
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.embedding import check_token_ids, embedding, embedding_unchecked, make_resident
 from muser_mlx.ops.activations import Q8X, quantize_rows
@@ -17,7 +17,7 @@ from muser_mlx.ops.products import MATVEC_KERNELS, MatvecKernel, dequantize_weig
 from muser_mlx.ops.norm import residual_norm, residual_norm_quant
 
 __all__ = [
-    "MAX_GRID", "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MatvecKernel", "PRODUCT_CONFIG", "PRODUCT_FORMATS", "ProductConfig", "Q8X", "GatedProduct", "Product", "attention_decode", "check_token_ids",
+    "MAX_GRID", "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MatvecKernel", "PRODUCT_CONFIG", "PRODUCT_FORMATS", "ProductConfig", "Q8X", "GatedProduct", "Product", "attention", "attention_decode", "check_token_ids",
     "dequantize_weight", "embedding", "embedding_unchecked", "gelu_tanh", "greedy", "linear",
     "linear_path", "make_resident", "product", "product_glu", "qk_norm_rope", "qk_norm_rope_mlx",
     "quantize_rows", "residual_norm", "residual_norm_quant", "split_heads",
