@@ -152,6 +152,8 @@ def write_qwen2(path: Path, rng) -> None:
     padding = QWEN2["vocab"] - len(tokens)
     tokenizer["tokenizer.ggml.tokens"] = tokens + [f"<|unused_{i}|>" for i in range(padding)]
     tokenizer["tokenizer.ggml.token_type"] = tokenizer["tokenizer.ggml.token_type"] + [5] * padding
+    for key in ("bos", "eos", "eot"):  # llama.cpp reads token ids as u32
+        tokenizer[f"tokenizer.ggml.{key}_token_id"] = ("u32", tokenizer[f"tokenizer.ggml.{key}_token_id"])
     metadata = {
         "general.architecture": "qwen2",
         "qwen2.block_count": ("u32", QWEN2["layers"]),

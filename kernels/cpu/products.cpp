@@ -42,6 +42,9 @@ constexpr int DECODE_ROWS = 4;
 constexpr int PREFILL_ROWS = 2;
 constexpr int PREFILL_TOKENS = 8;
 static_assert(DECODE_ROWS % PREFILL_ROWS == 0);
+// Tiles of at most this many (row, token) pairs sum each scale group before scaling it (two
+// accumulators per pair); larger ones scale each decoded chunk (one per pair).
+constexpr int GROUP_ACCUMULATORS = 8;
 constexpr int64_t X_CHUNK_BYTES = 1 << 20;
 // Products of fewer multiply-adds than this run on the calling thread (~10 us of work: waking
 // a worker would cost a good part of it).
@@ -291,16 +294,38 @@ void tile(const uint8_t* weight, int64_t row_bytes, const float* x, const float*
       }
     }
     const float* xb = x + block * F::VALUES;
+    if constexpr (R * C <= GROUP_ACCUMULATORS) {
+      // Few accumulators: sum codes . x over a scale group, then scale the sum once
+      // (a multiply per group instead of one per chunk; decode's instruction count).
 #pragma GCC unroll 16  // chunk j's byte offsets, shifts and scale index become constants
-    for (int j = 0; j < CHUNKS; ++j) {
-      f32x16 xv[C];
-      for (int c = 0; c < C; ++c) {
-        xv[c] = floats16(xb + c * in_features + 16 * j);
+      for (int g = 0; g < GROUPS; ++g) {
+        f32x16 group[R][C] = {};
+        for (int j = g * F::GROUP / 16; j < (g + 1) * F::GROUP / 16; ++j) {
+          for (int r = 0; r < R; ++r) {
+            f32x16 codes = F::codes(blocks[r], j);
+            for (int c = 0; c < C; ++c) {
+              group[r][c] += codes * floats16(xb + c * in_features + 16 * j);
+            }
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          for (int c = 0; c < C; ++c) {
+            acc[r][c] += group[r][c] * d[r][g];
+          }
+        }
       }
-      for (int r = 0; r < R; ++r) {
-        f32x16 w = F::codes(blocks[r], j) * d[r][16 * j / F::GROUP];
+    } else {
+#pragma GCC unroll 16
+      for (int j = 0; j < CHUNKS; ++j) {
+        f32x16 xv[C];
         for (int c = 0; c < C; ++c) {
-          acc[r][c] += w * xv[c];
+          xv[c] = floats16(xb + c * in_features + 16 * j);
+        }
+        for (int r = 0; r < R; ++r) {
+          f32x16 w = F::codes(blocks[r], j) * d[r][16 * j / F::GROUP];
+          for (int c = 0; c < C; ++c) {
+            acc[r][c] += w * xv[c];
+          }
         }
       }
     }
