@@ -9,10 +9,14 @@
 // per C tokens and x is loaded once per R rows. Vectors are GCC/Clang vector extensions:
 // with -march=native they become AVX-512 (or AVX2, NEON) instructions; elsewhere scalar code.
 //
-// Grid: the output's DECODE_ROWS-row blocks in TASKS_PER_THREAD x `threads` contiguous ranges,
-// which `threads` threads (the caller one of them) claim in turn (thread_pool.h). Each walks
-// x in chunks of X_CHUNK_BYTES (kept in L2) and, inside a chunk, every block of its range (the
-// block's weight rows stay in L1 across the chunk's tokens).
+// From PANEL_MIN_TOKENS tokens on (prefill), rows are instead decoded to float panels and
+// multiplied as a matrix product (linear_panels, below).
+//
+// Grid: the output's DECODE_ROWS-row (PANEL_ROWS for panels) blocks in TASKS_PER_THREAD x
+// `threads` contiguous ranges, which `threads` threads (the caller one of them) claim in turn
+// (thread_pool.h). Each walks x in chunks (X_CHUNK_BYTES, kept in L2; PANEL_TOKENS tokens for
+// panels) and, inside a chunk, every block of its range (the block's weight rows or panel
+// stay in L1/L2 across the chunk's tokens).
 // Bytes per call: each weight byte once per token chunk (one chunk unless tokens x in x 4
 // bytes passes X_CHUNK_BYTES: prefill), x once per tile (from cache), out once.
 // Bounds: in_features must be whole blocks (the op checks); the last row tile and token tile
@@ -21,6 +25,7 @@
 #include "products.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -42,6 +47,11 @@ constexpr int DECODE_ROWS = 4;
 constexpr int PREFILL_ROWS = 2;
 constexpr int PREFILL_TOKENS = 8;
 static_assert(DECODE_ROWS % PREFILL_ROWS == 0);
+// From this many tokens on, a product decodes its weight rows to float panels and multiplies
+// them by PANEL_TOKENS tokens at a time (linear_panels): PANEL_ROWS x 2 vector accumulators.
+constexpr int PANEL_MIN_TOKENS = 16;
+constexpr int PANEL_TOKENS = 32;
+constexpr int PANEL_ROWS = 8;
 // Tiles of at most this many (row, token) pairs sum each scale group before scaling it (two
 // accumulators per pair); larger ones scale each decoded chunk (one per pair).
 constexpr int GROUP_ACCUMULATORS = 8;
@@ -357,9 +367,100 @@ struct Tiles {
   constexpr Tiles() : Tiles(std::make_integer_sequence<int, PREFILL_TOKENS - 1>{}) {}
 };
 
+// ---------------------------------------------------------------------------------------------
+// Prefill panels: PANEL_ROWS weight rows decoded to floats once per PANEL_TOKENS tokens, then
+// multiplied as a matrix product: for each k, x[k] for the tokens (two vectors, from x laid
+// out [k][token] per chunk) times each row's value broadcast, into PANEL_ROWS x 2 vector
+// accumulators. Every instruction of the inner loop but two loads is a multiply-add.
+// ---------------------------------------------------------------------------------------------
+
+// The row's values, d * code + m, into panel_row [in_features].
+template <class F>
+void decode_row(const uint8_t* row, int64_t in_features, float* panel_row) {
+  constexpr int GROUPS = F::VALUES / F::GROUP;
+  for (int64_t block = 0; block < in_features / F::VALUES; ++block) {
+    const uint8_t* b = row + block * F::BYTES;
+    float d[GROUPS], m[GROUPS] = {};
+    F::scales(b, d, m);
+#pragma GCC unroll 16
+    for (int j = 0; j < F::VALUES / 16; ++j) {
+      f32x16 values = F::codes(b, j) * d[16 * j / F::GROUP] + m[16 * j / F::GROUP];
+      std::memcpy(panel_row + block * F::VALUES + 16 * j, &values, 64);
+    }
+  }
+}
+
+// out[t * out_stride + r] for R rows of `panel` [R, in_features] and the chunk's
+// PANEL_TOKENS tokens of x_t [in_features, PANEL_TOKENS]; tokens >= `tokens` are padding.
+template <int R>
+void panel_product(const float* panel, const float* x_t, int64_t in_features, int tokens,
+                   float* out, int64_t out_stride) {
+  f32x16 acc[R][2] = {};
+  for (int64_t k = 0; k < in_features; ++k) {
+    f32x16 x0 = floats16(x_t + k * PANEL_TOKENS), x1 = floats16(x_t + k * PANEL_TOKENS + 16);
+    for (int r = 0; r < R; ++r) {
+      float w = panel[r * in_features + k];
+      acc[r][0] += w * x0;
+      acc[r][1] += w * x1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < tokens; ++t) {
+      out[t * out_stride + r] = acc[r][t / 16][t % 16];
+    }
+  }
+}
+
+using PanelFn = void (*)(const float*, const float*, int64_t, int, float*, int64_t);
+
+template <int... R>
+constexpr std::array<PanelFn, sizeof...(R)> panel_products(std::integer_sequence<int, R...>) {
+  return {panel_product<R + 1>...};
+}
+
+// PANEL_FNS[r - 1]: r rows (the last block of a product may be short).
+constexpr auto PANEL_FNS = panel_products(std::make_integer_sequence<int, PANEL_ROWS>{});
+
+template <class F>
+void linear_panels(const float* x, const uint8_t* weight, float* out, int64_t tokens,
+                   int64_t in_features, int64_t out_features, int threads) {
+  int64_t row_bytes = in_features / F::VALUES * F::BYTES;
+  int64_t chunks = (tokens + PANEL_TOKENS - 1) / PANEL_TOKENS;
+  // x laid out [chunk][k][token of the chunk], the padding tokens zero.
+  std::vector<float> x_t(chunks * in_features * PANEL_TOKENS, 0.0f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* column = x_t.data() + t / PANEL_TOKENS * in_features * PANEL_TOKENS + t % PANEL_TOKENS;
+    for (int64_t k = 0; k < in_features; ++k) {
+      column[k * PANEL_TOKENS] = x[t * in_features + k];
+    }
+  }
+  int64_t row_blocks = (out_features + PANEL_ROWS - 1) / PANEL_ROWS;
+  int tasks = static_cast<int>(std::min<int64_t>(row_blocks, TASKS_PER_THREAD * threads));
+  ThreadPool::instance().run(tasks, threads, [&](int task) {
+    std::vector<float> panel(PANEL_ROWS * in_features);
+    int64_t first = row_blocks * task / tasks, last = row_blocks * (task + 1) / tasks;
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      int count = static_cast<int>(std::min<int64_t>(PANEL_TOKENS, tokens - chunk * PANEL_TOKENS));
+      for (int64_t block = first; block < last; ++block) {
+        int64_t row0 = block * PANEL_ROWS;
+        int rows = static_cast<int>(std::min<int64_t>(PANEL_ROWS, out_features - row0));
+        for (int r = 0; r < rows; ++r) {
+          decode_row<F>(weight + (row0 + r) * row_bytes, in_features, panel.data() + r * in_features);
+        }
+        PANEL_FNS[rows - 1](panel.data(), x_t.data() + chunk * in_features * PANEL_TOKENS,
+                            in_features, count, out + chunk * PANEL_TOKENS * out_features + row0,
+                            out_features);
+      }
+    }
+  });
+}
+
 template <class F>
 void linear_format(const float* x, const uint8_t* weight, float* out, int64_t tokens,
                    int64_t in_features, int64_t out_features, int threads) {
+  if (tokens >= PANEL_MIN_TOKENS) {
+    return linear_panels<F>(x, weight, out, tokens, in_features, out_features, threads);
+  }
   static constexpr Tiles<F> tiles;
   int64_t row_bytes = in_features / F::VALUES * F::BYTES;
   int64_t row_blocks = (out_features + DECODE_ROWS - 1) / DECODE_ROWS;
