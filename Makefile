@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test demo fuzz test-gpu bench notebooks clean
 
-$(STAMP): pyproject.toml Makefile
+# The install also compiles the CPU kernels (setup.py, kernels/cpu): a change there reinstalls.
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard kernels/cpu/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
@@ -19,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	MUSER_REQUIRE_CPU_EXT=1 $(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(VENV)/bin/muser generate --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 48

@@ -1,4 +1,5 @@
-"""A non-editable install (`pip install .`) carries the kernel sources and finds them."""
+"""A non-editable install (`pip install .`) carries the kernel sources and finds them, and
+its compiled CPU products (built by setup.py for this machine) load."""
 
 import os
 import shutil
@@ -47,7 +48,8 @@ def test_wheel_install_finds_its_kernel_sources(tmp_path):
     probe = (
         "from muser_mlx import kernels; "
         "print(kernels.kernel_dir()); print(kernels.kernel_names()); "
-        "print(kernels.source('embedding').inputs)"
+        "print(kernels.source('embedding').inputs); "
+        "from muser_mlx import cpu_ext; print(cpu_ext.available(), cpu_ext.unavailable())"
     )
     # From outside the checkout, with the installed copy first on the path (then whatever path
     # the test run had: where MLX itself may be installed).
@@ -61,3 +63,4 @@ def test_wheel_install_finds_its_kernel_sources(tmp_path):
     assert lines[0] == str(target / "muser_mlx" / "_kernel_sources")
     assert lines[1] == str(sorted(p.stem for p in (ROOT / "kernels").glob("*.metal") if p.stem != "blocks"))
     assert lines[2] == "('table', 'token_ids')"
+    assert lines[3] == "True ", "the wheel's CPU products (muser_mlx._cpu_kernels) do not load"

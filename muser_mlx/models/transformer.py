@@ -162,7 +162,7 @@ class Attention(nn.Module):
         if tokens > 1 or self.sliding:  # one token sees a whole full cache; a ring may hold empty slots
             query_positions = mx.arange(start, start + tokens, dtype=mx.int32)
             mask = attention_mask(query_positions, key_positions, self.window)
-        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=c.attention_scale, mask=mask)
+        o = ops.attention(q, keys, values, c.attention_scale, mask)
         o = o.transpose(0, 2, 1, 3).reshape(batch, tokens, c.heads * c.head_dim)
         if c.attn_gate:
             o = o * mx.sigmoid(y["gate"])

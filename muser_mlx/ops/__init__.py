@@ -7,7 +7,8 @@ step's q8x products), norm, attention.
 """
 
 from muser_mlx.kernels import MAX_GRID
-from muser_mlx.ops.attention import attention_decode, qk_norm_rope, qk_norm_rope_mlx, split_heads
+from muser_mlx.ops.attention import (attention, attention_decode, qk_norm_rope, qk_norm_rope_mlx,
+                                     split_heads)
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.embedding import check_token_ids, embedding, embedding_unchecked, make_resident
 from muser_mlx.ops.activations import Q8X, quantize_rows
@@ -19,9 +20,9 @@ from muser_mlx.ops.norm import residual_norm, residual_norm_quant
 
 __all__ = [
     "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MAX_GRID", "PRODUCT_CONFIG", "PRODUCT_FORMATS", "Q8X",
-    "attention_decode", "check_token_ids", "dequantize_weight", "embedding", "embedding_unchecked",
-    "GatedProduct", "gelu_tanh", "greedy", "linear", "linear_path", "make_resident",
-    "MatvecKernel", "NoProductKernelError", "Product", "product", "product_glu", "ProductConfig",
-    "qk_norm_rope", "qk_norm_rope_mlx", "quantize_rows", "residual_norm", "residual_norm_quant",
-    "split_heads",
+    "attention", "attention_decode", "check_token_ids", "dequantize_weight", "embedding",
+    "embedding_unchecked", "GatedProduct", "gelu_tanh", "greedy", "linear", "linear_path",
+    "make_resident", "MatvecKernel", "NoProductKernelError", "product", "Product", "product_glu",
+    "ProductConfig", "qk_norm_rope", "qk_norm_rope_mlx", "quantize_rows", "residual_norm",
+    "residual_norm_quant", "split_heads",
 ]

@@ -8,7 +8,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from muser_mlx import kernels
+from muser_mlx import cpu_ext, kernels
 from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx
 
 
@@ -68,6 +68,17 @@ def _inverse_frequencies(dims: int, base: float) -> mx.array:
     if dims == 0:
         return mx.zeros((1,))
     return mx.array((base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32))
+
+
+def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+              mask: mx.array | None = None) -> mx.array:
+    """softmax(q keysᵀ · scale, where mask) values: q [B, heads, T, head_dim], keys/values
+    [B, kv_heads, S, head_dim], mask bool [T, S] or None; returns [B, heads, T, head_dim]. On
+    the CPU the compiled primitive (cpu_ext.attention: MLX's CPU attention runs its matmuls on
+    reference BLAS, 5-8x slower); elsewhere MLX's fused attention."""
+    if kernels.backend() == "cpu" and cpu_ext.available() and q.shape[-1] % 16 == 0:
+        return cpu_ext.attention(q, keys, values, scale, mask)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
 ATTENTION_SPLITS = 64  # splits of a cache the first pass aims for (enough SIMD groups to fill the GPU)

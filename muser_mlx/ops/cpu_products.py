@@ -1,4 +1,5 @@
-"""Products x @ W.T on the CPU, from raw GGUF blocks through MLX's own ops."""
+"""Products x @ W.T on the CPU, from raw GGUF blocks: the compiled primitive of cpu_ext.py
+where it serves the format, else MLX's own ops."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import threading
 
 import mlx.core as mx
 
+from muser_mlx import cpu_ext
 from muser_mlx.dequant import affine_codes, dequantize_rows
 from muser_mlx.formats import GGMLType
 
@@ -95,3 +97,7 @@ def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
         return _cpu_pieces(_qmm8_piece, rows, weight_bytes, fmt, in_features, out_features)
     x_permuted = rows.reshape(rows.shape[0], -1, 2, 16).swapaxes(-1, -2).reshape(rows.shape)
     return _cpu_pieces(_qmm4_piece, x_permuted, weight_bytes, fmt, in_features, out_features)
+
+
+def _cpu_gguf_linear(rows, weight_bytes, fmt, in_features, out_features):
+    return cpu_ext.linear(rows, weight_bytes, fmt.ggml_type, out_features)

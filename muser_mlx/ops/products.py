@@ -11,11 +11,12 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from muser_mlx import kernels
+from muser_mlx import cpu_ext, kernels
 from muser_mlx.dequant import AFFINE_CODE_TYPES, dequantize_rows
 from muser_mlx.formats import GGMLType, block_format
 from muser_mlx.kernels import MAX_GRID
-from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS, _cpu_affine, _cpu_dequant_matmul
+from muser_mlx.ops.cpu_products import (MATVEC_MAX_TOKENS, _cpu_affine, _cpu_dequant_matmul,
+                                        _cpu_gguf_linear)
 
 DEQUANT_THREADGROUP = 256
 MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup, at most
@@ -55,6 +56,9 @@ def linear_path(ggml_type, tokens: int, backend: str | None = None) -> str:
     backend = backend or kernels.backend()
     ggml_type = block_format(ggml_type).ggml_type
     if backend == "cpu":
+        if ggml_type in cpu_ext.FORMATS:
+            return "cpu_gguf_linear"  # the compiled primitive (muser_mlx/cpu_ext.py)
+        cpu_ext.note_fallback(ggml_type)  # logged once per format
         # MLX's CPU quantized_matmul handles one row well enough but many rows poorly; for a
         # prefill chunk, decoding the weight once and using the BLAS matmul is far faster.
         if ggml_type in AFFINE_CODE_TYPES and tokens <= MATVEC_MAX_TOKENS:
@@ -156,4 +160,5 @@ _LINEAR_PATHS = {
     "gpu_dequant_matmul": _gpu_dequant_matmul,
     "cpu_dequant_matmul": _cpu_dequant_matmul,
     "cpu_affine_qmm": _cpu_affine,
+    "cpu_gguf_linear": _cpu_gguf_linear,
 }

@@ -1,0 +1,140 @@
+// Attention on the CPU: for each query row, the scores against every visible key (one dot
+// product of head_dim floats each), their softmax, and the weighted sum of the value rows.
+//
+// Grid: batch x heads x tokens query rows, split into ROWS_PER_TASK-row tasks that `threads`
+// threads claim in turn (thread_pool.h); the rows of a task share one head, so its key and
+// value rows stay in cache across them.
+// Bytes per call: q and out once; k and v once per task (from cache after the first).
+// Bounds: masked keys are skipped (not scored); a row with no visible key is written as
+// zeros; keys beyond the last multiple of 16 get scalar code.
+
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace muser::cpu {
+
+namespace {
+
+constexpr int64_t ROWS_PER_TASK = 16;
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, 64);
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) {
+  std::memcpy(p, &v, 64);
+}
+
+// e^x for x <= 0 (scores minus their maximum), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
+// e^r by a degree-7 polynomial (relative error ~1e-7), 2^n from the exponent bits. Below
+// -87 the result is flushed to 0.
+inline f32x16 exp16(f32x16 x) {
+  const f32x16 magic = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  x = x < -87.0f ? f32x16{} - 87.0f : x;
+  f32x16 shifted = x * 1.44269504088896341f + magic;
+  f32x16 n = shifted - magic;
+  f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &exponent, 64);
+  return p * scale;
+}
+
+inline float hsum(f32x16 v) {
+  float sum = 0;
+  for (int lane = 0; lane < 16; ++lane) {
+    sum += v[lane];
+  }
+  return sum;
+}
+
+// One query row: q_row [head_dim], keys/values [keys, head_dim], visible [keys] or null.
+void attend_row(const float* q_row, const float* k, const float* v, const bool* visible,
+                float* out_row, int64_t keys, int64_t head_dim, float scale,
+                std::vector<float>& scores) {
+  scores.assign(keys, -std::numeric_limits<float>::infinity());
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < keys; ++s) {
+    if (visible && !visible[s]) {
+      continue;
+    }
+    const float* k_row = k + s * head_dim;
+    f32x16 acc = {};
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      acc += load16(q_row + d) * load16(k_row + d);
+    }
+    scores[s] = scale * hsum(acc);
+    top = std::max(top, scores[s]);
+  }
+  std::fill(out_row, out_row + head_dim, 0.0f);
+  if (top == -std::numeric_limits<float>::infinity()) {
+    return;  // no visible key
+  }
+  float total = 0;
+  int64_t s = 0;
+  for (; s + 16 <= keys; s += 16) {
+    f32x16 p = exp16(load16(scores.data() + s) - top);
+    for (int lane = 0; lane < 16; ++lane) {  // masked keys: -inf - top -> flushed to 0
+      p[lane] = scores[s + lane] == -std::numeric_limits<float>::infinity() ? 0.0f : p[lane];
+    }
+    store16(scores.data() + s, p);
+    total += hsum(p);
+  }
+  for (; s < keys; ++s) {
+    scores[s] = scores[s] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(scores[s] - top);
+    total += scores[s];
+  }
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    f32x16 acc = {};
+    for (int64_t key = 0; key < keys; ++key) {
+      if (scores[key] != 0.0f) {
+        acc += scores[key] * load16(v + key * head_dim + d);
+      }
+    }
+    store16(out_row + d, acc / total);
+  }
+}
+
+} // namespace
+
+void attention(const float* q, const float* k, const float* v, const bool* mask, float* out,
+               int64_t batch, int64_t heads, int64_t kv_heads, int64_t tokens, int64_t keys,
+               int64_t head_dim, float scale, int threads) {
+  int64_t group = heads / kv_heads;
+  int64_t tasks_per_head = (tokens + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  int64_t tasks = batch * heads * tasks_per_head;
+  int workers = tokens * keys * heads * head_dim >= (1 << 17) ? threads : 1;
+  ThreadPool::instance().run(static_cast<int>(tasks), workers, [&](int task) {
+    std::vector<float> scores;
+    int64_t bh = task / tasks_per_head;  // b * heads + h
+    int64_t b = bh / heads, h = bh % heads;
+    int64_t kv = b * kv_heads + h / group;
+    int64_t t0 = (task % tasks_per_head) * ROWS_PER_TASK;
+    for (int64_t t = t0; t < std::min(tokens, t0 + ROWS_PER_TASK); ++t) {
+      attend_row(q + (bh * tokens + t) * head_dim, k + kv * keys * head_dim,
+                 v + kv * keys * head_dim, mask ? mask + t * keys : nullptr,
+                 out + (bh * tokens + t) * head_dim, keys, head_dim, scale, scores);
+    }
+  });
+}
+
+} // namespace muser::cpu

@@ -1,0 +1,585 @@
+// The products x @ W.T from raw GGUF blocks, on the CPU, in float32 like the reference.
+//
+// Every format is read the same way: 16 values at a time, each 16-value chunk of a block
+// having one scale d and one offset m (value = d * code + m: Q4_0's m is -8 d, Q4_K's is
+// -dmin * min of the sub-block, Q6_K's is -32 d), so x . row = sum of d * (codes . x) over
+// chunks + sum of m * (sum of x) over scale groups, the sums of x taken once per call. A tile
+// of R weight rows x C rows of x decodes a chunk of each weight row once into a 16-float
+// vector (codes * d) and multiplies it into C accumulators, so a weight byte is decoded once
+// per C tokens and x is loaded once per R rows. Vectors are GCC/Clang vector extensions:
+// with -march=native they become AVX-512 (or AVX2, NEON) instructions; elsewhere scalar code.
+//
+// From PANEL_MIN_TOKENS tokens on (prefill), rows are instead decoded to float panels and
+// multiplied as a matrix product (linear_panels, below).
+//
+// Grid: the output's DECODE_ROWS-row (PANEL_ROWS for panels) blocks in TASKS_PER_THREAD x
+// `threads` contiguous ranges, which `threads` threads (the caller one of them) claim in turn
+// (thread_pool.h). Each walks x in chunks (X_CHUNK_BYTES, kept in L2; PANEL_TOKENS tokens for
+// panels) and, inside a chunk, every block of its range (the block's weight rows or panel
+// stay in L1/L2 across the chunk's tokens).
+// Bytes per call: each weight byte once per token chunk (one chunk unless tokens x in x 4
+// bytes passes X_CHUNK_BYTES: prefill), x once per tile (from cache), out once.
+// Bounds: in_features must be whole blocks (the op checks); the last row tile and token tile
+// may be short (their own instantiations).
+
+#include "products.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include "thread_pool.h"
+
+namespace muser::cpu {
+
+namespace {
+
+// Tile shapes (rows x tokens): a decode product (fewer than PREFILL_TOKENS tokens) decodes
+// each weight chunk once for DECODE_ROWS rows; a prefill product multiplies each decoded
+// chunk into PREFILL_ROWS x PREFILL_TOKENS accumulators (16 of the 32 AVX-512 registers).
+constexpr int DECODE_ROWS = 4;
+constexpr int PREFILL_ROWS = 2;
+constexpr int PREFILL_TOKENS = 8;
+static_assert(DECODE_ROWS % PREFILL_ROWS == 0);
+// From this many tokens on, a product decodes its weight rows to float panels and multiplies
+// them by PANEL_TOKENS tokens at a time (linear_panels): PANEL_ROWS x 2 vector accumulators.
+constexpr int PANEL_MIN_TOKENS = 16;
+constexpr int PANEL_TOKENS = 32;
+constexpr int PANEL_ROWS = 8;
+// Tiles of at most this many (row, token) pairs sum each scale group before scaling it (two
+// accumulators per pair); larger ones scale each decoded chunk (one per pair).
+constexpr int GROUP_ACCUMULATORS = 8;
+constexpr int64_t X_CHUNK_BYTES = 1 << 20;
+// Products of fewer multiply-adds than this run on the calling thread (~10 us of work: waking
+// a worker would cost a good part of it).
+constexpr int64_t SMALL_PRODUCT = 1 << 17;
+// Each thread's share of a product is split this many times, so that threads claim the
+// pieces as they come free (a worker the OS has descheduled leaves its pieces to the others).
+constexpr int TASKS_PER_THREAD = 4;
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+inline u8x16 bytes16(const uint8_t* p) {
+  u8x16 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+
+inline f32x16 floats16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, 64);
+  return v;
+}
+
+// Byte codes to floats. GCC turns a direct u8 -> float vector conversion into 16 scalar
+// ones, and an int8 one into lane inserts: AVX-512 gets the two instructions by name.
+inline f32x16 to_float(u8x16 codes) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)codes));
+#else
+  return __builtin_convertvector(__builtin_convertvector(codes, i32x16), f32x16);
+#endif
+}
+
+inline f32x16 int8_to_float(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+  i8x16 q;
+  std::memcpy(&q, p, 16);
+  return __builtin_convertvector(__builtin_convertvector(q, i32x16), f32x16);
+#endif
+}
+
+const i32x16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {  // zero or subnormal: mantissa * 2^-24, exact in float32
+    float value = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &value, 4);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+#endif
+}
+
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Formats: VALUES and BYTES per block, GROUP values per scale; scales(block, d, m) fills the
+// block's VALUES / GROUP scales d and offsets m (value = d * code + m); codes(block, j) returns
+// 16-value chunk j's codes as floats. A product then sums d * (codes . x) per chunk and
+// m * (sum of x) per group, the sums of x taken once per call.
+// ---------------------------------------------------------------------------------------------
+
+// 32-value blocks keep value i in the low nibble of byte i, value 16 + i in the high one.
+inline u8x16 nibbles(const uint8_t* qs, int chunk) {
+  u8x16 q = bytes16(qs);
+  return chunk ? q >> 4 : q & 15;
+}
+
+// Q5: bit i of the little-endian u32 qh is bit 4 of value i.
+inline f32x16 with_fifth_bits(u8x16 low, uint32_t qh, int chunk) {
+  i32x16 high = ((static_cast<int32_t>(qh >> (16 * chunk)) >> LANE) & 1) << 4;
+  return __builtin_convertvector(__builtin_convertvector(low, i32x16) | high, f32x16);
+}
+
+struct Q4_0Format {
+  static constexpr int VALUES = 32, BYTES = 18, GROUP = 32;
+  static constexpr bool OFFSET = true;
+  static void scales(const uint8_t* b, float* d, float* m) {
+    d[0] = f16(b);
+    m[0] = -8 * d[0];
+  }
+  static f32x16 codes(const uint8_t* b, int j) { return to_float(nibbles(b + 2, j)); }
+};
+
+struct Q4_1Format {
+  static constexpr int VALUES = 32, BYTES = 20, GROUP = 32;
+  static constexpr bool OFFSET = true;
+  static void scales(const uint8_t* b, float* d, float* m) {
+    d[0] = f16(b);
+    m[0] = f16(b + 2);
+  }
+  static f32x16 codes(const uint8_t* b, int j) { return to_float(nibbles(b + 4, j)); }
+};
+
+struct Q5_0Format {
+  static constexpr int VALUES = 32, BYTES = 22, GROUP = 32;
+  static constexpr bool OFFSET = true;
+  static void scales(const uint8_t* b, float* d, float* m) {
+    d[0] = f16(b);
+    m[0] = -16 * d[0];
+  }
+  static f32x16 codes(const uint8_t* b, int j) {
+    return with_fifth_bits(nibbles(b + 6, j), u32(b + 2), j);
+  }
+};
+
+struct Q5_1Format {
+  static constexpr int VALUES = 32, BYTES = 24, GROUP = 32;
+  static constexpr bool OFFSET = true;
+  static void scales(const uint8_t* b, float* d, float* m) {
+    d[0] = f16(b);
+    m[0] = f16(b + 2);
+  }
+  static f32x16 codes(const uint8_t* b, int j) {
+    return with_fifth_bits(nibbles(b + 8, j), u32(b + 4), j);
+  }
+};
+
+struct Q8_0Format {
+  static constexpr int VALUES = 32, BYTES = 34, GROUP = 32;
+  static constexpr bool OFFSET = false;
+  static void scales(const uint8_t* b, float* d, float*) { d[0] = f16(b); }
+  static f32x16 codes(const uint8_t* b, int j) { return int8_to_float(b + 2 + 16 * j); }
+};
+
+// Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins in 12 bytes (sub-blocks 0-3 in
+// the low 6 bits of bytes 0-3 / 4-7, sub-blocks 4-7 in the nibbles of bytes 8-11 plus the top
+// 2 bits of bytes 0-7); value = d * scale * q - dmin * min. The 12 bytes are rearranged as
+// four u32 words into 8 scale bytes then 8 min bytes, converted in one vector.
+inline void k4_scales(const uint8_t* b, float* d, float* m) {
+  constexpr uint32_t LOW6 = 0x3f3f3f3f, LOW4 = 0x0f0f0f0f, LOW2 = 0x03030303;
+  uint32_t w[4];
+  std::memcpy(w, b + 4, 12);
+  w[3] = ((w[2] >> 4) & LOW4) | (((w[1] >> 6) & LOW2) << 4);  // mins 4-7
+  uint32_t mins_low = w[1] & LOW6;  // mins 0-3
+  w[1] = (w[2] & LOW4) | (((w[0] >> 6) & LOW2) << 4);  // scales 4-7
+  w[2] = mins_low;
+  w[0] &= LOW6;  // scales 0-3
+  u8x16 packed;
+  std::memcpy(&packed, w, 16);
+  float super_d = f16(b), super_min = -f16(b + 2);
+  f32x16 factor = {super_d, super_d, super_d, super_d, super_d, super_d, super_d, super_d,
+                   super_min, super_min, super_min, super_min, super_min, super_min, super_min,
+                   super_min};
+  f32x16 values = to_float(packed) * factor;
+  std::memcpy(d, &values, 32);
+  std::memcpy(m, reinterpret_cast<const float*>(&values) + 8, 32);
+}
+
+// Sub-blocks 2i and 2i+1: the low and high nibbles of bytes 32i..32i+31; chunk j is half j % 2
+// of sub-block j / 2.
+inline u8x16 k4_nibbles(const uint8_t* qs, int j) {
+  int sub_block = j / 2;
+  u8x16 q = bytes16(qs + 32 * (sub_block / 2) + 16 * (j % 2));
+  return sub_block % 2 ? q >> 4 : q & 15;
+}
+
+struct Q4_KFormat {
+  static constexpr int VALUES = 256, BYTES = 144, GROUP = 32;
+  static constexpr bool OFFSET = true;
+  static void scales(const uint8_t* b, float* d, float* m) { k4_scales(b, d, m); }
+  static f32x16 codes(const uint8_t* b, int j) { return to_float(k4_nibbles(b + 16, j)); }
+};
+
+struct Q5_KFormat {
+  static constexpr int VALUES = 256, BYTES = 176, GROUP = 32;
+  static constexpr bool OFFSET = true;
+  static void scales(const uint8_t* b, float* d, float* m) { k4_scales(b, d, m); }
+  static f32x16 codes(const uint8_t* b, int j) {
+    // Bit s of qh[l] is bit 4 of value l of sub-block s.
+    u8x16 fifth = (bytes16(b + 16 + 16 * (j % 2)) >> (j / 2)) & 1;
+    return to_float(k4_nibbles(b + 48, j) | (fifth << 4));
+  }
+};
+
+// Q6_K: two halves of 128 values, each from 64 bytes of low 4 bits (ql) and 32 of top 2 bits
+// (qh). 32-value group p of a half takes the low nibbles of ql[0:32], of ql[32:64], then the
+// high nibbles of each, and bits 2p..2p+1 of qh[0:32]. int8 scales per 16 values;
+// value = d * scale * (q - 32).
+struct Q6_KFormat {
+  static constexpr int VALUES = 256, BYTES = 210, GROUP = 16;
+  static constexpr bool OFFSET = true;
+  static void scales(const uint8_t* b, float* d, float* m) {
+    f32x16 scale = int8_to_float(b + 192) * f16(b + 208);
+    f32x16 offset = scale * -32.0f;
+    std::memcpy(d, &scale, 64);
+    std::memcpy(m, &offset, 64);
+  }
+  static f32x16 codes(const uint8_t* b, int j) {
+    int half = j / 8, group = (j % 8) / 2, part = j % 2;
+    u8x16 ql = bytes16(b + 64 * half + 32 * (group % 2) + 16 * part);
+    u8x16 qh = bytes16(b + 128 + 32 * half + 16 * part);
+    u8x16 low = group < 2 ? ql & 15 : ql >> 4;
+    return to_float(low | (((qh >> (2 * group)) & 3) << 4));
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Tiles
+// ---------------------------------------------------------------------------------------------
+
+// out[c * out_stride + r] = x[c] . W[r] for R rows (rows row_bytes apart) and C tokens;
+// sums[c * groups + g]: the sum of x[c] over scale group g (groups = in_features / GROUP).
+template <class F, int R, int C>
+void tile(const uint8_t* weight, int64_t row_bytes, const float* x, const float* sums,
+          int64_t in_features, float* out, int64_t out_stride) {
+  constexpr int CHUNKS = F::VALUES / 16, GROUPS = F::VALUES / F::GROUP;
+  int64_t groups = in_features / F::GROUP;
+  f32x16 acc[R][C] = {};
+  float offset[R][C] = {};
+  for (int64_t block = 0; block < in_features / F::VALUES; ++block) {
+    float d[R][GROUPS], m[R][GROUPS];
+    const uint8_t* blocks[R];
+    for (int r = 0; r < R; ++r) {
+      blocks[r] = weight + r * row_bytes + block * F::BYTES;
+      F::scales(blocks[r], d[r], m[r]);
+    }
+    if constexpr (F::OFFSET) {
+      for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+          for (int g = 0; g < GROUPS; ++g) {
+            offset[r][c] += m[r][g] * sums[c * groups + block * GROUPS + g];
+          }
+        }
+      }
+    }
+    const float* xb = x + block * F::VALUES;
+    if constexpr (R * C <= GROUP_ACCUMULATORS) {
+      // Few accumulators: sum codes . x over a scale group, then scale the sum once
+      // (a multiply per group instead of one per chunk; decode's instruction count).
+#pragma GCC unroll 16  // chunk j's byte offsets, shifts and scale index become constants
+      for (int g = 0; g < GROUPS; ++g) {
+        f32x16 group[R][C] = {};
+        for (int j = g * F::GROUP / 16; j < (g + 1) * F::GROUP / 16; ++j) {
+          for (int r = 0; r < R; ++r) {
+            f32x16 codes = F::codes(blocks[r], j);
+            for (int c = 0; c < C; ++c) {
+              group[r][c] += codes * floats16(xb + c * in_features + 16 * j);
+            }
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          for (int c = 0; c < C; ++c) {
+            acc[r][c] += group[r][c] * d[r][g];
+          }
+        }
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int j = 0; j < CHUNKS; ++j) {
+        f32x16 xv[C];
+        for (int c = 0; c < C; ++c) {
+          xv[c] = floats16(xb + c * in_features + 16 * j);
+        }
+        for (int r = 0; r < R; ++r) {
+          f32x16 w = F::codes(blocks[r], j) * d[r][16 * j / F::GROUP];
+          for (int c = 0; c < C; ++c) {
+            acc[r][c] += w * xv[c];
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float sum = offset[r][c];
+      for (int lane = 0; lane < 16; ++lane) {
+        sum += acc[r][c][lane];
+      }
+      out[c * out_stride + r] = sum;
+    }
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t, float*,
+                        int64_t);
+
+// The tiles a product uses, [rows][tokens]: DECODE_ROWS rows (or 1, for a short last block)
+// by 1..PREFILL_TOKENS-1 tokens, and PREFILL_ROWS rows (or 1) by PREFILL_TOKENS tokens.
+template <class F>
+struct Tiles {
+  TileFn decode[2][PREFILL_TOKENS - 1];  // [0]: 1 row, [1]: DECODE_ROWS rows
+  TileFn prefill[2];  // [0]: 1 row, [1]: PREFILL_ROWS rows
+  template <int... C>
+  constexpr Tiles(std::integer_sequence<int, C...>)
+      : decode{{tile<F, 1, C + 1>...}, {tile<F, DECODE_ROWS, C + 1>...}},
+        prefill{tile<F, 1, PREFILL_TOKENS>, tile<F, PREFILL_ROWS, PREFILL_TOKENS>} {}
+  constexpr Tiles() : Tiles(std::make_integer_sequence<int, PREFILL_TOKENS - 1>{}) {}
+};
+
+// ---------------------------------------------------------------------------------------------
+// Prefill panels: PANEL_ROWS weight rows decoded to floats once per PANEL_TOKENS tokens, then
+// multiplied as a matrix product: for each k, x[k] for the tokens (two vectors, from x laid
+// out [k][token] per chunk) times each row's value broadcast, into PANEL_ROWS x 2 vector
+// accumulators. Every instruction of the inner loop but two loads is a multiply-add.
+// ---------------------------------------------------------------------------------------------
+
+// The row's values, d * code + m, into panel_row [in_features].
+template <class F>
+void decode_row(const uint8_t* row, int64_t in_features, float* panel_row) {
+  constexpr int GROUPS = F::VALUES / F::GROUP;
+  for (int64_t block = 0; block < in_features / F::VALUES; ++block) {
+    const uint8_t* b = row + block * F::BYTES;
+    float d[GROUPS], m[GROUPS] = {};
+    F::scales(b, d, m);
+#pragma GCC unroll 16
+    for (int j = 0; j < F::VALUES / 16; ++j) {
+      f32x16 values = F::codes(b, j) * d[16 * j / F::GROUP] + m[16 * j / F::GROUP];
+      std::memcpy(panel_row + block * F::VALUES + 16 * j, &values, 64);
+    }
+  }
+}
+
+// out[t * out_stride + r] for R rows of `panel` [R, in_features] and the chunk's
+// PANEL_TOKENS tokens of x_t [in_features, PANEL_TOKENS]; tokens >= `tokens` are padding.
+template <int R>
+void panel_product(const float* panel, const float* x_t, int64_t in_features, int tokens,
+                   float* out, int64_t out_stride) {
+  f32x16 acc[R][2] = {};
+  for (int64_t k = 0; k < in_features; ++k) {
+    f32x16 x0 = floats16(x_t + k * PANEL_TOKENS), x1 = floats16(x_t + k * PANEL_TOKENS + 16);
+    for (int r = 0; r < R; ++r) {
+      float w = panel[r * in_features + k];
+      acc[r][0] += w * x0;
+      acc[r][1] += w * x1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < tokens; ++t) {
+      out[t * out_stride + r] = acc[r][t / 16][t % 16];
+    }
+  }
+}
+
+using PanelFn = void (*)(const float*, const float*, int64_t, int, float*, int64_t);
+
+template <int... R>
+constexpr std::array<PanelFn, sizeof...(R)> panel_products(std::integer_sequence<int, R...>) {
+  return {panel_product<R + 1>...};
+}
+
+// PANEL_FNS[r - 1]: r rows (the last block of a product may be short).
+constexpr auto PANEL_FNS = panel_products(std::make_integer_sequence<int, PANEL_ROWS>{});
+
+template <class F>
+void linear_panels(const float* x, const uint8_t* weight, float* out, int64_t tokens,
+                   int64_t in_features, int64_t out_features, int threads) {
+  int64_t row_bytes = in_features / F::VALUES * F::BYTES;
+  int64_t chunks = (tokens + PANEL_TOKENS - 1) / PANEL_TOKENS;
+  // x laid out [chunk][k][token of the chunk], the padding tokens zero.
+  std::vector<float> x_t(chunks * in_features * PANEL_TOKENS, 0.0f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* column = x_t.data() + t / PANEL_TOKENS * in_features * PANEL_TOKENS + t % PANEL_TOKENS;
+    for (int64_t k = 0; k < in_features; ++k) {
+      column[k * PANEL_TOKENS] = x[t * in_features + k];
+    }
+  }
+  int64_t row_blocks = (out_features + PANEL_ROWS - 1) / PANEL_ROWS;
+  int tasks = static_cast<int>(std::min<int64_t>(row_blocks, TASKS_PER_THREAD * threads));
+  ThreadPool::instance().run(tasks, threads, [&](int task) {
+    std::vector<float> panel(PANEL_ROWS * in_features);
+    int64_t first = row_blocks * task / tasks, last = row_blocks * (task + 1) / tasks;
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      int count = static_cast<int>(std::min<int64_t>(PANEL_TOKENS, tokens - chunk * PANEL_TOKENS));
+      for (int64_t block = first; block < last; ++block) {
+        int64_t row0 = block * PANEL_ROWS;
+        int rows = static_cast<int>(std::min<int64_t>(PANEL_ROWS, out_features - row0));
+        for (int r = 0; r < rows; ++r) {
+          decode_row<F>(weight + (row0 + r) * row_bytes, in_features, panel.data() + r * in_features);
+        }
+        PANEL_FNS[rows - 1](panel.data(), x_t.data() + chunk * in_features * PANEL_TOKENS,
+                            in_features, count, out + chunk * PANEL_TOKENS * out_features + row0,
+                            out_features);
+      }
+    }
+  });
+}
+
+template <class F>
+void linear_format(const float* x, const uint8_t* weight, float* out, int64_t tokens,
+                   int64_t in_features, int64_t out_features, int threads) {
+  if (tokens >= PANEL_MIN_TOKENS) {
+    return linear_panels<F>(x, weight, out, tokens, in_features, out_features, threads);
+  }
+  static constexpr Tiles<F> tiles;
+  int64_t row_bytes = in_features / F::VALUES * F::BYTES;
+  int64_t row_blocks = (out_features + DECODE_ROWS - 1) / DECODE_ROWS;
+  // Small products (a decode step's norms-sized ones) stay on the calling thread.
+  bool parallel = tokens * in_features * out_features >= SMALL_PRODUCT;
+  int tasks = static_cast<int>(std::min<int64_t>(row_blocks, parallel ? TASKS_PER_THREAD * threads : 1));
+  int64_t chunk = std::max<int64_t>(
+      PREFILL_TOKENS, X_CHUNK_BYTES / (4 * in_features) / PREFILL_TOKENS * PREFILL_TOKENS);
+  int64_t groups = in_features / F::GROUP;
+  std::vector<float> sums(F::OFFSET ? tokens * groups : 0);  // [tokens, groups]
+  for (int64_t g = 0; g < static_cast<int64_t>(sums.size()); ++g) {
+    const float* values = x + g * F::GROUP;
+    float sum = 0;
+    for (int i = 0; i < F::GROUP; ++i) {
+      sum += values[i];
+    }
+    sums[g] = sum;
+  }
+  // Rows [row0, row0 + rows) times tokens [t, t + count).
+  auto multiply = [&](TileFn fn, int64_t row0, int64_t t) {
+    fn(weight + row0 * row_bytes, row_bytes, x + t * in_features, sums.data() + t * groups,
+       in_features, out + t * out_features + row0, out_features);
+  };
+  ThreadPool::instance().run(tasks, threads, [&](int task) {
+    int64_t first = row_blocks * task / tasks, last = row_blocks * (task + 1) / tasks;
+    for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
+      int64_t t_end = std::min(tokens, t0 + chunk);
+      for (int64_t block = first; block < last; ++block) {
+        int64_t row0 = block * DECODE_ROWS;
+        bool whole = row0 + DECODE_ROWS <= out_features;
+        int64_t t = t0;
+        for (; t + PREFILL_TOKENS <= t_end; t += PREFILL_TOKENS) {
+          if (whole) {
+            for (int r = 0; r < DECODE_ROWS; r += PREFILL_ROWS) {
+              multiply(tiles.prefill[1], row0 + r, t);
+            }
+          } else {
+            for (int64_t r = row0; r < out_features; ++r) {
+              multiply(tiles.prefill[0], r, t);
+            }
+          }
+        }
+        if (t < t_end) {
+          int count = static_cast<int>(t_end - t);
+          if (whole) {
+            multiply(tiles.decode[1][count - 1], row0, t);
+          } else {
+            for (int64_t r = row0; r < out_features; ++r) {
+              multiply(tiles.decode[0][count - 1], r, t);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+} // namespace
+
+bool has_product(int ggml_type) {
+  return block_values(ggml_type) != 0;
+}
+
+int block_values(int ggml_type) {
+  switch (ggml_type) {
+    case Q4_0: return Q4_0Format::VALUES;
+    case Q4_1: return Q4_1Format::VALUES;
+    case Q5_0: return Q5_0Format::VALUES;
+    case Q5_1: return Q5_1Format::VALUES;
+    case Q8_0: return Q8_0Format::VALUES;
+    case Q4_K: return Q4_KFormat::VALUES;
+    case Q5_K: return Q5_KFormat::VALUES;
+    case Q6_K: return Q6_KFormat::VALUES;
+    default: return 0;
+  }
+}
+
+int block_bytes(int ggml_type) {
+  switch (ggml_type) {
+    case Q4_0: return Q4_0Format::BYTES;
+    case Q4_1: return Q4_1Format::BYTES;
+    case Q5_0: return Q5_0Format::BYTES;
+    case Q5_1: return Q5_1Format::BYTES;
+    case Q8_0: return Q8_0Format::BYTES;
+    case Q4_K: return Q4_KFormat::BYTES;
+    case Q5_K: return Q5_KFormat::BYTES;
+    case Q6_K: return Q6_KFormat::BYTES;
+    default: return 0;
+  }
+}
+
+const char* instruction_set() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#elif defined(__ARM_NEON)
+  return "neon";
+#else
+  return "scalar";
+#endif
+}
+
+void linear_from_blocks(const float* x, const uint8_t* weight, float* out, int ggml_type,
+                        int64_t tokens, int64_t in_features, int64_t out_features,
+                        int threads) {
+  auto run = [&](auto format) {
+    linear_format<decltype(format)>(x, weight, out, tokens, in_features, out_features, threads);
+  };
+  switch (ggml_type) {
+    case Q4_0: return run(Q4_0Format{});
+    case Q4_1: return run(Q4_1Format{});
+    case Q5_0: return run(Q5_0Format{});
+    case Q5_1: return run(Q5_1Format{});
+    case Q8_0: return run(Q8_0Format{});
+    case Q4_K: return run(Q4_KFormat{});
+    case Q5_K: return run(Q5_KFormat{});
+    case Q6_K: return run(Q6_KFormat{});
+  }
+}
+
+} // namespace muser::cpu

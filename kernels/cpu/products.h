@@ -1,0 +1,41 @@
+// x @ W.T for W kept as raw GGUF blocks, on the CPU. No MLX types here: linear.cpp wraps this
+// in an MLX primitive.
+
+#pragma once
+
+#include <cstdint>
+
+namespace muser::cpu {
+
+// ggml type numbers of the formats with a product here.
+enum GGMLType : int {
+  Q4_0 = 2,
+  Q4_1 = 3,
+  Q5_0 = 6,
+  Q5_1 = 7,
+  Q8_0 = 8,
+  Q4_K = 12,
+  Q5_K = 13,
+  Q6_K = 14,
+};
+
+bool has_product(int ggml_type);
+
+// Values per block and bytes per block of a format with a product.
+int block_values(int ggml_type);
+int block_bytes(int ggml_type);
+
+// The vector instructions the products were compiled for: "avx512", "avx2", "neon" or
+// "scalar".
+const char* instruction_set();
+
+// out[t, o] = sum_i x[t, i] * W[o, i].
+//   x:      float32 [tokens, in_features], rows contiguous
+//   weight: uint8 [out_features, row_bytes], GGUF blocks of `ggml_type`, rows contiguous
+//   out:    float32 [tokens, out_features]
+// float32 throughout, x as given; `threads` threads share the output rows.
+void linear_from_blocks(const float* x, const uint8_t* weight, float* out, int ggml_type,
+                        int64_t tokens, int64_t in_features, int64_t out_features,
+                        int threads);
+
+} // namespace muser::cpu

@@ -1,0 +1,76 @@
+"""The CPU products and attention as compiled MLX primitives: muser_mlx._cpu_kernels, built at
+install from kernels/cpu by setup.py for the installing machine's CPU.
+
+`linear` and `attention` are MLX ops (primitives GGUFLinear, Attention): lazy, evaluated by
+mx.eval on a CPU stream, in float32 on all cores with the CPU's vector instructions; `linear`
+reads the raw GGUF blocks.
+Where the extension was not built or does not load, `available()` is False, `unavailable()`
+says why, and ops.linear_path sends the products to MLX's own ops (logged once).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import mlx.core as mx
+
+from muser_mlx.formats import GGMLType
+
+_log = logging.getLogger(__name__)
+
+try:
+    from muser_mlx import _cpu_kernels
+except ImportError as error:
+    _cpu_kernels = None
+    _why = (f"muser_mlx._cpu_kernels does not load ({error}); reinstall the package with a C++20 "
+            "compiler and CMake >= 3.24 on the PATH")
+else:
+    _why = ""
+    if _cpu_kernels.mlx_version != mx.__version__:
+        _why = (f"muser_mlx._cpu_kernels was built against MLX {_cpu_kernels.mlx_version}, this is "
+                f"MLX {mx.__version__}; reinstall muser_mlx")
+        _cpu_kernels = None
+
+# The formats with a compiled product (the rest take MLX's ops; see ops.linear_path).
+FORMATS = frozenset(t for t in GGMLType if _cpu_kernels is not None and _cpu_kernels.has_product(int(t)))
+
+
+def available() -> bool:
+    return _cpu_kernels is not None
+
+
+def unavailable() -> str:
+    """Why the extension is not available ('' when it is)."""
+    return _why
+
+
+def instruction_set() -> str:
+    """The vector instructions the products were compiled for (e.g. 'avx512')."""
+    return _cpu_kernels.instruction_set()
+
+
+@functools.lru_cache(maxsize=None)
+def note_fallback(ggml_type) -> None:
+    """Log once per format that a CPU product runs on MLX's ops instead of the extension."""
+    if not available():
+        _log.warning("the CPU products run on MLX's own ops, several times slower: %s", _why)
+    else:
+        _log.warning("%s weights have no compiled CPU product: MLX's own ops serve them",
+                     GGMLType(ggml_type).name)
+
+
+def linear(rows: mx.array, weight_bytes: mx.array, ggml_type, out_features: int,
+           threads: int = 0) -> mx.array:
+    """rows [T, in] float @ W.T for W = `out_features` rows of raw GGUF blocks (uint8, any
+    shape holding [out, row_bytes]); returns float32 [T, out], multiplied in float32.
+    threads: 0 for all cores."""
+    return _cpu_kernels.linear(rows, weight_bytes.reshape(out_features, -1), int(ggml_type), threads)
+
+
+def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | None,
+              threads: int = 0) -> mx.array:
+    """softmax(q keysᵀ · scale, where mask) values in float32: q [B, heads, T, head_dim], keys
+    and values [B, kv_heads, S, head_dim] (head_dim a multiple of 16), mask bool [T, S] or
+    None; returns float32 [B, heads, T, head_dim] (zeros for a row that sees no key)."""
+    return _cpu_kernels.attention(q, keys, values, scale, mask, threads)

@@ -1,0 +1,194 @@
+"""The compiled CPU products and attention (muser_mlx._cpu_kernels via cpu_ext). Products:
+every format with a product, decode and prefill row counts, odd row counts, one and several
+threads, against float64 products of gguf-py's decoded weights (gguf.quants: independent of
+our decoders). Attention: decode and prefill shapes, masks, grouped heads, against float64.
+
+The product multiplies in float32 with x as given (no int8 rounding of x), so only float32
+rounding of the weights and of a sum in another order separates it from the reference: a
+relative error ~1e-7 measured, bound 2e-5 as for every other product (tests/test_linear.py).
+"""
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GGMLType
+from gguf import quants
+
+from muser_mlx import cpu_ext, gguf, ops, testing
+from tests.conftest import relative_error
+
+# `make test` installs the package, which builds the extension, and sets MUSER_REQUIRE_CPU_EXT:
+# there the suite fails if it is missing. A checkout run without installing it (the GPU
+# machine's suite) skips these tests; its CPU runs MLX's ops.
+if not cpu_ext.available() and os.environ.get("MUSER_REQUIRE_CPU_EXT") != "1":
+    pytest.skip(f"the CPU extension is not built here: {cpu_ext.unavailable()}", allow_module_level=True)
+
+FORMATS = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+           GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+BLOCK = {t: (256 if t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K) else 32) for t in FORMATS}
+# Byte offsets of each format's f16 fields (d, and dmin or m), for blocks of random bytes.
+F16_FIELDS = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
+              GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}
+BOUND = 2e-5
+
+
+def random_byte_blocks(rng, ggml_type, rows, row_length) -> np.ndarray:
+    """Every bit pattern: random bytes, with finite f16 scales so products stay finite."""
+    fmt_bytes = quants.GGML_QUANT_SIZES[ggml_type][1]
+    raw = rng.integers(0, 256, size=(rows, row_length // BLOCK[ggml_type] * fmt_bytes), dtype=np.uint8)
+    blocks = raw.reshape(-1, fmt_bytes)
+    for start in F16_FIELDS[ggml_type]:
+        scale = rng.uniform(-0.1, 0.1, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, start : start + 2] = scale.reshape(-1, 1).view(np.uint8)
+    return raw
+
+
+def product(x, raw, ggml_type, out_features, threads):
+    """The compiled product into an output buffer that held NaN: MLX's buffer cache hands the
+    poisoned buffer of the same size back, so an element left unwritten stays NaN."""
+    poison = mx.full((x.shape[0], out_features), float("nan"))
+    mx.eval(poison)
+    del poison
+    out = cpu_ext.linear(mx.array(x), mx.array(raw), ggml_type, out_features, threads)
+    return np.array(out)
+
+
+def shape_for(rng, ggml_type):
+    # 32-value formats: an odd block count too.
+    in_features = BLOCK[ggml_type] * int(rng.integers(1, 12 if BLOCK[ggml_type] == 32 else 4))
+    out_features = int(rng.integers(1, 30)) * 2 + 1  # odd: the last 4-row tile is short
+    return in_features, out_features
+
+
+def test_the_extension_is_built_and_serves_every_format():
+    # Fails where the install could not build the extension, rather than letting the suite
+    # pass on the slow MLX-ops path.
+    assert cpu_ext.available(), cpu_ext.unavailable()
+    assert cpu_ext.FORMATS == set(FORMATS)
+    for ggml_type in FORMATS:
+        for tokens in (1, 8, 9, 512):
+            assert ops.linear_path(ggml_type, tokens, "cpu") == "cpu_gguf_linear"
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 2, 7, 64, 512])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_product_matches_reference(rng, ggml_type, tokens, threads):
+    in_features, out_features = shape_for(rng, ggml_type)
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)  # [out, in]
+    x = rng.standard_normal((tokens, in_features)).astype(np.float32)
+    out = product(x, raw, ggml_type, out_features, threads)
+    assert out.shape == (tokens, out_features)
+    assert np.isfinite(out).all(), "an output left unwritten"
+    assert relative_error(out, x.astype(np.float64) @ weight.T) <= BOUND
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_product_of_random_bytes_matches_reference(rng, ggml_type, tokens):
+    # Blocks no quantizer would write: every scale, min and code bit pattern, negative d.
+    in_features, out_features = shape_for(rng, ggml_type)
+    raw = random_byte_blocks(rng, ggml_type, out_features, in_features)
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)
+    x = rng.standard_normal((tokens, in_features)).astype(np.float32)
+    out = product(x, raw, ggml_type, out_features, 2)
+    assert relative_error(out, x.astype(np.float64) @ weight.T) <= BOUND
+
+
+def test_ops_linear_runs_the_compiled_product_on_the_cpu(rng, tmp_path, monkeypatch):
+    # Through the model's entry point, with MLX's own CPU paths made to fail: the compiled
+    # product must be what ran.
+    for fallback in ("cpu_affine_qmm", "cpu_dequant_matmul"):
+        monkeypatch.setitem(ops.products._LINEAR_PATHS, fallback, None)
+    ggml_type, in_features, out_features = GGMLType.Q4_K, 512, 33
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    path = testing.write_gguf(tmp_path / "w.gguf", {}, {"w": (ggml_type, (in_features, out_features), raw)})
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)
+    x = rng.standard_normal((3, 5, in_features)).astype(np.float32)
+    with mx.stream(mx.cpu), gguf.read(path) as model:
+        out = np.array(ops.linear(mx.array(x), model.tensors["w"]))
+    assert relative_error(out, x.astype(np.float64) @ weight.T) <= BOUND
+
+
+def test_refuses_a_format_without_a_product():
+    with pytest.raises(ValueError, match="ggml type 10 has no CPU product"):
+        cpu_ext.linear(mx.zeros((1, 256)), mx.zeros((4, 84), dtype=mx.uint8), GGMLType.Q2_K, 4)
+
+
+def test_refuses_rows_that_do_not_hold_x():
+    with pytest.raises(ValueError, match="rows of 36 bytes do not hold 64 values of ggml type 8"):
+        cpu_ext.linear(mx.zeros((1, 64)), mx.zeros((4, 36), dtype=mx.uint8), GGMLType.Q8_0, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_reference(q, k, v, scale, mask):
+    """float64 softmax(q kᵀ scale, where mask) v with kv heads shared by heads // kv_heads."""
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1).astype(np.float64), np.repeat(v, group, axis=1).astype(np.float64)
+    scores = np.einsum("bhtd,bhsd->bhts", q.astype(np.float64), k) * scale
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(top), top, 0))
+    total = weights.sum(axis=-1, keepdims=True)
+    return np.where(total > 0, (weights / np.where(total > 0, total, 1)) @ v, 0.0)
+
+
+@pytest.mark.parametrize("tokens, keys, heads, kv_heads, head_dim, window", [
+    (1, 37, 9, 3, 64, None),  # a decode step over a full cache: no mask
+    (1, 16, 4, 2, 128, 5),  # a decode step on a sliding-window layer
+    (7, 20, 4, 1, 256, None),  # a prefill chunk after 13 cached tokens, Gemma's head_dim
+    (64, 64, 4, 2, 64, 8),  # a windowed prefill
+    (33, 50, 6, 6, 16, None),  # no grouping; keys past a multiple of 16
+])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_attention_matches_reference(rng, tokens, keys, heads, kv_heads, head_dim, window, threads):
+    q = rng.standard_normal((1, heads, tokens, head_dim)).astype(np.float32)
+    k = rng.standard_normal((1, kv_heads, keys, head_dim)).astype(np.float32)
+    v = rng.standard_normal((1, kv_heads, keys, head_dim)).astype(np.float32)
+    mask = None
+    if tokens > 1 or window:
+        positions = np.arange(keys - tokens, keys)[:, None]
+        visible = np.arange(keys)[None, :] <= positions
+        if window:
+            visible &= np.arange(keys)[None, :] > positions - window
+        mask = visible
+    scale = head_dim ** -0.5
+    out = cpu_ext.attention(mx.array(q), mx.array(k), mx.array(v), scale,
+                            None if mask is None else mx.array(mask), threads)
+    assert relative_error(np.array(out), attention_reference(q, k, v, scale, mask)) <= BOUND
+
+
+def test_attention_row_that_sees_no_key_is_zeros(rng):
+    q = rng.standard_normal((1, 2, 3, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 4, 16)).astype(np.float32)
+    mask = np.ones((3, 4), dtype=bool)
+    mask[1] = False
+    out = np.array(cpu_ext.attention(mx.array(q), mx.array(k), mx.array(k), 0.25, mx.array(mask)))
+    assert (out[:, :, 1] == 0).all()
+    assert relative_error(out, attention_reference(q, k, k, 0.25, mask)) <= BOUND
+
+
+def test_ops_attention_runs_the_compiled_attention_on_the_cpu(rng, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("MLX's own attention ran on the CPU")
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", refuse)
+    q = rng.standard_normal((1, 4, 5, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 5, 64)).astype(np.float32)
+    mask = np.tril(np.ones((5, 5), dtype=bool))
+    with mx.stream(mx.cpu):
+        out = ops.attention(mx.array(q), mx.array(k), mx.array(k), 0.125, mx.array(mask))
+        assert relative_error(np.array(out), attention_reference(q, k, k, 0.125, mask)) <= BOUND
+
+
+def test_attention_refuses_a_head_dim_off_16():
+    with pytest.raises(ValueError, match=r"head_dim of 16\), got q \(1,2,1,24\)"):
+        cpu_ext.attention(mx.zeros((1, 2, 1, 24)), mx.zeros((1, 1, 3, 24)), mx.zeros((1, 1, 3, 24)), 1.0, None)
