@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from muser_mlx.generate import generate, load, stream_generate
+from muser_mlx.generate import decode, generate, load, stream_generate
 from muser_mlx.testing import tiny_model
 from tests.conftest import relative_error
 
@@ -267,16 +267,17 @@ def test_an_early_stop_leaves_the_last_token_unfed(tiny):
     stopped_at = tokens.index(tokens[5]) + 1
     assert len(responses) == stopped_at and responses[-1].finish_reason == "stop"
     assert all(c.offset == prompt + stopped_at - 1 for c in cache)
-    follow = model(mx.array([[tokens[stopped_at - 1]]]), cache)
+    follow = decode(model, mx.array([[tokens[stopped_at - 1]]]), cache)[0]
     # The same calls as generation made, on a fresh cache: the prompt but its last token in one
-    # call (prefill), then one token per call (a GPU computes a call of more than 8 rows through
-    # float16 products, a short one in float32: only the same calls agree to 1e-5).
+    # call (prefill), then one token per step as generation runs it (a GPU computes a call of more
+    # than 8 rows through float16 products, a one-token step with q8x activations: only the same
+    # calls agree to 1e-5).
     fresh = model.make_cache()
     ids = tokenizer.encode(PROMPT)
     model(mx.array([ids[:-1]]), fresh)
     for token in ids[-1:] + tokens[: stopped_at - 1]:
-        model(mx.array([[token]]), fresh)
-    expected = model(mx.array([[tokens[stopped_at - 1]]]), fresh)
+        mx.eval(decode(model, mx.array([[token]]), fresh)[0])
+    expected = decode(model, mx.array([[tokens[stopped_at - 1]]]), fresh)[0]
     assert relative_error(np.array(follow), np.array(expected)) <= 1e-5
 
 

@@ -12,6 +12,7 @@ Calling convention (mlx-lm's): `model(token_ids [B, T], cache=model.make_cache()
 from __future__ import annotations
 
 import itertools
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -275,7 +276,7 @@ class Transformer(nn.Module):
             and all(layer.attention.input_proj.decode_products is not None
                     and layer.attention.decode_output is not None
                     and layer.feed_forward.decode_products is not None for layer in self.layers))
-        self._compiled_decode = None
+        self._compiled_decode = {}  # thread id -> decode_step's compiled graph
 
     def make_cache(self, dtype=None) -> list:
         """One cache per layer. dtype: float16 where the fused decode step runs (`fused`: a
@@ -314,8 +315,11 @@ class Transformer(nn.Module):
             layer_cache.reserve(1, c.kv_heads, c.head_dim, position + 1)
         graph = self._decode_graph
         if kernels.backend() != "cpu" and COMPILE_DECODE:
-            self._compiled_decode = self._compiled_decode or mx.compile(self._decode_graph)
-            graph = self._compiled_decode
+            # A traced graph runs on the streams of the thread that traced it: one per thread.
+            thread = threading.get_ident()
+            if thread not in self._compiled_decode:
+                self._compiled_decode[thread] = mx.compile(self._decode_graph)
+            graph = self._compiled_decode[thread]
         position_array = mx.array([position], dtype=mx.int32)
         # On a GPU the kernels write the caches in place, which MLX cannot see: this step's
         # attention launches take the last such step's token as an input, so they follow it
