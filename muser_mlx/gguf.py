@@ -144,6 +144,9 @@ def stack_rows(tensors: list[GGUFTensor]) -> StackedRows:
     for t in tensors:
         t._data = stacked[start : start + t.rows]
         start += t.rows
+    # Evaluated now (views of the stack, no copy): a lazy array belongs to the stream of the
+    # thread that made it, and a model may step in another thread.
+    mx.eval([t._data for t in tensors])
     return StackedRows("+".join(t.name for t in tensors), first.ggml_type, (first.shape[0], start), stacked)
 
 

@@ -277,6 +277,9 @@ class Transformer(nn.Module):
                     and layer.attention.decode_output is not None
                     and layer.feed_forward.decode_products is not None for layer in self.layers))
         self._compiled_decode = {}  # thread id -> decode_step's compiled graph
+        # The small arrays made here (norm weights, biases) are evaluated now: a lazy array
+        # belongs to the stream of the thread that made it, and a model may step in another.
+        mx.eval(self.parameters())
 
     def make_cache(self, dtype=None) -> list:
         """One cache per layer. dtype: float16 where the fused decode step runs (`fused`: a
