@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard kernels/cpu/*)
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	MUSER_REQUIRE_CPU_EXT=1 $(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(VENV)/bin/muser generate --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 48

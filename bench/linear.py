@@ -204,7 +204,7 @@ def sweep(rng, bandwidth, args) -> None:
 # the layer's projections (q+gate Q4_K with k+v Q8_0, one launch), attn_output, gate/up with
 # the SwiGLU epilogue, ffn_down (Q4_K or Q6_K), and the LM head with its softcap epilogue.
 PRODUCT_CASES = [
-    ("q+gate | k+v", (8192, 6656), GGMLType.Q4_K, (512, GGMLType.Q8_0)),
+    ("q+gate, k+v", (8192, 6656), GGMLType.Q4_K, (512, GGMLType.Q8_0)),
     ("attn_output", (6656, 4096), GGMLType.Q4_K, None),
     ("ffn gate/up GLU", (19968, 6656), GGMLType.Q4_K, "glu"),
     ("ffn_down", (6656, 19968), GGMLType.Q4_K, None),

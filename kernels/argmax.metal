@@ -17,12 +17,20 @@ uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
 float top = -3.4e38f;
 float top_row = 3.4e38f;
-for (uint i = thread_position_in_threadgroup.x; i < uint(GROUPS); i += threads_per_threadgroup.x) {
-  float value = best[(size_t(t) * uint(GROUPS) + i) * 2u];
-  float row = best[(size_t(t) * uint(GROUPS) + i) * 2u + 1u];
-  if (value > top || (value == top && row < top_row)) {
-    top = value;
-    top_row = row;
+uint threads = threads_per_threadgroup.x;
+for (uint i0 = thread_position_in_threadgroup.x; i0 < uint(GROUPS); i0 += 8u * threads) {
+  float values[8];
+  float rows[8];
+  for (int k = 0; k < 8; ++k) {  // 8 loads in flight before any comparison
+    uint i = i0 + uint(k) * threads;
+    values[k] = i < uint(GROUPS) ? best[(size_t(t) * uint(GROUPS) + i) * 2u] : -3.4e38f;
+    rows[k] = i < uint(GROUPS) ? best[(size_t(t) * uint(GROUPS) + i) * 2u + 1u] : 3.4e38f;
+  }
+  for (int k = 0; k < 8; ++k) {
+    if (values[k] > top || (values[k] == top && rows[k] < top_row)) {
+      top = values[k];
+      top_row = rows[k];
+    }
   }
 }
 for (uint offset = 16u; offset > 0u; offset /= 2u) {

@@ -13,7 +13,9 @@
 // Bytes per call: HEADS * SPLITS * (HEAD_DIM + 2) * 4 read, HEADS * HEAD_DIM * 1.375 written.
 // Bounds: SIMD groups past the last block (CUDA's surplus) return whole.
 // SPLITS is partial_stats' second dimension, read at run time.
+// SPLITS is at most 64 (ops.attention sizes the splits so).
 // Template constants: HEADS, HEAD_DIM, GATE, G_OFF.
+const int MAX_SPLITS = 64;
 const uint SPLITS = uint(partial_stats_shape[1]);
 uint lane = thread_index_in_simdgroup;
 uint block = thread_position_in_grid.x / 32u;
@@ -23,17 +25,40 @@ if (block >= uint(HEADS * HEAD_DIM / 32)) {
 uint head = block / uint(HEAD_DIM / 32);
 uint channel = 32u * (block % uint(HEAD_DIM / 32)) + lane;
 const device float* stats = partial_stats + size_t(head) * SPLITS * 2u;
+// Lane l holds splits l, l + 32, ... (at most MAX_SPLITS / 32): their maxima, the merged max M,
+// their weights e^(m - M); and how many splits hold any key (the rest are empty: a short
+// context fills only the first).
+float weights[MAX_SPLITS / 32];
 float top = -3.0e38f;
-for (uint s = lane; s < SPLITS; s += 32u) {
-  top = max(top, stats[2u * s]);
+uint used = 0u;
+for (int k = 0; k < MAX_SPLITS / 32; ++k) {
+  uint s = lane + 32u * uint(k);
+  weights[k] = s < SPLITS ? stats[2u * s] : -3.0e38f;
+  top = max(top, weights[k]);
+  used = s < SPLITS && stats[2u * s + 1u] > 0.0f ? s + 1u : used;
 }
 top = simd_max(top);
-float total = 0.0f;
+used = uint(simd_max(float(used)));
 float weight_sum = 0.0f;
-for (uint s = 0; s < SPLITS; ++s) {
-  float weight = exp(stats[2u * s] - top);
-  weight_sum += weight * stats[2u * s + 1u];
-  total += weight * partial_o[(size_t(head) * SPLITS + s) * HEAD_DIM + channel];
+for (int k = 0; k < MAX_SPLITS / 32; ++k) {
+  uint s = lane + 32u * uint(k);
+  weights[k] = s < used ? exp(weights[k] - top) : 0.0f;
+  weight_sum += s < used ? weights[k] * stats[2u * s + 1u] : 0.0f;
+}
+weight_sum = simd_sum(weight_sum);
+// Each lane's channel over the used splits, 8 loads in flight at a time.
+float total = 0.0f;
+for (int k = 0; k < MAX_SPLITS / 32; ++k) {
+  for (uint s0 = 32u * uint(k); s0 < min(32u * uint(k) + 32u, used); s0 += 8u) {
+    float o[8];
+    for (int j = 0; j < 8; ++j) {
+      uint s = s0 + uint(j);
+      o[j] = s < used ? partial_o[(size_t(head) * SPLITS + s) * HEAD_DIM + channel] : 0.0f;
+    }
+    for (int j = 0; j < 8; ++j) {
+      total += simd_shuffle(weights[k], (s0 + uint(j)) % 32u) * o[j];
+    }
+  }
 }
 float o = total / weight_sum;
 if (GATE) {

@@ -1,5 +1,5 @@
 // kernel: attention_decode
-// inputs: y q_weight k_weight bias inv_freq state k_cache v_cache params
+// inputs: y q_weight k_weight bias inv_freq state k_cache v_cache params after
 // outputs: partial_o partial_stats
 //
 // One decode token's attention, first pass (flash-decoding), fused with what precedes it: the
@@ -12,7 +12,9 @@
 //   k_cache, v_cache: f16 [1, KV_HEADS, CAPACITY, HEAD_DIM]. The token's key and value are
 //      written IN PLACE at slot w = p % CAPACITY (MLX knows these arrays only as inputs: the
 //      caller keeps them alive and orders every later reader after this launch through the
-//      outputs). Slots 0 .. n-1, n = min(p + 1, CAPACITY), are the keys p may see: a full
+//      outputs; `after`, an output of the last step that wrote them, unread here, is an input
+//      so that MLX orders this launch after that step: MLX sees no write of the caches).
+//      Slots 0 .. n-1, n = min(p + 1, CAPACITY), are the keys p may see: a full
 //      cache holds position s at slot s (CAPACITY > p); a sliding-window ring of CAPACITY =
 //      window keys holds position s at slot s % window, so slot w held p - window, which p
 //      no longer sees. Slot w is read from the new key, never from the cache.
@@ -39,9 +41,10 @@
 const int GROUP = HEADS / KV_HEADS;
 const int HEAD_GROUPS = GROUP / HEAD_GROUP;
 const int CHANNELS = HEAD_DIM / 32;  // value channels per lane
+const int KEY_CHUNKS = HEAD_DIM / 8;  // 16-byte loads per key row
 const uint CAPACITY = uint(k_cache_shape[2]);
 const uint SPLITS = (CAPACITY + uint(SPLIT) - 1u) / uint(SPLIT);
-threadgroup float q_tiles[4 * HEAD_GROUP * HEAD_DIM];
+threadgroup float4 q_tiles[4 * HEAD_GROUP * HEAD_DIM / 4];
 threadgroup float kv_tiles[4 * 2 * HEAD_DIM];
 uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
@@ -53,7 +56,7 @@ uint split = index % SPLITS;
 uint head_group = (index / SPLITS) % uint(HEAD_GROUPS);
 uint kv_head = index / SPLITS / uint(HEAD_GROUPS);
 uint first_head = kv_head * uint(GROUP) + head_group * uint(HEAD_GROUP);
-threadgroup float* q_tile = q_tiles + warp * uint(HEAD_GROUP * HEAD_DIM);
+threadgroup float4* q_tile = q_tiles + warp * uint(HEAD_GROUP * HEAD_DIM / 4);
 threadgroup float* k_tile = kv_tiles + warp * uint(2 * HEAD_DIM);
 threadgroup float* v_tile = k_tile + HEAD_DIM;
 int position = state[0];
@@ -73,16 +76,27 @@ for (int i = 0; i < HEAD_GROUP; ++i) {
   }
 }
 if (first < last) {
-  float eps = params[0];
-  for (int i = 0; i < HEAD_GROUP; ++i) {
-    uint head = first_head + uint(i);
-    muser_head_prepare<HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
-        y + Q_OFF + head * uint(HEAD_DIM), bias + head * uint(HEAD_DIM), q_weight, inv_freq,
-        float(position), eps, params[1], lane, q_tile + i * HEAD_DIM);
+  const device half* keys = k_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
+  const device half* values = v_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
+  // The first 32 slots' key rows (lane l: slot first + l) are loaded before anything waits:
+  // they do not depend on q, so their latency hides behind q's preparation. A lane without a
+  // stored key reads row `first` and ignores it.
+  uint4 key_rows[KEY_CHUNKS];
+  {
+    uint slot = first + lane;
+    bool stored = slot < last && slot != write_slot;
+    const device uint4* key = (const device uint4*)(keys + size_t(stored ? slot : first) * HEAD_DIM);
+    for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
+      key_rows[chunk] = key[chunk];
+    }
   }
+  float eps = params[0];
+  muser_heads_prepare<HEAD_GROUP, HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
+      y + Q_OFF + first_head * uint(HEAD_DIM), bias + first_head * uint(HEAD_DIM), q_weight, inv_freq,
+      float(position), eps, params[1], lane, (threadgroup float*)q_tile);
   if (holds_new) {
     uint k_bias = uint(HEADS * HEAD_DIM) + kv_head * uint(HEAD_DIM);
-    muser_head_prepare<HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
+    muser_heads_prepare<1, HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
         y + K_OFF + kv_head * uint(HEAD_DIM), bias + k_bias, k_weight, inv_freq, float(position), eps,
         1.0f, lane, k_tile);
     for (int c = 0; c < CHANNELS; ++c) {
@@ -101,33 +115,39 @@ if (first < last) {
       v_store[e] = half(v_tile[e]);
     }
   }
-  const device half* keys = k_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
-  const device half* values = v_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
   for (uint base = first; base < last; base += 32u) {
     uint slot = base + lane;
     bool valid = slot < last;
+    bool stored = valid && slot != write_slot;
+    if (base != first) {
+      const device uint4* key = (const device uint4*)(keys + size_t(stored ? slot : first) * HEAD_DIM);
+      for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
+        key_rows[chunk] = key[chunk];
+      }
+    }
     float score[HEAD_GROUP];
     for (int i = 0; i < HEAD_GROUP; ++i) {
       score[i] = 0.0f;
     }
-    if (valid && slot != write_slot) {
-      const device uint4* key = (const device uint4*)(keys + size_t(slot) * HEAD_DIM);
-      for (int chunk = 0; chunk < HEAD_DIM / 8; ++chunk) {
-        uint4 packed = key[chunk];
-        float k8[8] = {muser_half_low(packed.x), muser_half_high(packed.x), muser_half_low(packed.y),
-                       muser_half_high(packed.y), muser_half_low(packed.z), muser_half_high(packed.z),
-                       muser_half_low(packed.w), muser_half_high(packed.w)};
+    if (stored) {
+      for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
+        uint4 packed = key_rows[chunk];
+        float4 low = float4(muser_half_low(packed.x), muser_half_high(packed.x), muser_half_low(packed.y),
+                            muser_half_high(packed.y));
+        float4 high = float4(muser_half_low(packed.z), muser_half_high(packed.z), muser_half_low(packed.w),
+                             muser_half_high(packed.w));
         for (int i = 0; i < HEAD_GROUP; ++i) {
-          for (int e = 0; e < 8; ++e) {
-            score[i] += q_tile[i * HEAD_DIM + 8 * chunk + e] * k8[e];
-          }
+          float4 qa = q_tile[(i * HEAD_DIM + 8 * chunk) / 4];
+          float4 qb = q_tile[(i * HEAD_DIM + 8 * chunk) / 4 + 1];
+          score[i] += qa.x * low.x + qa.y * low.y + qa.z * low.z + qa.w * low.w +
+                      qb.x * high.x + qb.y * high.y + qb.z * high.z + qb.w * high.w;
         }
       }
     } else if (valid) {  // slot w: the new key, as the cache will hold it (f16)
       for (int e = 0; e < HEAD_DIM; ++e) {
         float key = float(half(k_tile[e]));
         for (int i = 0; i < HEAD_GROUP; ++i) {
-          score[i] += q_tile[i * HEAD_DIM + e] * key;
+          score[i] += ((threadgroup float*)q_tile)[i * HEAD_DIM + e] * key;
         }
       }
     }
@@ -141,28 +161,37 @@ if (first < last) {
         acc[i * CHANNELS + c] *= correction;
       }
     }
+    // The values, 8 slots at a time: their loads issued together, then the probabilities
+    // broadcast from the lanes that scored them (0 past the split's last slot).
     uint keys_here = min(32u, last - base);
-    for (uint k = 0; k < keys_here; ++k) {
-      uint key_slot = base + k;
-      float p[HEAD_GROUP];
-      for (int i = 0; i < HEAD_GROUP; ++i) {
-        p[i] = simd_shuffle(score[i], k);
-      }
-      for (int c = 0; c < CHANNELS / 2; ++c) {
-        uint e = 2u * lane + 64u * uint(c);
-        float v0;
-        float v1;
-        if (key_slot == write_slot) {
-          v0 = float(half(v_tile[e]));
-          v1 = float(half(v_tile[e + 1u]));
-        } else {
-          uint packed = *((const device uint*)(values + size_t(key_slot) * HEAD_DIM + e));
-          v0 = muser_half_low(packed);
-          v1 = muser_half_high(packed);
+    for (uint k0 = 0; k0 < keys_here; k0 += 8u) {
+      uint packed[8 * (CHANNELS / 2)];
+      for (int k = 0; k < 8; ++k) {
+        uint key_slot = base + k0 + uint(k);
+        bool stored = key_slot < last && key_slot != write_slot;
+        for (int c = 0; c < CHANNELS / 2; ++c) {
+          packed[k * (CHANNELS / 2) + c] =
+              stored ? *((const device uint*)(values + size_t(key_slot) * HEAD_DIM + 2u * lane + 64u * uint(c))) : 0u;
         }
+      }
+      for (int k = 0; k < 8; ++k) {
+        uint key_slot = base + k0 + uint(k);
+        float p[HEAD_GROUP];
         for (int i = 0; i < HEAD_GROUP; ++i) {
-          acc[i * CHANNELS + 2 * c] += p[i] * v0;
-          acc[i * CHANNELS + 2 * c + 1] += p[i] * v1;
+          p[i] = simd_shuffle(score[i], k0 + uint(k));
+        }
+        for (int c = 0; c < CHANNELS / 2; ++c) {
+          uint e = 2u * lane + 64u * uint(c);
+          float v0 = muser_half_low(packed[k * (CHANNELS / 2) + c]);
+          float v1 = muser_half_high(packed[k * (CHANNELS / 2) + c]);
+          if (key_slot == write_slot && key_slot < last) {
+            v0 = float(half(v_tile[e]));
+            v1 = float(half(v_tile[e + 1u]));
+          }
+          for (int i = 0; i < HEAD_GROUP; ++i) {
+            acc[i * CHANNELS + 2 * c] += p[i] * v0;
+            acc[i * CHANNELS + 2 * c + 1] += p[i] * v1;
+          }
         }
       }
     }

@@ -513,37 +513,47 @@ inline bool muser_rope_rotates(uint pair) {
   return TRADITIONAL ? 2u * pair < uint(ROTARY) : pair < uint(ROTARY / 2);
 }
 
-// One head of a projection made ready for attention, by one SIMD group: (source + bias),
-// RMS-normed with norm_weight when QK_NORM, rotated by RoPE at `position` (ROTARY 0: none),
-// times `scale`, into out[HEAD_DIM]. Lane l takes pairs l, l + 32, ... (HEAD_DIM / 64 each).
-template <int HEAD_DIM, int ROTARY, int TRADITIONAL, int QK_NORM, int BIAS>
-inline void muser_head_prepare(const device float* source, const device float* bias,
-                               const device float* norm_weight, const device float* inv_freq,
-                               float position, float eps, float scale, uint lane, threadgroup float* out) {
-  float first[HEAD_DIM / 64];
-  float second[HEAD_DIM / 64];
-  float squares = 0.0f;
-  for (int k = 0; k < HEAD_DIM / 64; ++k) {
-    uint2 channels = muser_rope_pair<ROTARY, TRADITIONAL>(lane + 32u * uint(k));
-    first[k] = source[channels.x] + (BIAS ? bias[channels.x] : 0.0f);
-    second[k] = source[channels.y] + (BIAS ? bias[channels.y] : 0.0f);
-    squares += first[k] * first[k] + second[k] * second[k];
-  }
-  float norm = QK_NORM ? 1.0f / sqrt(simd_sum(squares) / float(HEAD_DIM) + eps) : 1.0f;
-  for (int k = 0; k < HEAD_DIM / 64; ++k) {
+// COUNT consecutive heads of a projection made ready for attention by one SIMD group:
+// (source + bias), RMS-normed with norm_weight when QK_NORM, rotated by RoPE at `position`
+// (ROTARY 0: none), times `scale`, into out[COUNT * HEAD_DIM]. Lane l takes pairs l, l + 32, ...
+// (HEAD_DIM / 64 each) of every head: all loads are issued before any use, and the angles'
+// sines and cosines are computed once for all the heads.
+template <int COUNT, int HEAD_DIM, int ROTARY, int TRADITIONAL, int QK_NORM, int BIAS>
+inline void muser_heads_prepare(const device float* source, const device float* bias,
+                                const device float* norm_weight, const device float* inv_freq,
+                                float position, float eps, float scale, uint lane, threadgroup float* out) {
+  const int PAIRS = HEAD_DIM / 64;
+  float first[COUNT * PAIRS];
+  float second[COUNT * PAIRS];
+  float weight_first[PAIRS];
+  float weight_second[PAIRS];
+  float cosine[PAIRS];
+  float sine[PAIRS];
+  for (int k = 0; k < PAIRS; ++k) {
     uint pair = lane + 32u * uint(k);
     uint2 channels = muser_rope_pair<ROTARY, TRADITIONAL>(pair);
-    float x0 = first[k] * norm * (QK_NORM ? norm_weight[channels.x] : 1.0f);
-    float x1 = second[k] * norm * (QK_NORM ? norm_weight[channels.y] : 1.0f);
-    if (muser_rope_rotates<ROTARY, TRADITIONAL>(pair)) {
-      float angle = position * inv_freq[pair];
-      float c = cos(angle);
-      float s = sin(angle);
-      float r0 = x0 * c - x1 * s;
-      x1 = x0 * s + x1 * c;
-      x0 = r0;
+    for (int i = 0; i < COUNT; ++i) {
+      first[i * PAIRS + k] = source[i * HEAD_DIM + int(channels.x)] + (BIAS ? bias[i * HEAD_DIM + int(channels.x)] : 0.0f);
+      second[i * PAIRS + k] = source[i * HEAD_DIM + int(channels.y)] + (BIAS ? bias[i * HEAD_DIM + int(channels.y)] : 0.0f);
     }
-    out[channels.x] = x0 * scale;
-    out[channels.y] = x1 * scale;
+    weight_first[k] = QK_NORM ? norm_weight[channels.x] : 1.0f;
+    weight_second[k] = QK_NORM ? norm_weight[channels.y] : 1.0f;
+    float angle = muser_rope_rotates<ROTARY, TRADITIONAL>(pair) ? position * inv_freq[pair] : 0.0f;
+    cosine[k] = cos(angle);
+    sine[k] = sin(angle);
+  }
+  for (int i = 0; i < COUNT; ++i) {
+    float squares = 0.0f;
+    for (int k = 0; k < PAIRS; ++k) {
+      squares += first[i * PAIRS + k] * first[i * PAIRS + k] + second[i * PAIRS + k] * second[i * PAIRS + k];
+    }
+    float norm = QK_NORM ? 1.0f / sqrt(simd_sum(squares) / float(HEAD_DIM) + eps) : 1.0f;
+    for (int k = 0; k < PAIRS; ++k) {
+      uint2 channels = muser_rope_pair<ROTARY, TRADITIONAL>(lane + 32u * uint(k));
+      float x0 = first[i * PAIRS + k] * norm * weight_first[k];
+      float x1 = second[i * PAIRS + k] * norm * weight_second[k];
+      out[i * HEAD_DIM + int(channels.x)] = (x0 * cosine[k] - x1 * sine[k]) * scale;
+      out[i * HEAD_DIM + int(channels.y)] = (x0 * sine[k] + x1 * cosine[k]) * scale;
+    }
   }
 }

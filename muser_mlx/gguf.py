@@ -162,6 +162,7 @@ class GGUFFile:
         self.size = size
         self.metadata: dict[str, object] = {}
         self.tensors: dict[str, GGUFTensor] = {}
+        self.on_copy = None  # called with the byte count of each range copied out of the map
         try:
             self._parse()
         except Exception:
@@ -203,7 +204,10 @@ class GGUFFile:
     def _release(self, offset: int, length: int) -> None:
         """Drop the map's resident pages of a range just copied into MLX memory, so that a
         loaded model costs its size once in resident memory, not twice (file pages + copy).
-        The map stays valid: a later read faults the pages back in from the file."""
+        The map stays valid: a later read faults the pages back in from the file. The copy
+        is reported to on_copy (a loader's progress)."""
+        if self.on_copy is not None:
+            self.on_copy(length)
         page = mmap.PAGESIZE
         start = -(-offset // page) * page
         end = (offset + length) // page * page

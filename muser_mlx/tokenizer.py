@@ -35,10 +35,12 @@ _LLAMA3 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|
            r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 _QWEN2 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
           r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-_GPT4O = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
-          r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"""
-          r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}|"""
-          r""" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# GPT-4o's pattern (Llama 4's, Muse Glimmer's) as llama.cpp rewrites it: "upper" is any letter
+# but a-z and "lower" any letter but A-Z (so a non-ASCII letter is both), and no \p{M}.
+_GPT4O = (r"""[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"""
+          r"""(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?"""
+          r"""((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|"""
+          r"""'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 # tokenizer.ggml.pre -> (split patterns applied in order, whether a word found whole in the
 # vocabulary skips merging: llama.cpp's ignore_merges, as Llama 3's tokenizer does).
@@ -57,9 +59,13 @@ PRE_TOKENIZERS = {
     "gpt-4o": ([_GPT4O], False),
 }
 
-# Control tokens that end a turn in the chat formats people use (llama.cpp stops on these too).
-END_OF_GENERATION_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
-                           "<|endoftext|>", "<|eot|>", "<|end_of_text|>", "<EOT>"}
+# Token texts that end generation: llama.cpp's list (llama-vocab.cpp), which also makes each of
+# these a control token whatever type the file gives it (e.g. Gemma 3's user-defined "</s>"),
+# and Muse Glimmer's "<|eot|>".
+END_OF_GENERATION_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+                           "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
+                           "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
+                           "<｜end▁of▁sentence｜>", "<|eot|>"}
 
 
 class GGUFTokenizer:
@@ -75,6 +81,8 @@ class GGUFTokenizer:
         if len(self.token_types) != len(self.tokens):
             raise TokenizerError(f"tokenizer.ggml.token_type has {len(self.token_types)} entries for "
                                  f"{len(self.tokens)} tokens")
+        self.token_types = [CONTROL if token in END_OF_GENERATION_TEXTS else kind
+                            for token, kind in zip(self.tokens, self.token_types)]
         self.bos_token_id = self._token_id("bos")
         self.eos_token_id = self._token_id("eos")
         self.add_bos = self._optional("tokenizer.ggml.add_bos_token", self.kind == "llama", bool)
@@ -88,10 +96,14 @@ class GGUFTokenizer:
         else:
             raise TokenizerError(f"tokenizer.ggml.model {self.kind!r} is not supported "
                                  f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+        # As llama.cpp partitions text: user-defined tokens (Gemma's runs of spaces and newlines,
+        # HTML tags) are always matched whole in the raw text, before normalization; control
+        # tokens only when special-token texts are parsed (encode's parse_special).
         self.special_ids = {i for i, t in enumerate(self.token_types) if t in (CONTROL, USER_DEFINED)}
-        self._tokenizer.add_special_tokens([
-            AddedToken(self.tokens[i], special=True, normalized=False) for i in sorted(self.special_ids)
-        ])
+        self._tokenizer.add_special_tokens([AddedToken(self.tokens[i], special=True, normalized=False)
+                                            for i in sorted(self.special_ids) if self.token_types[i] == CONTROL])
+        self._tokenizer.add_tokens([AddedToken(self.tokens[i], special=False, normalized=False)
+                                    for i in sorted(self.special_ids) if self.token_types[i] == USER_DEFINED])
         self.eos_token_ids = self._end_of_generation_ids()
         self.chat_template = self._optional("tokenizer.chat_template", None, str)
         self._lock = threading.Lock()  # encode_special_tokens is a setting of the shared object

@@ -15,7 +15,9 @@ def gpu_available() -> bool:
     return mx.metal.is_available() or mx.cuda.is_available()
 
 
-BACKENDS = ["cpu"] + (["gpu"] if gpu_available() else [])
+# MUSER_EMULATE=1 adds "emulated": the GPU path on the CPU, every kernel run by tests/emulate.py
+# (each test's shapes compile once; slow on a cold cache, so not part of `make test`).
+BACKENDS = ["cpu"] + (["gpu"] if gpu_available() else []) + (["emulated"] if os.environ.get("MUSER_EMULATE") else [])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,7 +50,14 @@ def rng():
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    """Run the test body with MLX's default device set to this backend."""
+    """Run the test body with MLX's default device set to this backend ("emulated": the CPU,
+    with the ops on their GPU path; the test sees "gpu")."""
+    if request.param == "emulated":
+        from tests.emulate import emulated_gpu
+
+        with emulated_gpu():
+            yield "gpu"
+        return
     previous = mx.default_device()
     mx.set_default_device(mx.cpu if request.param == "cpu" else mx.gpu)
     yield request.param

@@ -1,5 +1,7 @@
 """`muser inspect`: the tensor table and the embedding's byte accounting; clear errors."""
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -127,3 +129,61 @@ def test_perplexity_matches_the_reference_forward(tiny_path):
     # float32; a GPU multiplies prefill rows in float16.
     tolerance = 1e-4 if mx.default_device() == mx.cpu else 2e-3
     assert abs(np.log(value) - np.log(expected)) <= tolerance * abs(np.log(expected))
+
+
+# --- progress on long work ------------------------------------------------------------------
+
+def run_on_a_terminal(argv: list[str]) -> tuple[int, str]:
+    """Run `python -m muser_mlx.cli argv` with stderr on a pseudo-terminal 100 columns wide;
+    (exit code, what the terminal showed)."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    process = subprocess.Popen([sys.executable, "-m", "muser_mlx.cli", *argv], stdout=subprocess.DEVNULL,
+                               stderr=secondary)
+    os.close(secondary)
+    shown = b""
+    while True:
+        if select.select([primary], [], [], 0.1)[0]:
+            try:
+                data = os.read(primary, 65536)
+            except OSError:  # the terminal's other end is closed: the process is gone
+                data = b""
+            if not data:
+                break
+            shown += data
+        elif process.poll() is not None:
+            break
+    os.close(primary)
+    return process.wait(timeout=60), shown.decode(errors="replace")
+
+
+@pytest.fixture
+def scoring_run(tmp_path, rng):
+    from muser_mlx.testing import tiny_model
+    path = tiny_model(tmp_path / "progress.gguf", "llama", rng, weights="Q8_0")
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 12)
+    return ["perplexity", "--model", str(path), "--text-file", str(text), "--context", "64",
+            "--prefill-step", "16"]
+
+
+def test_loading_and_perplexity_show_progress_bars_on_a_terminal(scoring_run):
+    code, shown = run_on_a_terminal(scoring_run)
+    assert code == 0, shown
+    assert re.search(r"loading progress\.gguf: +\d+%\|", shown), shown
+    assert re.search(r"scoring: +\d+%\|.*token", shown), shown
+
+
+def test_loading_and_perplexity_stay_quiet_when_not_on_a_terminal(scoring_run, capsys):
+    assert cli.main(scoring_run) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("perplexity ") and err == ""

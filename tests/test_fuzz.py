@@ -223,7 +223,10 @@ def test_any_text_round_trips_through_the_tiny_tokenizers(tiny_file, text):
     if architecture not in _TOKENIZERS:
         _TOKENIZERS[architecture] = GGUFTokenizer(metadata)
     tokenizer = _TOKENIZERS[architecture]
-    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    # SentencePiece's space mark is the space: llama.cpp reads '▁' as the space piece and writes
+    # it back as ' ' (tests/data/llama_cpp_tokens.json records it), and so do we.
+    expected = text.replace("▁", " ") if tokenizer.kind == "llama" else text
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == expected
 
 
 _TOKENIZERS = {}  # built once per vocabulary: the SentencePiece one derives its merges

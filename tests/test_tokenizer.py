@@ -1,8 +1,11 @@
-"""The tokenizer rebuilt from tokenizer.ggml.* keys: llama.cpp's own test vectors, round trips,
+"""The tokenizer rebuilt from tokenizer.ggml.* keys: llama.cpp as the judge (its own test vectors and ids
+recorded from it for varied texts in every vocabulary kind), round trips,
 special tokens, chat templates and refusals."""
 
 from __future__ import annotations
 
+import functools
+import json
 import subprocess
 import sys
 import tarfile
@@ -26,10 +29,10 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def llama_cpp_vocabs():
+def llama_cpp_vocab_folder() -> Path:
     """The ggml-vocab-*.gguf files and their cases, from llama-cpp-python's source
-    distribution (fetched once with pip into ~/.cache; a download, not a dependency)."""
+    distribution (fetched once with pip into ~/.cache; a download, not a dependency).
+    Raises RuntimeError if they cannot be fetched."""
     if not all((VOCAB_CACHE / f"ggml-vocab-{v}.gguf.out").exists() for v in VOCABS):
         VOCAB_CACHE.mkdir(parents=True, exist_ok=True)
         download = VOCAB_CACHE / "sdist"
@@ -38,7 +41,7 @@ def llama_cpp_vocabs():
              "-q", "-d", str(download), "llama-cpp-python==0.3.36"], capture_output=True, text=True)
         archives = list(download.glob("llama_cpp_python-*.tar.gz"))
         if result.returncode or not archives:
-            pytest.skip(f"llama-cpp-python's sdist could not be downloaded: {result.stderr[-300:]}")
+            raise RuntimeError(f"llama-cpp-python's sdist could not be downloaded: {result.stderr[-300:]}")
         with tarfile.open(archives[0]) as archive:
             for member in archive.getmembers():
                 name = Path(member.name).name
@@ -49,6 +52,20 @@ def llama_cpp_vocabs():
     return VOCAB_CACHE
 
 
+@pytest.fixture(scope="session")
+def llama_cpp_vocabs():
+    try:
+        return llama_cpp_vocab_folder()
+    except RuntimeError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="module")
+def file_tokenizer():
+    """path -> GGUFTokenizer of that file, each built once per module (Gemma 3's takes seconds)."""
+    return functools.cache(lambda path: GGUFTokenizer(gguf.read(path).metadata))
+
+
 def read_cases(folder: Path, vocab: str):
     texts = (folder / f"ggml-vocab-{vocab}.gguf.inp").read_text(encoding="utf-8")
     ids = (folder / f"ggml-vocab-{vocab}.gguf.out").read_text().split("\n")
@@ -57,8 +74,8 @@ def read_cases(folder: Path, vocab: str):
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
-def test_ids_match_llama_cpp_test_vectors(llama_cpp_vocabs, vocab):
-    tokenizer = GGUFTokenizer(gguf.read(llama_cpp_vocabs / f"ggml-vocab-{vocab}.gguf").metadata)
+def test_ids_match_llama_cpp_test_vectors(llama_cpp_vocabs, file_tokenizer, vocab):
+    tokenizer = file_tokenizer(llama_cpp_vocabs / f"ggml-vocab-{vocab}.gguf")
     cases = read_cases(llama_cpp_vocabs, vocab)
     assert len(cases) > 40
     for text, expected in cases:
@@ -66,12 +83,67 @@ def test_ids_match_llama_cpp_test_vectors(llama_cpp_vocabs, vocab):
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
-def test_round_trips_on_varied_text(llama_cpp_vocabs, vocab):
-    tokenizer = GGUFTokenizer(gguf.read(llama_cpp_vocabs / f"ggml-vocab-{vocab}.gguf").metadata)
+def test_round_trips_on_varied_text(llama_cpp_vocabs, file_tokenizer, vocab):
+    tokenizer = file_tokenizer(llama_cpp_vocabs / f"ggml-vocab-{vocab}.gguf")
     for text in TEXTS:
         decoded = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
         # SentencePiece with a space prefix drops the one leading space it added.
         assert decoded == text, repr(text)
+
+
+# --- llama.cpp as the judge: ids recorded from its tokenizer (tests/data/record_llama_cpp_tokens.py)
+# for varied texts in every vocabulary kind we build. Llama 3's vocabulary under "llama4" stands
+# for Muse Glimmer's pre-tokenizer; tiny-* are the vocabularies of muser_mlx.testing's models.
+JUDGED = json.loads((Path(__file__).parent / "data" / "llama_cpp_tokens.json").read_text(encoding="utf-8"))
+LLAMA_CPP_JUDGED = ["llama-spm", "llama-bpe", "qwen2"]  # of VOCABS
+
+
+def llama4_metadata(llama_bpe: dict) -> dict:
+    """The tokenizer keys of Llama 3's vocabulary with Muse Glimmer's llama4 pre-tokenizer."""
+    return {**{k: v for k, v in llama_bpe.items() if k.startswith("tokenizer.")}, "tokenizer.ggml.pre": "llama4"}
+
+
+@pytest.fixture(scope="module", params=sorted(JUDGED["vocabularies"]))
+def judged(request, file_tokenizer):
+    """(vocabulary name, our tokenizer of it, what llama.cpp recorded for it)."""
+    name = request.param
+    if name in ("smollm2", "gemma3"):
+        tokenizer = file_tokenizer(request.getfixturevalue(f"{name}_path"))
+    elif name in LLAMA_CPP_JUDGED:
+        tokenizer = file_tokenizer(request.getfixturevalue("llama_cpp_vocabs") / f"ggml-vocab-{name}.gguf")
+    elif name == "llama4":
+        folder = request.getfixturevalue("llama_cpp_vocabs")
+        tokenizer = GGUFTokenizer(llama4_metadata(gguf.read(folder / "ggml-vocab-llama-bpe.gguf").metadata))
+    else:
+        tokenizer = GGUFTokenizer({"tiny-llama4": lambda: bpe_tokenizer_metadata(pre="llama4"),
+                                   "tiny-spm": spm_tokenizer_metadata}[name]())
+    return name, tokenizer, JUDGED["vocabularies"][name]
+
+
+def test_llama_cpp_judged_every_vocabulary_kind():
+    assert set(JUDGED["vocabularies"]) == {"smollm2", "gemma3", "llama4", "tiny-llama4", "tiny-spm",
+                                           *LLAMA_CPP_JUDGED}
+    assert len(JUDGED["texts"]) >= 80
+
+
+def test_ids_match_llama_cpp_on_varied_texts(judged):
+    name, tokenizer, recorded = judged
+    for text, expected in zip(JUDGED["texts"], recorded["ids"], strict=True):
+        assert tokenizer.encode(text, add_special_tokens=False) == expected, f"{name}: {text!r}"
+
+
+def test_decoded_text_matches_llama_cpp(judged):
+    """Including what a SentencePiece vocabulary does with its own space mark: '▁' is read as
+    the space piece and comes back as ' ' (llama.cpp's answer)."""
+    name, tokenizer, recorded = judged
+    for ids, expected in zip(recorded["ids"], recorded["decoded"], strict=True):
+        assert tokenizer.decode(ids) == expected, f"{name}: {ids}"
+
+
+def test_special_token_texts_parse_as_llama_cpp_parses_them(judged):
+    name, tokenizer, recorded = judged
+    for text, expected in zip(JUDGED["special_texts"], recorded["special_ids"], strict=True):
+        assert tokenizer.encode(text, add_special_tokens=False, parse_special=True) == expected, f"{name}: {text!r}"
 
 
 @pytest.fixture(params=["bpe", "spm"])
@@ -173,16 +245,27 @@ def test_streaming_text_holds_back_split_characters_and_adds_up(tiny_tokenizer):
     assert not any("\ufffd" in piece for piece in pieces)
 
 
-def test_smollm2_prompt_ids(smollm2_path):
-    tokenizer = GGUFTokenizer(gguf.read(smollm2_path).metadata)
+def test_smollm2_prompt_ids(smollm2_path, file_tokenizer):
+    tokenizer = file_tokenizer(smollm2_path)
     ids = tokenizer.encode("The capital of France is")
     assert tokenizer.decode(ids) == "The capital of France is"
     assert tokenizer.bos_token_id not in ids  # add_bos_token is False in this file
 
 
-def test_gemma3_adds_bos_and_round_trips(gemma3_path):
-    tokenizer = GGUFTokenizer(gguf.read(gemma3_path).metadata)
+def test_gemma3_adds_bos_and_round_trips(gemma3_path, file_tokenizer):
+    tokenizer = file_tokenizer(gemma3_path)
     for text in TEXTS:
         ids = tokenizer.encode(text)
         assert ids[0] == tokenizer.bos_token_id
         assert tokenizer.decode(ids[1:]) == text
+
+
+def test_gemma3_keeps_runs_of_spaces_whole_as_llama_cpp_does(gemma3_path, file_tokenizer):
+    """Gemma's user-defined tokens (runs of spaces, ids 138 and 139 for two and three) are
+    matched in the raw text before the SentencePiece merges, as llama.cpp partitions it."""
+    tokenizer = file_tokenizer(gemma3_path)
+    pieces = lambda text: [tokenizer.tokens[i] for i in tokenizer.encode(text, add_special_tokens=False)]
+    assert tokenizer.encode("a  word", add_special_tokens=False)[1] == 138
+    assert pieces("a  word") == ["a", "  ", "word"]
+    assert pieces("x = 1   # note") == ["x", "▁=", "▁", "1", "   ", "#", "▁note"]
+    assert pieces("  hi  ") == ["  ", "hi", "  "]

@@ -22,7 +22,10 @@ from muser_mlx.dequant import dequantize_rows
 from muser_mlx.models.config import ModelConfig
 
 
-PREFILL_LAYERS_AHEAD = 2  # GPU prefill: layers queued beyond the one being waited for
+# GPU prefill: layers queued beyond the one being waited for. Each Muse Glimmer layer holds ~1 GB
+# of float16 weights while it runs; 2 ahead peaked at 1.18x the file (H200, session 7), 0 keeps
+# the peak near the file plus one layer (the host builds a layer in well under 1 % of its time).
+PREFILL_LAYERS_AHEAD = 0
 # decode_step compiles its graph on a GPU (bench/decode.py --no-compile measures without).
 COMPILE_DECODE = True
 
@@ -42,7 +45,7 @@ def fused_products(make):
     has no q8x kernel (such a model runs the general step)."""
     try:
         return make()
-    except ValueError:
+    except ops.NoProductKernelError:
         return None
 
 
@@ -166,11 +169,12 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
 
-    def decode(self, h, keys: mx.array, values: mx.array, position: mx.array):
+    def decode(self, h, keys: mx.array, values: mx.array, position: mx.array, after: mx.array):
         """The fused one-token step: h as q8x [1, hidden]; keys/values: this layer's cache
-        arrays (float16); position: int32 [1]. Returns (attention output [1, hidden] float32,
-        keys, values) in three launches: the projections, kernel attention_decode with its
-        combine (norms, RoPE, cache write, gate, quantized), the output projection."""
+        arrays (float16); position: int32 [1]; after: the last step's token (ops.attention_decode).
+        Returns (attention output [1, hidden] float32, keys, values) in three launches: the
+        projections, kernel attention_decode with its combine (norms, RoPE, cache write, gate,
+        quantized), the output projection."""
         c = self.config
         y = self.input_proj.decode_product(h)
         offsets = self.input_proj.offsets
@@ -178,7 +182,7 @@ class Attention(nn.Module):
         if self.rotates:
             rope = dict(dims=c.rotary_dim, traditional=c.rope_traditional, base=self.rope_base)
         o, keys, values = ops.attention_decode(
-            y, keys, values, position, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
+            y, keys, values, position, after, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
             offsets=(offsets["q"], offsets["k"], offsets["v"]), gate=offsets.get("gate"),
             q_weight=self.q_norm if c.qk_norm else None, k_weight=self.k_norm if c.qk_norm else None,
             bias=self.qkv_bias if c.qkv_bias else None, rope=rope, eps=c.eps, scale=c.attention_scale)
@@ -236,14 +240,14 @@ class Block(nn.Module):
 
 
     def decode(self, x: mx.array, h, keys: mx.array, values: mx.array, position: mx.array,
-               next_norm: mx.array):
+               after: mx.array, next_norm: mx.array):
         """The fused one-token step of this layer: x [1, hidden] the residual stream, h it
         normed for attention as q8x. Returns (x, h for the next layer, keys, values): eight
         launches (Attention.decode's three, two seams, FeedForward.decode's two)."""
         c = self.config
         post_eps = c.eps if c.post_norm_eps is None else c.post_norm_eps
         sandwich = c.sandwich_norms
-        a, keys, values = self.attention.decode(h, keys, values, position)
+        a, keys, values = self.attention.decode(h, keys, values, position, after)
         x, h = ops.residual_norm_quant(x, a, self.post_attention_norm if sandwich else None,
                                        self.ffn_norm, post_eps, c.eps)
         f = self.feed_forward.decode(h)
@@ -266,6 +270,11 @@ class Transformer(nn.Module):
             self.unit_norm = mx.ones((config.hidden,))  # the embedding's norm has no weight
         self.decode_head = fused_products(lambda: ops.Product(
             self.output, head=(config.logit_scale, config.softcap or 0.0)))
+        self._decodes_fused = (
+            config.head_dim % 64 == 0 and config.hidden % 32 == 0 and self.decode_head is not None
+            and all(layer.attention.input_proj.decode_products is not None
+                    and layer.attention.decode_output is not None
+                    and layer.feed_forward.decode_products is not None for layer in self.layers))
         self._compiled_decode = None
 
     def make_cache(self, dtype=None) -> list:
@@ -284,11 +293,8 @@ class Transformer(nn.Module):
         return kernels.backend() != "cpu" and self.decodes_fused()
 
     def decodes_fused(self) -> bool:
-        c = self.config
-        return (c.head_dim % 64 == 0 and c.hidden % 32 == 0 and self.decode_head is not None
-                and all(layer.attention.input_proj.decode_products is not None
-                        and layer.attention.decode_output is not None
-                        and layer.feed_forward.decode_products is not None for layer in self.layers))
+        """Whether this model has the fused step's kernels (on any device), decided at load."""
+        return self._decodes_fused
 
     def decode_step(self, token: mx.array, cache: list):
         """One token through the fused decode graph: eight launches a layer (Block.decode),
@@ -310,23 +316,26 @@ class Transformer(nn.Module):
         if kernels.backend() != "cpu" and COMPILE_DECODE:
             self._compiled_decode = self._compiled_decode or mx.compile(self._decode_graph)
             graph = self._compiled_decode
-        logits, greedy, keys, values = graph(token.reshape(1, 1).astype(mx.int32),
-                                             mx.array([position], dtype=mx.int32),
+        position_array = mx.array([position], dtype=mx.int32)
+        # On a GPU the kernels write the caches in place, which MLX cannot see: this step's
+        # attention launches take the last such step's token as an input, so they follow it
+        # even when this step's token came from the host (the general step evaluates it first).
+        after = cache[0].written_by if cache[0].written_by is not None else position_array
+        logits, greedy, keys, values = graph(token.reshape(1, 1).astype(mx.int32), position_array, after,
                                              [layer_cache.keys for layer_cache in cache],
                                              [layer_cache.values for layer_cache in cache])
         for layer_cache, layer_keys, layer_values in zip(cache, keys, values):
-            # On a GPU the kernels wrote these arrays in place, which MLX cannot see: whatever
-            # reads the cache next (a step fed a token from the host, a prefill chunk) must run
-            # after this step. The caches become the same buffers, made to depend on the logits,
-            # which depend on every layer's cache write.
-            layer_cache.keys, layer_cache.values = mx.depends([layer_keys, layer_values], [logits])
+            layer_cache.keys, layer_cache.values = layer_keys, layer_values
             layer_cache.advance(1)
+            layer_cache.written_by = greedy
         return logits, greedy
 
-    def _decode_graph(self, token: mx.array, position: mx.array, keys: list, values: list):
+    def _decode_graph(self, token: mx.array, position: mx.array, after: mx.array, keys: list,
+                      values: list):
         """decode_step's graph, a function of arrays alone (so that mx.compile can trace it):
-        token int32 [1, 1], position int32 [1], every layer's cache arrays. On a GPU the caches
-        are written in place and returned as given; on the CPU new arrays are returned."""
+        token int32 [1, 1], position int32 [1], the array the cache writes must follow, every
+        layer's cache arrays. On a GPU the caches are written in place and returned as given;
+        on the CPU new arrays are returned."""
         c = self.config
         x = ops.embedding_unchecked(self.token_embd.data, token, self.token_embd.ggml_type,
                                     c.hidden, c.vocab).reshape(1, c.hidden)
@@ -335,7 +344,7 @@ class Transformer(nn.Module):
         next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.output_norm]
         keys, values = list(keys), list(values)
         for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
-            x, h, keys[i], values[i] = layer.decode(x, h, keys[i], values[i], position, next_norm)
+            x, h, keys[i], values[i] = layer.decode(x, h, keys[i], values[i], position, after, next_norm)
         logits, best = self.decode_head(h)
         return logits.reshape(1, 1, c.vocab), ops.greedy(best), keys, values
 

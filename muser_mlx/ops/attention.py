@@ -87,7 +87,8 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
 ATTENTION_SPLITS = 64  # splits of a cache the first pass aims for (enough SIMD groups to fill the GPU)
 
 
-def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, *, heads: int,
+def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, after: mx.array,
+                     *, heads: int,
                      kv_heads: int, head_dim: int, offsets: tuple[int, int, int], gate: int | None,
                      q_weight: mx.array | None, k_weight: mx.array | None, bias: mx.array | None,
                      rope: dict | None, eps: float, scale: float):
@@ -97,7 +98,9 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     (heads * head_dim), k at offsets[1], v at offsets[2] (kv_heads * head_dim each), the gate's
     sigmoid input at `gate` (None: no attention gate). q_weight/k_weight [head_dim]: per-head norm
     (None: none); bias: q, k, v biases concatenated (None: none); rope: dict(dims, base,
-    traditional) or None; position: int32 [1], the token's position p.
+    traditional) or None; position: int32 [1], the token's position p; after: an output of the
+    last launch that wrote these caches in place (any array where none did): MLX orders a launch
+    only by the arrays it reads and writes, and sees no write of the caches.
     keys, values: the layer's cache [1, kv_heads, capacity, head_dim] float16: slot p % capacity
     receives this token's key and value, slots 0 .. min(p + 1, capacity) - 1 are attended (a full
     cache: capacity > p; a sliding-window ring: capacity = window).
@@ -117,14 +120,14 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     head_group = max(g for g in range(1, min(group, 4) + 1) if group % g == 0)
     # Keys per split, from a few sizes (each a kernel): ATTENTION_SPLITS splits or more.
     split = 32 * 2 ** max(0, math.ceil(math.log2(capacity / (32 * ATTENTION_SPLITS))))
-    splits = -(-capacity // split)
+    splits = -(-capacity // split)  # at most ATTENTION_SPLITS: attention_combine's lanes hold 2 each
     dims = rope["dims"] if rope is not None else 0
     unused = kernels.parameters(0.0)
     partial_o, partial_stats = kernels.launch(
         "attention_decode",
         inputs=[y, q_weight if q_weight is not None else unused, k_weight if k_weight is not None else unused,
                 bias if bias is not None else unused, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
-                position, keys, values, kernels.parameters(eps, scale)],
+                position, keys, values, kernels.parameters(eps, scale), after],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
                   ("BIAS", int(bias is not None)), ("SPLIT", split), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],

@@ -35,12 +35,17 @@ PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8), GGMLType.Q6_K: ProductConf
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
+class NoProductKernelError(ValueError):
+    """A weight the q8x product kernels cannot read (its format, or its shape for product_glu):
+    a model with one runs the general step instead of the fused one."""
+
+
 def _format(weight, what: str) -> GGMLType:
     if len(weight.shape) != 2:
         raise ValueError(f"{what}: weight {weight.name!r} must be 2-D, has shape {list(weight.shape)}")
     ggml_type = block_format(weight.ggml_type).ggml_type
     if ggml_type not in PRODUCT_FORMATS:
-        raise ValueError(f"{what}: weight {weight.name!r} is {ggml_type.name}; the q8x products read "
+        raise NoProductKernelError(f"{what}: weight {weight.name!r} is {ggml_type.name}; the q8x products read "
                          f"{', '.join(t.name for t in PRODUCT_FORMATS)}")
     return ggml_type
 
@@ -131,7 +136,7 @@ class GatedProduct:
         ggml_type = _format(gate, "product_glu")
         _format(up, "product_glu")
         if up.shape != gate.shape or gate.shape[1] % 32:
-            raise ValueError(f"product_glu: gate {gate.name!r} {list(gate.shape)} and up {up.name!r} "
+            raise NoProductKernelError(f"product_glu: gate {gate.name!r} {list(gate.shape)} and up {up.name!r} "
                              f"{list(up.shape)} must have one shape with a multiple of 32 rows")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")

@@ -1,0 +1,304 @@
+"""`muser serve`: an OpenAI-compatible HTTP server over one model (mlx-lm's routes and fields).
+
+GET /v1/models, POST /v1/chat/completions and POST /v1/completions; `"stream": true` answers
+with server-sent events. One model per process: requests take their turn in arrival order, and
+one thread runs the model (MLX evaluation is not made for concurrent threads). A client that
+goes away stops its generation at the next token, which frees the model for the next request.
+A bad request gets a 4xx with OpenAI's error body, {"error": {"message", "type", "param",
+"code"}}, and the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from muser_mlx.generate import Sampling, load, stream_generate
+from muser_mlx.tokenizer import TokenizerError
+
+DEFAULT_MAX_TOKENS = 512  # mlx-lm's default; a request may ask for up to the context
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+log = logging.getLogger("uvicorn.error")  # uvicorn's own log: one stream, one format
+
+
+class RequestError(Exception):
+    """A request the server refuses (a 4xx): becomes an OpenAI-style error response."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+    def response(self) -> JSONResponse:
+        return error_response(str(self), self.status, "invalid_request_error", self.param, self.code)
+
+
+def error_response(message: str, status: int, kind: str, param=None, code=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+# --- reading requests ---------------------------------------------------------------------------
+
+def _typed(body: dict, name: str, kinds: tuple, what: str):
+    """body[name] if it is one of `kinds` (JSON true/false are not numbers here), else None if
+    absent or null; anything else is refused naming the field."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) != (bool in kinds) or not isinstance(value, kinds):
+        raise RequestError(f"'{name}' must be {what}, got {json.dumps(value)[:60]}", name)
+    return value
+
+
+def generation_options(body: dict, context: int) -> dict:
+    """stream_generate's keywords from a request body: max_tokens, stop, seed and sampling."""
+    max_tokens = _typed(body, "max_completion_tokens", (int,), "an integer")
+    max_tokens = _typed(body, "max_tokens", (int,), "an integer") if max_tokens is None else max_tokens
+    max_tokens = min(DEFAULT_MAX_TOKENS, context) if max_tokens is None else max_tokens
+    if max_tokens < 1:
+        raise RequestError(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
+    n = _typed(body, "n", (int,), "an integer")
+    if n not in (None, 1):
+        raise RequestError(f"'n' must be 1 (one choice per request), got {n}", "n")
+    stop = _typed(body, "stop", (str, list), "a string or a list of strings")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("'stop' must be a non-empty string or a list of them", "stop")
+    seed = _typed(body, "seed", (int,), "an integer")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise RequestError(f"'seed' must lie in [0, 2**63), got {seed}", "seed")
+    options = dict(max_tokens=max_tokens, stop=stop, seed=seed)
+    for name in SAMPLING_FIELDS:
+        kinds, what = ((int,), "an integer") if name == "top_k" else ((int, float), "a number")
+        value = _typed(body, name, kinds, what)
+        if value is not None:
+            try:
+                Sampling(**{name: value})  # the generator's own rule for this setting
+            except ValueError as error:
+                raise RequestError(str(error), name) from None
+            options[name] = value
+    return options
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """OpenAI messages as the chat template takes them: content parts of type "text" are
+    joined into one string."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    rendered = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"{where} must be an object with a string 'role'", "messages")
+        content = message.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"{where}.content must be a string or a list of text parts "
+                               f"({{\"type\": \"text\", \"text\": ...}})", "messages")
+        rendered.append({**message, "content": content})
+    return rendered
+
+
+# --- the model's turns ----------------------------------------------------------------------------
+
+class ModelService:
+    """The one model of this process, lent to one request at a time, in arrival order. One
+    thread loads it and runs every step: MLX streams belong to the thread that made them, and
+    a loaded model still holds lazy arrays built on the loading thread's stream."""
+
+    def __init__(self, path=None):
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muser-model")
+        self.model, self.tokenizer = self._thread.submit(load, path).result()
+        self.model_id = Path(self.model.file.path).stem
+        self.created = int(time.time())
+        self._turn = asyncio.Lock()  # fair: waiters are served first come, first served
+
+    def checked_prompt(self, ids: list[int], param: str) -> list[int]:
+        context = self.model.config.context
+        if not ids:
+            raise RequestError("the prompt is empty (and the tokenizer adds no BOS): nothing to "
+                               "condition on", param)
+        if len(ids) > context:
+            raise RequestError(f"the prompt is {len(ids)} tokens; the model's context is {context} "
+                               f"tokens", param, code="context_length_exceeded")
+        return ids
+
+    async def responses(self, ids: list[int], options: dict):
+        """stream_generate's responses, one model-thread step each. Closing this generator (the
+        client went away) stops the generation: its close is queued behind the step in flight,
+        and the next request's steps behind that."""
+        loop = asyncio.get_running_loop()
+        async with self._turn:
+            steps = stream_generate(self.model, self.tokenizer, ids, **options)
+            try:
+                while (response := await loop.run_in_executor(self._thread, next, steps, None)) is not None:
+                    yield response
+            finally:
+                self._thread.submit(steps.close)
+
+
+# --- routes -----------------------------------------------------------------------------------------
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose source is closed however the response ends: Starlette cancels
+    a stream whose client disconnects but leaves its iterator suspended."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _event(payload) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def create_app(service: ModelService) -> Starlette:
+    model, tokenizer, model_id = service.model, service.tokenizer, service.model_id
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": service.created, "owned_by": "muser_mlx"}]})
+
+    async def chat_completions(request: Request):
+        body = await _body(request)
+        options = generation_options(body, model.config.context)
+        try:
+            ids = tokenizer.apply_chat_template(chat_messages(body), tokenize=True)
+        except TokenizerError as error:
+            raise RequestError(str(error), "messages") from None
+        return await _complete(request, body, service.checked_prompt(ids, "messages"), options, chat=True)
+
+    async def completions(request: Request):
+        body = await _body(request)
+        options = generation_options(body, model.config.context)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt)
+        elif (isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                               for i in prompt)):
+            bad = [i for i in prompt if not 0 <= i < model.config.vocab]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary "
+                                   f"({model.config.vocab} tokens)", "prompt")
+            ids = prompt
+        else:
+            raise RequestError("'prompt' must be a string or a list of token ids", "prompt")
+        return await _complete(request, body, service.checked_prompt(ids, "prompt"), options, chat=False)
+
+    async def _body(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise RequestError(f"the request body is not valid JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        name = _typed(body, "model", (str,), "a string")
+        if name is not None and name != model_id:
+            raise RequestError(f"the model '{name}' does not exist: this server runs '{model_id}'",
+                               "model", status=404, code="model_not_found")
+        return body
+
+    async def _complete(request: Request, body: dict, ids: list[int], options: dict, chat: bool):
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+                "created": int(time.time()), "model": model_id}
+        if _typed(body, "stream", (bool,), "true or false"):
+            stream_options = _typed(body, "stream_options", (dict,), "an object") or {}
+            usage = _typed(stream_options, "include_usage", (bool,), "true or false")
+            events = _stream(head, ids, options, chat, usage)
+            return EventStream(events, headers={"Cache-Control": "no-cache"})
+        text, last = "", None
+        async with aclosing(service.responses(ids, options)) as responses:
+            async for last in responses:
+                text += last.text
+                if await request.is_disconnected():
+                    _log(head, last, "client gone")
+                    return JSONResponse({})  # nobody to read it
+        _log(head, last, last.finish_reason)
+        choice = ({"message": {"role": "assistant", "content": text}} if chat
+                  else {"text": text, "logprobs": None})
+        return JSONResponse({**head, "choices": [{"index": 0, **choice, "finish_reason": last.finish_reason}],
+                             "usage": _usage(last)})
+
+    async def _stream(head: dict, ids: list[int], options: dict, chat: bool, include_usage: bool):
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+        def chunk(text: str, finish_reason, first=False):
+            piece = ({"delta": {"role": "assistant", "content": text} if first else {"content": text}}
+                     if chat else {"text": text, "logprobs": None})
+            return _event({**head, "choices": [{"index": 0, **piece, "finish_reason": finish_reason}]})
+
+        last, ended = None, None
+        try:
+            if chat:
+                yield chunk("", None, first=True)
+            async with aclosing(service.responses(ids, options)) as responses:
+                async for last in responses:
+                    if last.text or last.finish_reason:
+                        yield chunk(last.text, last.finish_reason)
+            ended = last.finish_reason
+            if include_usage:
+                yield _event({**head, "choices": [], "usage": _usage(last)})
+            yield _event("[DONE]")
+        except Exception:
+            ended = "failed"
+            raise
+        finally:
+            _log(head, last, ended or "client gone")
+
+    async def refused(request: Request, error: RequestError):
+        return error.response()
+
+    async def http_error(request: Request, error: HTTPException):
+        return error_response(error.detail, error.status_code, "invalid_request_error")
+
+    routes = [Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"])]
+    return Starlette(routes=routes, exception_handlers={RequestError: refused, HTTPException: http_error})
+
+
+def _usage(last) -> dict:
+    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.generation_tokens,
+            "total_tokens": last.prompt_tokens + last.generation_tokens}
+
+
+def _log(head: dict, last, ended) -> None:
+    tokens = f"{last.prompt_tokens} prompt + {last.generation_tokens} generated tokens" if last else "no tokens"
+    log.info("%s %s: %s, %s", head["object"], head["id"], tokens, ended)
+
+
+# --- the process ----------------------------------------------------------------------------------
+
+def serve(path=None, host: str = "127.0.0.1", port: int = 8080) -> None:
+    """Load the model, listen on host:port (0: any free port) and serve until interrupted.
+    The address is printed once the socket listens (connections wait until uvicorn runs)."""
+    import uvicorn
+
+    service = ModelService(path)
+    listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    host, port = listener.getsockname()[:2]
+    print(f"muser serve: {service.model_id} at http://{host}:{port}/v1", flush=True)
+    config = uvicorn.Config(create_app(service), log_level="info")
+    uvicorn.Server(config).run(sockets=[listener])

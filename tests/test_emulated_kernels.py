@@ -1,0 +1,436 @@
+"""Every kernel through its op's real GPU path, run on the CPU by the emulator (tests/emulate.py:
+the Metal rendering compiled with g++, GPU launch semantics), against the numpy reference; then
+broken variants of our kernels, which the emulator must catch.
+
+Shapes are fixed and small (each template instantiation is one g++ build, cached on disk) and
+chosen to leave partial threadgroups, several SIMD groups per threadgroup and rows that are no
+multiple of ROWS; inputs are fresh random values. Outputs start as NaN (poisoned_outputs).
+"""
+
+import dataclasses
+import sys
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GGMLType
+
+from muser_mlx import formats, gguf, kernels, ops, testing
+from muser_mlx.kernels import KernelSource
+from muser_mlx.models import build_model
+from muser_mlx.reference import Reference, rms
+from tests.conftest import gpu_available, relative_error
+from tests.emulate import EmulationError, emulated_gpu, run
+from tests.test_decode_kernels import PRODUCT_BOUND, assert_within_half_a_code, attention_case, q8x, weight
+from tests.test_models import FUSED_NUMERICS_BOUND, decode_one_by_one
+from tests.test_qk_norm_rope import reference as rope_reference
+
+# On a GPU machine the other tests run these kernels for real (and its session time is scarce).
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="the emulator's runtime is Linux-only"),
+              pytest.mark.skipif(gpu_available(), reason="a real GPU runs the kernels in the other tests")]
+
+# Relative error ||out - ref|| / ||ref|| allowed: float32 sums in another order (~1e-7; the
+# bound of tests/test_linear.py); decoded values are exact; float16 outputs round each value
+# (2^-11 relative); the prefill path multiplies in float16 (tests/test_linear.py's bound).
+F32_SUMS = 2e-5
+F16_VALUES = 1e-3
+F16_MATMUL = 3e-3
+
+ALL_FORMATS = list(formats.FORMATS)
+DEDICATED = list(ops.MATVEC_KERNELS)
+KERNELS_TESTED = {"embedding", "dequant_rows", "matvec", "qk_norm_rope", "quantize_rows", "product", "argmax",
+                  "product_glu", "residual_norm_quant", "attention_decode", "attention_combine",
+                  *(kernel.name for kernel in ops.MATVEC_KERNELS.values())}
+
+
+def test_every_kernel_is_emulated():
+    assert KERNELS_TESTED == set(kernels.kernel_names())
+
+
+def weight_tensor(tmp_path, rng, ggml_type, in_features, out_features):
+    """A GGUF weight of random valid blocks, as the model loads it, and its float64 values."""
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    path = testing.write_gguf(tmp_path / "w.gguf", {}, {"w": (ggml_type, (in_features, out_features), raw)})
+    values = formats.dequantize(raw, ggml_type, [in_features, out_features]).astype(np.float64)
+    return gguf.read(path), values
+
+
+def linear(tmp_path, rng, ggml_type, in_features, out_features, tokens):
+    model, values = weight_tensor(tmp_path, rng, ggml_type, in_features, out_features)
+    x = rng.standard_normal((tokens, in_features)).astype(np.float32)
+    with model, emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = np.array(ops.linear(mx.array(x), model.tensors["w"]))
+    assert np.isfinite(out).all(), f"{launches}: an output left unwritten"
+    return out, x.astype(np.float64) @ values.T, launches
+
+
+@pytest.mark.parametrize("ggml_type", ALL_FORMATS, ids=lambda t: t.name)
+def test_decode_matvec_every_format(tmp_path, rng, ggml_type):
+    # 3 tokens, 13 rows: the last threadgroup holds rows past OUT (8 or 4 rows per threadgroup).
+    in_features = 256 if formats.FORMATS[ggml_type].block_size > 1 else 160
+    out, expected, launches = linear(tmp_path, rng, ggml_type, in_features, 13, 3)
+    assert [launch[0] for launch in launches] == [ops.linear_path(ggml_type, 3, "cuda")]
+    assert relative_error(out, expected) <= F32_SUMS
+
+
+@pytest.mark.parametrize("ggml_type", DEDICATED, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens, in_features", [(1, 2304), (8, 512)])
+def test_decode_kernels_one_and_eight_tokens(tmp_path, rng, ggml_type, tokens, in_features):
+    # 2304 values: 36 (Q4_K) or 72 units a row, so 2-3 SIMD groups add up through threadgroup memory.
+    out, expected, launches = linear(tmp_path, rng, ggml_type, in_features, 10, tokens)
+    assert launches[0][0] == ops.MATVEC_KERNELS[ggml_type].name
+    assert relative_error(out, expected) <= F32_SUMS
+
+
+def test_prefill_decodes_the_weight_with_dequant_rows(tmp_path, rng):
+    out, expected, launches = linear(tmp_path, rng, GGMLType.Q4_K, 512, 7, 9)
+    assert [launch[0] for launch in launches] == ["dequant_rows"]
+    assert relative_error(out, expected) <= F16_MATMUL
+
+
+@pytest.mark.parametrize("ggml_type, in_features", [
+    (GGMLType.Q4_K, 512), (GGMLType.Q6_K, 256), (GGMLType.Q8_0, 96), (GGMLType.Q5_K, 256), (GGMLType.F32, 100)],
+    ids=lambda v: getattr(v, "name", v))
+def test_dequant_rows(tmp_path, rng, ggml_type, in_features):
+    # Q8_0 and F32 rows end inside their last 256-value span; 11 rows leave surplus SIMD groups.
+    out_features = 11
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    expected = formats.dequantize(raw, ggml_type, [in_features, out_features])
+    dtype = mx.float32 if ggml_type == GGMLType.F32 else mx.float16
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = np.array(ops.dequantize_weight(mx.array(raw), ggml_type, in_features, out_features, dtype))
+    assert [launch[0] for launch in launches] == ["dequant_rows"]
+    assert np.isfinite(out).all(), "an output left unwritten"
+    assert relative_error(out, expected) <= (F16_VALUES if dtype == mx.float16 else 1e-7)
+
+
+@pytest.mark.parametrize("ggml_type, dtype", [(GGMLType.Q4_K, mx.float32), (GGMLType.Q6_K, mx.float32),
+                                              (GGMLType.IQ4_XS, mx.float32), (GGMLType.Q8_0, mx.float16)],
+                         ids=["Q4_K", "Q6_K", "IQ4_XS", "Q8_0-f16"])
+def test_embedding(rng, ggml_type, dtype):
+    # A [2, 7] batch of ids with both ends of the table (surplus threads: the next test).
+    vocab, hidden = 29, 256
+    raw = testing.random_blocks(rng, ggml_type, vocab, hidden)
+    ids = rng.integers(0, vocab, size=(2, 7)).astype(np.int32)
+    ids[0, 0], ids[1, -1] = 0, vocab - 1
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = np.array(ops.embedding_unchecked(mx.array(raw), mx.array(ids), ggml_type, hidden, vocab, dtype))
+    expected = formats.dequantize(raw, ggml_type, [hidden, vocab])[ids]
+    assert [launch[0] for launch in launches] == ["embedding"] and out.shape == (2, 7, hidden)
+    assert np.isfinite(out).all(), "an output left unwritten"
+    assert relative_error(out, expected) <= (F16_VALUES if dtype == mx.float16 else 1e-7)
+
+
+def test_embedding_surplus_threads_and_clamp(rng):
+    # 3 tokens x 96 values: 288 threads in 2 threadgroups of 256 (224 surplus threads); an id
+    # past the table reads its last row (the kernel's clamp).
+    vocab, hidden = 20, 96
+    raw = testing.random_blocks(rng, GGMLType.Q8_0, vocab, hidden)
+    ids = np.array([3, vocab + 5, 0], np.int32)
+    with emulated_gpu(), kernels.poisoned_outputs():
+        out = np.array(ops.embedding_unchecked(mx.array(raw), mx.array(ids), GGMLType.Q8_0, hidden, vocab))
+    expected = formats.dequantize(raw, GGMLType.Q8_0, [hidden, vocab])[np.minimum(ids, vocab - 1)]
+    assert relative_error(out, expected) <= 1e-7
+
+
+@pytest.mark.parametrize("rope", [None, (64, True), (32, False)], ids=["none", "pairs", "partial-halves"])
+def test_qk_norm_rope(rng, rope):
+    # 2 x 3 rows x 6 heads: 36 SIMD groups, 1152 threads in 5 threadgroups (surplus SIMD groups).
+    heads, kv_heads, head_dim, eps, start = 4, 2, 64, 1e-6, 17
+    rope = None if rope is None else dict(dims=rope[0], traditional=rope[1], base=10000.0)
+    q = rng.standard_normal((2, 3, heads * head_dim)).astype(np.float32) * 3
+    k = rng.standard_normal((2, 3, kv_heads * head_dim)).astype(np.float32)
+    q_weight, k_weight = (rng.uniform(0.5, 1.5, head_dim).astype(np.float32) for _ in range(2))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        q_out, k_out = ops.qk_norm_rope(mx.array(q), mx.array(k), mx.array(q_weight), mx.array(k_weight),
+                                        heads, kv_heads, head_dim, eps, start, rope)
+    assert [launch[0] for launch in launches] == ["qk_norm_rope"]
+    assert relative_error(np.array(q_out), rope_reference(q, q_weight, heads, head_dim, eps, start, rope)) <= F32_SUMS
+    assert relative_error(np.array(k_out), rope_reference(k, k_weight, kv_heads, head_dim, eps, start, rope)) <= F32_SUMS
+
+
+# The fused decode step's kernels: q8x activations (tests/test_decode_kernels.py's references
+# and bounds).
+
+
+def kernel_names(launches) -> list[str]:
+    return [launch[0] for launch in launches]
+
+
+def test_quantize_rows(rng):
+    x = rng.standard_normal((3, 640)).astype(np.float32) * rng.uniform(0.01, 100, size=(3, 1)).astype(np.float32)
+    x[1, 32:64] = 0.0  # a block of zeros: scale 0, codes 0
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = ops.quantize_rows(mx.array(x))
+    codes, scales, sums = formats.quantize_activations(x)
+    assert kernel_names(launches) == ["quantize_rows"]
+    np.testing.assert_array_equal(np.array(out.codes), codes)
+    np.testing.assert_array_equal(np.array(out.scales), scales)
+    np.testing.assert_allclose(np.array(out.sums), sums, rtol=1e-6)
+
+
+@pytest.mark.parametrize("first, second, tokens", [(GGMLType.Q4_K, None, 3), (GGMLType.Q8_0, GGMLType.Q6_K, 1),
+                                                   (GGMLType.Q6_K, GGMLType.Q4_K, 8)],
+                         ids=["Q4_K-3", "Q8_0+Q6_K-1", "Q6_K+Q4_K-8"])
+def test_product(rng, first, second, tokens):
+    a, a_values = weight(rng, first, 512, 13, "a")
+    b, b_values = weight(rng, second, 512, 22, "b") if second else (None, None)
+    x, x_values = q8x(rng.standard_normal((tokens, 512)).astype(np.float32))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = np.array(ops.product(x, a, b))
+    expected = x_values @ a_values.T
+    if second:
+        expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
+    assert kernel_names(launches) == ["product"] and np.isfinite(out).all()
+    assert relative_error(out, expected) <= PRODUCT_BOUND
+
+
+def test_lm_head_product_and_argmax(rng):
+    head, head_values = weight(rng, GGMLType.Q6_K, 256, 301)
+    x, x_values = q8x(rng.standard_normal((2, 256)).astype(np.float32))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        logits, best = ops.product(x, head, head=(0.2, 20.0))
+        token = np.array(ops.greedy(best))
+    expected = 20.0 * np.tanh(x_values @ head_values.T * 0.2 / 20.0)
+    assert kernel_names(launches) == ["product", "argmax"]
+    assert relative_error(np.array(logits), expected) <= PRODUCT_BOUND
+    np.testing.assert_array_equal(token, np.argmax(np.array(logits), axis=-1))
+
+
+@pytest.mark.parametrize("activation, tokens", [("silu", 2), ("gelu_tanh", 1)])
+def test_product_glu(rng, activation, tokens):
+    gate, gate_values = weight(rng, GGMLType.Q4_K, 512, 96, "gate")
+    up, up_values = weight(rng, GGMLType.Q6_K, 512, 96, "up")
+    x, x_values = q8x(rng.standard_normal((tokens, 512)).astype(np.float32))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = ops.product_glu(x, gate, up, activation)
+    g, u = x_values @ gate_values.T, x_values @ up_values.T
+    act = g / (1 + np.exp(-g)) if activation == "silu" else 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3)))
+    assert kernel_names(launches) == ["product_glu"]
+    assert_within_half_a_code(out, act * u)
+
+
+@pytest.mark.parametrize("residual, branch_norm, hidden", [(True, True, 256), (False, True, 6656)],
+                         ids=["sandwich-256", "embedding-6656"])
+def test_residual_norm_quant(rng, residual, branch_norm, hidden):
+    x = rng.standard_normal((2, hidden)).astype(np.float32) * 3
+    branch = rng.standard_normal((2, hidden)).astype(np.float32) * 40
+    branch_weight, next_weight = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        total, normed = ops.residual_norm_quant(mx.array(x) if residual else None, mx.array(branch),
+                                                mx.array(branch_weight) if branch_norm else None,
+                                                mx.array(next_weight), 1e-8, 1e-5, 0.75)
+    b = branch.astype(np.float64)
+    if branch_norm:
+        b = rms(b, 1e-8) * branch_weight
+    expected = b * 0.75 + (x if residual else 0)
+    assert kernel_names(launches) == ["residual_norm_quant"]
+    assert relative_error(np.array(total), expected) <= 1e-5  # float32 sums of 6656 squares
+    assert_within_half_a_code(normed, rms(expected, 1e-5) * next_weight)
+
+
+@pytest.mark.parametrize("variant, capacity, position", [("muse", 8, 29), ("qwen2", 256, 200), ("llama", 4096, 3000)],
+                         ids=["muse-ring", "qwen2-bias", "llama-long"])
+def test_attention_decode_and_combine(rng, variant, capacity, position):
+    # Its key and value go into the cache in place (the emulator writes them back, as a GPU does).
+    heads, kv_heads, gate, bias, qk_norm, rope_spec = {
+        "muse": (8, 2, True, False, True, (64, True)),
+        "llama": (4, 2, False, False, False, (64, False)),
+        "qwen2": (4, 1, False, True, False, (32, False)),
+    }[variant]
+    inputs, expected, (slot, new_k, new_v, keys, values) = attention_case(
+        rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec)
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out, cache_keys, cache_values = ops.attention_decode(**inputs)
+    assert kernel_names(launches) == ["attention_decode", "attention_combine"]
+    assert_within_half_a_code(out, expected, slack=2e-3)
+    written_keys, written_values = np.array(cache_keys), np.array(cache_values)
+    np.testing.assert_allclose(written_keys[0, :, slot].astype(np.float64), new_k, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(written_values[0, :, slot].astype(np.float64), new_v, atol=2e-3, rtol=2e-3)
+    others = np.arange(capacity) != slot
+    np.testing.assert_array_equal(written_keys[:, :, others], keys[:, :, others])
+
+
+# ---------------------------------------------------------------------------------------------
+# The emulator's own semantics, on small kernels written here
+# ---------------------------------------------------------------------------------------------
+
+# Small kernels for the emulator's own tests (metal_program renders kernels with at least one
+# template constant: WIDTH, the values per thread).
+PROBE = """\
+uint i = thread_position_in_grid.x;
+float value = x[i];
+device float* row = out + i * WIDTH;
+row[0] = float(i);
+row[1] = float(thread_position_in_threadgroup.x);
+row[2] = float(threadgroup_position_in_grid.x);
+row[3] = float(simdgroup_index_in_threadgroup * 32u + thread_index_in_simdgroup);
+row[4] = simd_sum(value);
+row[5] = simd_shuffle_xor(value, ushort(1));
+row[6] = simd_prefix_exclusive_sum(value);
+row[7] = simd_max(value);
+"""
+
+
+def probe(body, inputs=("x",)):
+    return KernelSource("probe", inputs, ("out",), body, "")
+
+
+def test_a_launch_runs_whole_threadgroups_with_simd_groups_of_32_lanes(rng):
+    # grid 100 in threadgroups of 64: as MLX's CUDA launch, 128 threads run.
+    x = rng.standard_normal(128).astype(np.float32)
+    (out,) = run("probe", [x], [("WIDTH", 8)], (100, 1, 1), (64, 1, 1), [(128, 8)], [mx.float32], source=probe(PROBE))
+    lanes = x.reshape(4, 32)
+    i = np.arange(128)
+    assert (out[:, 0] == i).all() and (out[:, 1] == i % 64).all() and (out[:, 2] == i // 64).all()
+    assert (out[:, 3] == i % 64).all()
+    butterfly = lanes.copy()  # simd_sum adds in the CUDA rendering's order: lane i ^ 16, ^ 8, ...
+    for offset in (16, 8, 4, 2, 1):
+        butterfly = butterfly + butterfly[:, np.arange(32) ^ offset]
+    assert (out[:, 4] == butterfly.reshape(-1)).all()
+    assert (out[:, 5] == x[i ^ 1]).all() and (out[:, 7] == np.repeat(lanes.max(1), 32)).all()
+    exclusive = np.concatenate([np.zeros((4, 1), np.float32), np.cumsum(lanes, 1, dtype=np.float32)[:, :-1]], 1)
+    assert (out[:, 6] == exclusive.reshape(-1)).all()
+
+
+def test_metal_dispatch_cuts_the_last_threadgroup():
+    body = "out[thread_position_in_grid.x * WIDTH] = float(threads_per_threadgroup.x);\n"
+    (out,) = run("probe", [np.zeros(1, np.float32)], [("WIDTH", 1)], (100, 1, 1), (64, 1, 1), [(128,)], [mx.float32],
+                 init_value=-1.0, source=probe(body), partial_threadgroups=True)
+    assert (out[:64] == 64).all() and (out[64:100] == 36).all() and (out[100:] == -1).all()
+
+
+def test_shapes_strides_ndim_and_scalars_reach_the_kernel():
+    # MLX adds x_shape, x_strides, x_ndim where the body names them; a 0-d input is a reference.
+    body = ("out[0] = float(x_shape[0]); out[1] = float(x_shape[1]); out[2] = float(x_strides[0]);\n"
+            "out[3] = float(x_ndim); out[4] = float(scale) * x[7];\n")
+    x = np.arange(15, dtype=np.float32).reshape(3, 5)
+    (out,) = run("probe", [x, np.array(2, np.int32)], [("WIDTH", 1)], (1, 1, 1), (32, 1, 1), [(5,)], [mx.float32],
+                 source=KernelSource("probe", ("x", "scale"), ("out",), "if (thread_position_in_grid.x == 0) {\n" + body + "}\n", ""))
+    assert out.tolist() == [3, 5, 5, 2, 14]
+
+
+SHARED = """\
+threadgroup float shared[64];
+uint t = thread_position_in_threadgroup.x;
+shared[t] = x[thread_position_in_grid.x];
+threadgroup_barrier(mem_flags::mem_threadgroup);
+out[thread_position_in_grid.x * WIDTH] = shared[63u - t];
+"""
+
+
+def test_threadgroups_share_their_arrays_and_a_missing_barrier_reads_nan(rng):
+    x = rng.standard_normal(128).astype(np.float32)
+    args = ("probe", [x], [("WIDTH", 1)], (128, 1, 1), (64, 1, 1), [(128,)], [mx.float32])
+    (out,) = run(*args, source=probe(SHARED))
+    assert (out == x.reshape(2, 64)[:, ::-1].reshape(-1)).all()
+    racy = probe(SHARED.replace("threadgroup_barrier(mem_flags::mem_threadgroup);\n", ""))
+    for order in ("forward", "reverse"):  # threadgroup arrays start as NaN in each threadgroup
+        (out,) = run(*args, source=racy, order=order)
+        assert np.isnan(out).sum() == 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Our kernels, broken: the emulator catches each
+# ---------------------------------------------------------------------------------------------
+
+
+def broken(name, part, old, new):
+    source = kernels.source(name)
+    text = getattr(source, part)
+    assert old in text, f"{name}: the mutation no longer applies; update this test"
+    return {name: dataclasses.replace(source, **{part: text.replace(old, new)})}
+
+
+def tensor(rng, ggml_type, in_features, out_features):
+    """A stand-in for a GGUF tensor: what ops.linear reads of one."""
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    return SimpleNamespace(shape=(in_features, out_features), name="w", ggml_type=ggml_type, data=mx.array(raw))
+
+
+def test_a_missing_barrier_leaves_nan_in_the_outputs(rng):
+    # Two SIMD groups add their sums through threadgroup memory; without the barrier a thread
+    # reads the other group's slot before it is written.
+    sources = broken("matvec_q4k", "header", "threadgroup_barrier(mem_flags::mem_threadgroup);", "")
+    x = mx.array(rng.standard_normal((2, 2304)).astype(np.float32))
+    with emulated_gpu(sources=sources), kernels.poisoned_outputs():
+        out = np.array(ops.linear(x, tensor(rng, GGMLType.Q4_K, 2304, 9)))
+    assert np.isnan(out).any()
+
+
+def test_a_thread_returning_before_a_barrier_is_reported(rng):
+    sources = broken("matvec_q4k", "body", "if (first_row >= uint(OUT)) {", "if (first_row >= uint(OUT) || position >= 32u) {")
+    x = mx.array(rng.standard_normal((1, 2304)).astype(np.float32))
+    with emulated_gpu(sources=sources), pytest.raises(EmulationError, match="barrier that not every thread"):
+        ops.linear(x, tensor(rng, GGMLType.Q4_K, 2304, 9))
+
+
+def test_lanes_returning_before_simd_sum_are_reported(rng):
+    # The last lane of the last row returns alone: the CUDA rendering's full-mask shuffle hangs.
+    sources = broken("matvec", "body", "if (row >= uint(OUT)) {", "if (thread_position_in_grid.x + 1u >= 32u * uint(OUT)) {")
+    x = mx.array(rng.standard_normal((1, 256)).astype(np.float32))
+    with emulated_gpu(sources=sources), pytest.raises(EmulationError, match=r"lane 31\).* has returned, while .* waits in simd_sum"):
+        ops.linear(x, tensor(rng, GGMLType.Q5_K, 256, 9))  # no dedicated kernel: matvec
+
+
+def test_an_unwritten_output_is_nan(rng):
+    sources = broken("embedding", "body", "if (index >= tokens * uint(HIDDEN)) {", "if (index + 1u >= tokens * uint(HIDDEN)) {")
+    raw = testing.random_blocks(rng, GGMLType.Q8_0, 20, 96)
+    with emulated_gpu(sources=sources), kernels.poisoned_outputs():
+        out = np.array(ops.embedding_unchecked(mx.array(raw), mx.array(np.array([3, 2], np.int32)), GGMLType.Q8_0, 96, 20))
+    assert np.isnan(out).sum() == 1 and np.isnan(out[-1, -1])
+
+
+def test_a_read_past_an_input_is_reported(rng):
+    # Without the clamp, an id past the table reads past the end of the table's buffer.
+    sources = broken("embedding", "body", "min(uint(token_ids[slot]), uint(VOCAB - 1))", "uint(token_ids[slot])")
+    raw = testing.random_blocks(rng, GGMLType.Q8_0, 20, 96)
+    with emulated_gpu(sources=sources), pytest.raises(EmulationError, match=r"reads `table` at byte 20\d\d.*past its end \(2040 bytes"):
+        ops.embedding_unchecked(mx.array(raw), mx.array(np.array([3, 20], np.int32)), GGMLType.Q8_0, 96, 20)
+
+
+def test_surplus_threads_without_the_bound_check_are_reported(rng):
+    sources = broken("embedding", "body", "if (index >= tokens * uint(HIDDEN)) {\n  return;\n}\n", "")
+    raw = testing.random_blocks(rng, GGMLType.Q8_0, 20, 96)
+    with emulated_gpu(sources=sources), pytest.raises(EmulationError, match=r"thread_position_in_grid \(288, 0, 0\) reads `token_ids` at byte 12"):
+        ops.embedding_unchecked(mx.array(raw), mx.array(np.array([3, 2, 1], np.int32)), GGMLType.Q8_0, 96, 20)
+
+
+def test_a_misaligned_vector_load_is_reported(rng):
+    sources = broken("matvec_q6k", "body", "(block + 64 * half_index + l0)", "(block + 64 * half_index + l0 + 1)")
+    x = mx.array(rng.standard_normal((1, 256)).astype(np.float32))
+    with emulated_gpu(sources=sources), pytest.raises(EmulationError, match="2-byte aligned values at byte 1 of `weight`"):
+        ops.linear(x, tensor(rng, GGMLType.Q6_K, 256, 5))
+
+
+def test_an_endless_loop_is_reported(rng):
+    source = broken("matvec", "body", "e += 32)", "e += 0)")["matvec"]
+    raw = testing.random_blocks(rng, GGMLType.Q5_K, 9, 256)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    template = [("FORMAT", 13), ("IN", 256), ("ROW_BYTES", 176), ("OUT", 9), ("TOKENS", 1)]
+    with pytest.raises(EmulationError, match="ran out of CPU time"):
+        run("matvec", [raw, x], template, (288, 1, 1), (256, 1, 1), [(1, 9)], [mx.float32], source=source,
+            cpu_seconds=0.2)
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole model through the GPU path
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_tiny_model_decodes_on_the_emulated_gpu(tmp_path, rng):
+    # The fused decode step (Transformer.decode_step: eight launches a layer, the LM head's
+    # epilogue and argmax) of Muse Glimmer's layer (QK norm, attention gate, sliding window) with
+    # Q4_K / Q6_K weights, 6 tokens one by one, against the float64 reference with the decode
+    # step's rounding (tests/test_models.py's bounds).
+    path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1)
+    with gguf.read(path) as file, emulated_gpu() as launches, kernels.poisoned_outputs():
+        model = build_model(file)
+        ids = rng.integers(0, model.config.vocab, size=6)
+        logits, greedy = decode_one_by_one(model, ids, model.make_cache())
+        rounded = Reference(model.config, file.tensors, decode_numerics=True).forward(ids)
+    assert {launch[0] for launch in launches} == {"embedding", "residual_norm_quant", "product", "product_glu",
+                                                  "attention_decode", "attention_combine", "argmax"}
+    assert relative_error(logits, rounded) <= FUSED_NUMERICS_BOUND
+    np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))

@@ -1,0 +1,209 @@
+"""`muser serve` end to end: the real server process on a free port, called with the official
+openai client (and raw HTTP for what that client cannot send): plain, streamed, stop strings,
+sampling settings, bad requests, concurrent requests, a client that goes away."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from muser_mlx import cli
+from muser_mlx.generate import generate, load
+from muser_mlx.testing import tiny_model
+
+openai = pytest.importorskip("openai")
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the capital of france?"}]
+
+
+@dataclass
+class Server:
+    url: str  # http://127.0.0.1:PORT/v1
+    log: Path  # the server's stderr: one line per request it ends
+    model_path: Path
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=60)
+
+    def post(self, route: str, body: bytes, method="POST") -> tuple[int, dict]:
+        request = urllib.request.Request(self.url + route, data=body, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`muser serve` on a tiny llama model (a real byte-level BPE vocabulary and chat
+    template), listening on a port the OS picks; stopped after the module's tests."""
+    folder = tmp_path_factory.mktemp("serve")
+    model_path = tiny_model(folder / "tiny.gguf", "llama", np.random.default_rng(0), weights="Q8_0",
+                            context=4096)
+    out, log = folder / "stdout.txt", folder / "stderr.txt"
+    with open(out, "w") as stdout, open(log, "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "muser_mlx.cli", "serve", "--model", str(model_path),
+                                    "--port", "0"], stdout=stdout, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 120
+        while not (found := re.search(r"at (http://\S+/v1)", out.read_text())):
+            assert process.poll() is None, f"muser serve exited: {log.read_text()}"
+            assert time.monotonic() < deadline, f"muser serve did not start: {log.read_text()}"
+            time.sleep(0.05)
+        yield Server(found.group(1), log, model_path)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def local(server):
+    """The same model in this process: the answers the server must give."""
+    return load(server.model_path)
+
+
+def test_models_lists_the_one_model_served(server):
+    models = server.client().models.list().data
+    assert [m.id for m in models] == ["tiny"]
+
+
+def test_chat_completion_is_the_greedy_answer_with_usage(server, local):
+    model, tokenizer = local
+    reply = server.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=9)
+    prompt = tokenizer.apply_chat_template(MESSAGES, tokenize=True)
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == generate(model, tokenizer, prompt, 9)
+    assert reply.choices[0].finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), 9)
+    assert reply.usage.total_tokens == len(prompt) + 9
+
+
+def test_streamed_chat_adds_up_to_the_plain_answer(server):
+    client = server.client()
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.delta.content or "" for c in choices) == plain.choices[0].message.content
+    assert [c.finish_reason for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert not chunks[-1].choices and chunks[-1].usage == plain.usage
+
+
+def test_completion_stops_before_a_stop_string(server, local):
+    model, tokenizer = local
+    client = server.client()
+    plain = client.completions.create(model="tiny", prompt="the quick brown", max_tokens=16).choices[0]
+    assert plain.text == generate(model, tokenizer, "the quick brown", 16) and len(plain.text) >= 8
+    stop = plain.text[4:7]
+    stopped = client.completions.create(model="tiny", prompt="the quick brown", max_tokens=16, stop=[stop, "\0"])
+    assert stopped.choices[0].text == plain.text[: plain.text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(model="tiny", prompt="the quick brown", max_tokens=16, stop=stop,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == stopped.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_sampling_settings_and_seed_reach_the_generator(server, local):
+    model, tokenizer = local
+    settings = dict(temperature=1.0, top_p=0.95, seed=11)
+    extra = dict(top_k=40, min_p=0.01, repetition_penalty=3.0)  # mlx-lm's fields beyond OpenAI's
+    client = server.client()
+    texts = [client.completions.create(model="tiny", prompt="the fox", max_tokens=12, extra_body=extra,
+                                       **settings).choices[0].text for _ in range(2)]
+    expected = generate(model, tokenizer, "the fox", 12, **settings, **extra)
+    assert texts == [expected, expected]
+    assert expected != generate(model, tokenizer, "the fox", 12)  # the settings did something
+
+
+BAD_REQUESTS = [  # (route, body, status, param)
+    ("/completions", b'{"prompt": "x", "max_tokens": 5', 400, None),  # malformed JSON
+    ("/completions", b'["prompt"]', 400, None),
+    ("/completions", b'{"prompt": 7}', 400, "prompt"),
+    ("/completions", b'{"prompt": [1, 100000]}', 400, "prompt"),
+    ("/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    ("/completions", b'{"prompt": "x", "max_tokens": "many"}', 400, "max_tokens"),
+    ("/completions", b'{"prompt": "x", "temperature": true}', 400, "temperature"),
+    ("/completions", b'{"prompt": "x", "top_p": 1.5}', 400, "top_p"),
+    ("/completions", b'{"prompt": "x", "top_k": 2.5}', 400, "top_k"),
+    ("/completions", b'{"prompt": "x", "stop": [3]}', 400, "stop"),
+    ("/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
+    ("/completions", b'{"prompt": "x", "model": "gpt-4o"}', 404, "model"),
+    ("/chat/completions", b'{"messages": []}', 400, "messages"),
+    ("/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages"),
+    ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "stream"),
+    ("/nowhere", b"{}", 404, None),
+]
+
+
+@pytest.mark.parametrize("route, body, status, param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, route, body, status, param):
+    got, answer = server.post(route, body)
+    assert got == status
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == param
+    assert server.client().completions.create(model="tiny", prompt="the", max_tokens=2).choices[0].text
+
+
+def test_a_prompt_beyond_the_context_is_refused_through_the_client(server):
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client().completions.create(model="tiny", prompt="the quick " * 3000, max_tokens=4)
+    assert refused.value.body["code"] == "context_length_exceeded"
+    assert "context is 4096 tokens" in refused.value.body["message"]
+
+
+def test_an_unknown_model_name_is_not_found_through_the_client(server):
+    with pytest.raises(openai.NotFoundError) as refused:
+        server.client().chat.completions.create(model="someone-else", messages=MESSAGES)
+    assert refused.value.body["code"] == "model_not_found" and "'tiny'" in refused.value.body["message"]
+
+
+def test_concurrent_requests_each_get_their_own_answer(server):
+    prompts = ["the quick", "in the beginning", "def main", "paris is", "the lazy dog", "was with"]
+    client = server.client()
+
+    def ask(prompt):
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=10).choices[0].text
+
+    alone = [ask(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(ask, prompts))
+    assert together == alone
+    assert len(set(alone)) > 1
+
+
+def test_a_client_that_goes_away_mid_stream_frees_the_model(server):
+    """The stream is dropped after three chunks of 4,000 wanted tokens: the server stops that
+    generation at once (its log line says how far it got) and answers the next request."""
+    client = server.client()
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4000, stream=True)
+    chunks = [chunk for chunk, _ in zip(stream, range(3))]
+    stream.close()
+    assert client.completions.create(model="tiny", prompt="the", max_tokens=3).usage.completion_tokens == 3
+    line = rf"{chunks[0].id}: \d+ prompt \+ (\d+) generated tokens, client gone"
+    deadline = time.monotonic() + 10
+    while not (ended := re.search(line, server.log.read_text())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ended, server.log.read_text()[-2000:]
+    assert int(ended.group(1)) < 400
+
+
+def test_serve_reports_a_missing_model_file_without_a_traceback(tmp_path, capsys):
+    assert cli.main(["serve", "--model", str(tmp_path / "missing.gguf"), "--port", "0"]) == 1
+    assert "missing.gguf" in capsys.readouterr().err
