@@ -11,6 +11,7 @@ says why, and ops.linear_path sends the products to MLX's own ops (logged once).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 
 import mlx.core as mx
@@ -19,14 +20,19 @@ from muser_mlx.formats import GGMLType
 
 _log = logging.getLogger(__name__)
 
-try:
-    from muser_mlx import _cpu_kernels
-except ImportError as error:
+_REINSTALL = "reinstall the package with a C++20 compiler and CMake >= 3.24 on the PATH"
+if importlib.util.find_spec("muser_mlx._cpu_kernels") is None:
     _cpu_kernels = None
-    _why = (f"muser_mlx._cpu_kernels does not load ({error}); reinstall the package with a C++20 "
-            "compiler and CMake >= 3.24 on the PATH")
+    _why = f"the extension muser_mlx._cpu_kernels was not built at install; {_REINSTALL}"
 else:
-    _why = ""
+    try:
+        from muser_mlx import _cpu_kernels
+    except ImportError as error:
+        _cpu_kernels = None
+        _why = f"muser_mlx._cpu_kernels does not load ({error}); {_REINSTALL}"
+    else:
+        _why = ""
+if _cpu_kernels is not None:
     if _cpu_kernels.mlx_version != mx.__version__:
         _why = (f"muser_mlx._cpu_kernels was built against MLX {_cpu_kernels.mlx_version}, this is "
                 f"MLX {mx.__version__}; reinstall muser_mlx")
@@ -51,10 +57,17 @@ def instruction_set() -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def note_unavailable() -> None:
+    """Log once that the CPU products and attention run on MLX's ops, and why."""
+    _log.warning("the CPU products and attention run on MLX's own ops, several times slower: %s",
+                 _why)
+
+
+@functools.lru_cache(maxsize=None)
 def note_fallback(ggml_type) -> None:
     """Log once per format that a CPU product runs on MLX's ops instead of the extension."""
     if not available():
-        _log.warning("the CPU products run on MLX's own ops, several times slower: %s", _why)
+        note_unavailable()
     else:
         _log.warning("%s weights have no compiled CPU product: MLX's own ops serve them",
                      GGMLType(ggml_type).name)

@@ -72,6 +72,23 @@ def test_the_extension_is_built_and_serves_every_format():
             assert ops.linear_path(ggml_type, tokens, "cpu") == "cpu_gguf_linear"
 
 
+def test_without_the_extension_products_take_mlx_ops_and_say_so_once(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_ext, "_cpu_kernels", None)
+    monkeypatch.setattr(cpu_ext, "FORMATS", frozenset())
+    monkeypatch.setattr(cpu_ext, "_why", "the extension muser_mlx._cpu_kernels was not built at install")
+    cpu_ext.note_unavailable.cache_clear()
+    cpu_ext.note_fallback.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="muser_mlx.cpu_ext"):
+            paths = {ops.linear_path(ggml_type, tokens, "cpu") for ggml_type in FORMATS for tokens in (1, 64)}
+    finally:
+        cpu_ext.note_unavailable.cache_clear()
+        cpu_ext.note_fallback.cache_clear()
+    assert paths == {"cpu_affine_qmm", "cpu_dequant_matmul"}
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and messages[0].endswith("was not built at install")
+
+
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("tokens", [1, 2, 7, 64, 512])
 @pytest.mark.parametrize("threads", [1, 3])

@@ -76,8 +76,11 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     [B, kv_heads, S, head_dim], mask bool [T, S] or None; returns [B, heads, T, head_dim]. On
     the CPU the compiled primitive (cpu_ext.attention: MLX's CPU attention runs its matmuls on
     reference BLAS, 5-8x slower); elsewhere MLX's fused attention."""
-    if kernels.backend() == "cpu" and cpu_ext.available() and q.shape[-1] % 16 == 0:
-        return cpu_ext.attention(q, keys, values, scale, mask)
+    if kernels.backend() == "cpu":
+        if cpu_ext.available() and q.shape[-1] % 16 == 0:
+            return cpu_ext.attention(q, keys, values, scale, mask)
+        if not cpu_ext.available():
+            cpu_ext.note_unavailable()  # logged once
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
