@@ -13,6 +13,11 @@ Floor = weight bytes one decode step reads / copy bandwidth measured in the same
 (an elementwise device copy of 4 GiB, read + write bytes counted).
 
     python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep] [--general] [--no-compile]
+                           [--variant NAME:module.ATTR=value,...]
+
+--variant (repeatable) also times the fused step pipelined with module constants changed, e.g.
+`--variant hg1:muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1` (the step is recompiled; a
+constant read at load, such as PRODUCT_CONFIG, needs a fresh load and is not for this).
 
 --general also times the general step (model(...): MLX ops around float32-x matvec kernels) the
 fused one replaces; --no-compile runs the fused step without mx.compile.
@@ -21,6 +26,8 @@ fused one replaces; --no-compile runs the fused step without mx.compile.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import os
 import statistics
 import sys
@@ -206,6 +213,8 @@ def main() -> None:
     parser.add_argument("--general", action="store_true",
                         help="also time the general step the fused one replaces")
     parser.add_argument("--no-compile", action="store_true", help="the fused step without mx.compile")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME:module.ATTR=value,... : the fused step pipelined with those constants")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
@@ -248,6 +257,21 @@ def main() -> None:
             pipelined = pipelined_decode_ms(step, model, cache, args.steps)
             print(f"  {label} pipelined (generate's loop): {pipelined:7.2f} ms/token "
                   f"({pipelined / floor_ms:.2f}x the floor; {1e3 / pipelined:.1f} tokens/s)", flush=True)
+        for variant in args.variant:
+            name, settings = variant.split(":", 1)
+            saved = []
+            for setting in settings.split(","):
+                target, value = setting.split("=", 1)
+                module_name, attr = target.rsplit(".", 1)
+                module = importlib.import_module(module_name)
+                saved.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, type(getattr(module, attr))(ast.literal_eval(value)))
+            model._compiled_decode = {}
+            pipelined = pipelined_decode_ms(fused_step, model, cache, args.steps)
+            for module, attr, value in saved:
+                setattr(module, attr, value)
+            model._compiled_decode = {}
+            print(f"  variant {name} ({settings}) pipelined: {pipelined:7.2f} ms/token", flush=True)
 
     cache = model.make_cache()
     chunk = 512

@@ -11,6 +11,9 @@ per kernel and per step:
     ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \\
         --csv python bench/kernel_times.py run --steps 4 > times.csv
     python bench/kernel_times.py report times.csv --steps 4 --layers 4 --ceiling-gbs 3600
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        python bench/kernel_times.py prefill --layers 2 --steps 2 > prefill.csv   # 512-row chunks
+    python bench/kernel_times.py report prefill.csv --steps 2 --layers 2 --whole   # µs per chunk
     ncu --clock-control none --section SpeedOfLight ... python bench/kernel_times.py matvec \
         --type Q4_K --rows 39936 --cols 6656      # one decode product, a few calls
 """
@@ -54,6 +57,30 @@ def run(args) -> None:
           f"(median of {args.steps}, one evaluation each)", file=sys.stderr)
 
 
+def prefill(args) -> None:
+    """512-row prefill chunks (model.hidden and the last row's logits, as generation's prompt
+    does) from context 0, --steps of them: wall ms per chunk; under ncu, every kernel's time
+    (`report --whole` sums them per chunk)."""
+    import mlx.core as mx
+
+    from decode import write_file
+    from muser_mlx.generate import load
+
+    path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
+    if not path.exists():
+        write_file(path, np.random.default_rng(0), args.layers)
+    model, _ = load(path)
+    rng = np.random.default_rng(1)
+    times = []
+    for _ in range(args.steps):
+        cache = model.make_cache()
+        ids = mx.array(rng.integers(0, 1000, size=(1, 512)), dtype=mx.int32)
+        tic = time.perf_counter()
+        mx.eval(model.logits(model.hidden(ids, cache)[:, -1:]))
+        times.append(time.perf_counter() - tic)
+    print(f"{args.layers} layers: {[round(1e3 * t, 1) for t in times]} ms per 512-row chunk", file=sys.stderr)
+
+
 def matvec(args) -> None:
     """One decode product, called a few times: for `ncu --section ...` on one kernel."""
     import mlx.core as mx
@@ -85,6 +112,18 @@ def report(args) -> None:
     launches = [(*kernels[i], metrics[i]["gpu__time_duration.sum"] / 1e3,
                  metrics[i].get("dram__bytes_read.sum", 0) + metrics[i].get("dram__bytes_write.sum", 0))
                 for i in sorted(kernels)]
+    if args.whole:  # every launch, summed per kernel name and divided by the steps (chunks)
+        totals = collections.defaultdict(list)
+        for name, grid, us, nbytes in launches:
+            totals[name[:70]].append((us, nbytes))
+        whole = sum(us for _, _, us, _ in launches) / args.steps
+        print(f"{len(launches)} launches; GPU time per step {whole:.1f} µs\n")
+        print("| kernel | launches per step | µs per step | % of the step |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, values in sorted(totals.items(), key=lambda kv: -sum(v[0] for v in kv[1])):
+            us = sum(v[0] for v in values) / args.steps
+            print(f"| {name} | {len(values) / args.steps:g} | {us:,.1f} | {100 * us / whole:.1f} % |")
+        return
     names = [name for name, *_ in launches]  # grids of attention kernels grow with the cache
     # The step's length: the shortest period of the last `steps` steps' kernel sequence (a
     # layer repeats within a step, but the embedding and the LM head break that shorter period).
@@ -110,7 +149,7 @@ def report(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["run", "report", "matvec"])
+    parser.add_argument("mode", choices=["run", "report", "matvec", "prefill"])
     parser.add_argument("csv", nargs="?")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
@@ -124,8 +163,10 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=6656, help="matvec: input features")
     parser.add_argument("--group-rows", type=int, default=0, help="matvec: rows per threadgroup")
     parser.add_argument("--threads", type=int, default=0, help="matvec: most threads per row")
+    parser.add_argument("--whole", action="store_true",
+                        help="report: every launch summed per kernel name (prefill), no step detection")
     args = parser.parse_args()
-    {"run": run, "report": report, "matvec": matvec}[args.mode](args)
+    {"run": run, "report": report, "matvec": matvec, "prefill": prefill}[args.mode](args)
 
 
 if __name__ == "__main__":

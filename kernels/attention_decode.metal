@@ -24,9 +24,12 @@
 // memory, then walks its slots 32 at a time: lane l scores slot base + l against every q head
 // (the key row read as 16-byte loads), an online softmax keeps each head's max m and sum l,
 // and for the values the lanes switch roles: lane l accumulates channels 2l, 2l+1, 2l+64, ...
-// of every head, the probabilities broadcast by simd_shuffle.
+// of every head, the probabilities broadcast by simd_shuffle. A block's key and value rows are
+// all loaded before any is used, the first block's before q is prepared: at a short context
+// the SIMD group waits for memory about once.
 //   partial_o f32 [HEADS, SPLITS, HEAD_DIM]: sum_slots e^(score - m) v (not yet divided);
-//   partial_stats f32 [HEADS, SPLITS, 2]: (m, l); an empty split writes (-3e38, 0) and zeros.
+//   partial_stats f32 [HEADS, SPLITS, 2]: (m, l); an empty split writes (-3e38, 0) and no o
+//   (attention_combine reads o only of the splits that hold keys: the first ones).
 // Kernel attention_combine merges the splits.
 // Grid: KV_HEADS * (GROUP / HEAD_GROUP) * SPLITS SIMD groups, up to 4 per threadgroup, each on
 // its own (no threadgroup barrier).
@@ -65,6 +68,16 @@ uint write_slot = uint(position) % CAPACITY;
 uint first = split * uint(SPLIT);
 uint last = min(first + uint(SPLIT), count);
 bool holds_new = first <= write_slot && write_slot < last;
+if (first >= last) {  // an empty split (a short context): its statistics say so, its o is never read
+  if (lane == 0u) {
+    for (int i = 0; i < HEAD_GROUP; ++i) {
+      size_t slot = size_t(first_head + uint(i)) * SPLITS + split;
+      partial_stats[2u * slot] = -3.0e38f;
+      partial_stats[2u * slot + 1u] = 0.0f;
+    }
+  }
+  return;
+}
 float m[HEAD_GROUP];
 float l[HEAD_GROUP];
 float acc[HEAD_GROUP * CHANNELS];
@@ -75,124 +88,136 @@ for (int i = 0; i < HEAD_GROUP; ++i) {
     acc[i * CHANNELS + c] = 0.0f;
   }
 }
-if (first < last) {
-  const device half* keys = k_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
-  const device half* values = v_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
-  // The first 32 slots' key rows (lane l: slot first + l) are loaded before anything waits:
-  // they do not depend on q, so their latency hides behind q's preparation. A lane without a
-  // stored key reads row `first` and ignores it.
-  uint4 key_rows[KEY_CHUNKS];
-  {
-    uint slot = first + lane;
-    bool stored = slot < last && slot != write_slot;
+const device half* keys = k_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
+const device half* values = v_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
+// A block of 32 slots at a time: lane l's key row (slot base + l, 16-byte loads) and, for the
+// value pass, lane l's channels 2l, 2l+1, 2l+64, ... of all 32 slots, all loaded before any is
+// used. The first block's loads are issued before q's preparation (they do not depend on q),
+// so at a short context the whole pass waits for memory about once. A slot without a stored
+// row (past the split, or slot w) reads slot `first` and ignores it.
+uint4 key_rows[KEY_CHUNKS];
+uint value_rows[32 * (CHANNELS / 2)];
+{
+  uint slot = first + lane;
+  bool stored = slot < last && slot != write_slot;
+  const device uint4* key = (const device uint4*)(keys + size_t(stored ? slot : first) * HEAD_DIM);
+  for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
+    key_rows[chunk] = key[chunk];
+  }
+  for (int k = 0; k < 32; ++k) {
+    uint key_slot = min(first + uint(k), last - 1u);
+    for (int c = 0; c < CHANNELS / 2; ++c) {
+      value_rows[k * (CHANNELS / 2) + c] =
+          *((const device uint*)(values + size_t(key_slot) * HEAD_DIM + 2u * lane + 64u * uint(c)));
+    }
+  }
+}
+float eps = params[0];
+// The new key's head and value (the split holding slot w), loaded before q's preparation waits.
+float new_value[CHANNELS];
+for (int c = 0; c < CHANNELS; ++c) {
+  uint e = lane + 32u * uint(c);
+  uint k_bias = uint(HEADS * HEAD_DIM) + kv_head * uint(HEAD_DIM);
+  new_value[c] = holds_new ? y[V_OFF + kv_head * uint(HEAD_DIM) + e] +
+                                 (BIAS ? bias[k_bias + uint(KV_HEADS * HEAD_DIM) + e] : 0.0f)
+                           : 0.0f;
+}
+muser_heads_prepare<HEAD_GROUP, HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
+    y + Q_OFF + first_head * uint(HEAD_DIM), bias + first_head * uint(HEAD_DIM), q_weight, inv_freq,
+    float(position), eps, params[1], lane, (threadgroup float*)q_tile);
+if (holds_new) {
+  uint k_bias = uint(HEADS * HEAD_DIM) + kv_head * uint(HEAD_DIM);
+  muser_heads_prepare<1, HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
+      y + K_OFF + kv_head * uint(HEAD_DIM), bias + k_bias, k_weight, inv_freq, float(position), eps,
+      1.0f, lane, k_tile);
+  for (int c = 0; c < CHANNELS; ++c) {
+    v_tile[lane + 32u * uint(c)] = new_value[c];
+  }
+}
+simdgroup_barrier(mem_flags::mem_threadgroup);
+if (holds_new && head_group == 0u) {
+  device half* k_store = (device half*)k_cache + (size_t(kv_head) * CAPACITY + write_slot) * HEAD_DIM;
+  device half* v_store = (device half*)v_cache + (size_t(kv_head) * CAPACITY + write_slot) * HEAD_DIM;
+  for (int c = 0; c < CHANNELS; ++c) {
+    uint e = lane + 32u * uint(c);
+    k_store[e] = half(k_tile[e]);
+    v_store[e] = half(v_tile[e]);
+  }
+}
+for (uint base = first; base < last; base += 32u) {
+  uint slot = base + lane;
+  bool valid = slot < last;
+  bool stored = valid && slot != write_slot;
+  if (base != first) {
     const device uint4* key = (const device uint4*)(keys + size_t(stored ? slot : first) * HEAD_DIM);
     for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
       key_rows[chunk] = key[chunk];
     }
+    for (int k = 0; k < 32; ++k) {
+      uint key_slot = min(base + uint(k), last - 1u);
+      for (int c = 0; c < CHANNELS / 2; ++c) {
+        value_rows[k * (CHANNELS / 2) + c] =
+            *((const device uint*)(values + size_t(key_slot) * HEAD_DIM + 2u * lane + 64u * uint(c)));
+      }
+    }
   }
-  float eps = params[0];
-  muser_heads_prepare<HEAD_GROUP, HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
-      y + Q_OFF + first_head * uint(HEAD_DIM), bias + first_head * uint(HEAD_DIM), q_weight, inv_freq,
-      float(position), eps, params[1], lane, (threadgroup float*)q_tile);
-  if (holds_new) {
-    uint k_bias = uint(HEADS * HEAD_DIM) + kv_head * uint(HEAD_DIM);
-    muser_heads_prepare<1, HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
-        y + K_OFF + kv_head * uint(HEAD_DIM), bias + k_bias, k_weight, inv_freq, float(position), eps,
-        1.0f, lane, k_tile);
+  float score[HEAD_GROUP];
+  for (int i = 0; i < HEAD_GROUP; ++i) {
+    score[i] = 0.0f;
+  }
+  if (stored) {
+    for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
+      uint4 packed = key_rows[chunk];
+      float4 low = float4(muser_half_low(packed.x), muser_half_high(packed.x), muser_half_low(packed.y),
+                          muser_half_high(packed.y));
+      float4 high = float4(muser_half_low(packed.z), muser_half_high(packed.z), muser_half_low(packed.w),
+                           muser_half_high(packed.w));
+      for (int i = 0; i < HEAD_GROUP; ++i) {
+        float4 qa = q_tile[(i * HEAD_DIM + 8 * chunk) / 4];
+        float4 qb = q_tile[(i * HEAD_DIM + 8 * chunk) / 4 + 1];
+        score[i] += qa.x * low.x + qa.y * low.y + qa.z * low.z + qa.w * low.w +
+                    qb.x * high.x + qb.y * high.y + qb.z * high.z + qb.w * high.w;
+      }
+    }
+  } else if (valid) {  // slot w: the new key, as the cache will hold it (f16)
+    for (int e = 0; e < HEAD_DIM; ++e) {
+      float key = float(half(k_tile[e]));
+      for (int i = 0; i < HEAD_GROUP; ++i) {
+        score[i] += ((threadgroup float*)q_tile)[i * HEAD_DIM + e] * key;
+      }
+    }
+  }
+  for (int i = 0; i < HEAD_GROUP; ++i) {
+    float top = max(m[i], simd_max(valid ? score[i] : -3.0e38f));
+    float correction = exp(m[i] - top);
+    score[i] = valid ? exp(score[i] - top) : 0.0f;
+    l[i] = l[i] * correction + simd_sum(score[i]);
+    m[i] = top;
     for (int c = 0; c < CHANNELS; ++c) {
-      uint e = lane + 32u * uint(c);
-      v_tile[e] = y[V_OFF + kv_head * uint(HEAD_DIM) + e] +
-                  (BIAS ? bias[k_bias + uint(KV_HEADS * HEAD_DIM) + e] : 0.0f);
+      acc[i * CHANNELS + c] *= correction;
     }
   }
-  simdgroup_barrier(mem_flags::mem_threadgroup);
-  if (holds_new && head_group == 0u) {
-    device half* k_store = (device half*)k_cache + (size_t(kv_head) * CAPACITY + write_slot) * HEAD_DIM;
-    device half* v_store = (device half*)v_cache + (size_t(kv_head) * CAPACITY + write_slot) * HEAD_DIM;
-    for (int c = 0; c < CHANNELS; ++c) {
-      uint e = lane + 32u * uint(c);
-      k_store[e] = half(k_tile[e]);
-      v_store[e] = half(v_tile[e]);
-    }
-  }
-  for (uint base = first; base < last; base += 32u) {
-    uint slot = base + lane;
-    bool valid = slot < last;
-    bool stored = valid && slot != write_slot;
-    if (base != first) {
-      const device uint4* key = (const device uint4*)(keys + size_t(stored ? slot : first) * HEAD_DIM);
-      for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
-        key_rows[chunk] = key[chunk];
-      }
-    }
-    float score[HEAD_GROUP];
+  // The values: each slot's probabilities broadcast from the lane that scored it; a slot past
+  // the split's last adds 0 (its row, read from slot last - 1, is not used: that slot may be w,
+  // whose stored row is stale); slot w's value is the new one, as the cache will hold it.
+  for (int k = 0; k < 32; ++k) {
+    uint key_slot = base + uint(k);
+    float p[HEAD_GROUP];
     for (int i = 0; i < HEAD_GROUP; ++i) {
-      score[i] = 0.0f;
+      p[i] = simd_shuffle(score[i], uint(k));
     }
-    if (stored) {
-      for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
-        uint4 packed = key_rows[chunk];
-        float4 low = float4(muser_half_low(packed.x), muser_half_high(packed.x), muser_half_low(packed.y),
-                            muser_half_high(packed.y));
-        float4 high = float4(muser_half_low(packed.z), muser_half_high(packed.z), muser_half_low(packed.w),
-                             muser_half_high(packed.w));
-        for (int i = 0; i < HEAD_GROUP; ++i) {
-          float4 qa = q_tile[(i * HEAD_DIM + 8 * chunk) / 4];
-          float4 qb = q_tile[(i * HEAD_DIM + 8 * chunk) / 4 + 1];
-          score[i] += qa.x * low.x + qa.y * low.y + qa.z * low.z + qa.w * low.w +
-                      qb.x * high.x + qb.y * high.y + qb.z * high.z + qb.w * high.w;
-        }
+    for (int c = 0; c < CHANNELS / 2; ++c) {
+      uint e = 2u * lane + 64u * uint(c);
+      bool stored_value = key_slot < last && key_slot != write_slot;
+      float v0 = stored_value ? muser_half_low(value_rows[k * (CHANNELS / 2) + c]) : 0.0f;
+      float v1 = stored_value ? muser_half_high(value_rows[k * (CHANNELS / 2) + c]) : 0.0f;
+      if (key_slot == write_slot) {
+        v0 = float(half(v_tile[e]));
+        v1 = float(half(v_tile[e + 1u]));
       }
-    } else if (valid) {  // slot w: the new key, as the cache will hold it (f16)
-      for (int e = 0; e < HEAD_DIM; ++e) {
-        float key = float(half(k_tile[e]));
-        for (int i = 0; i < HEAD_GROUP; ++i) {
-          score[i] += ((threadgroup float*)q_tile)[i * HEAD_DIM + e] * key;
-        }
-      }
-    }
-    for (int i = 0; i < HEAD_GROUP; ++i) {
-      float top = max(m[i], simd_max(valid ? score[i] : -3.0e38f));
-      float correction = exp(m[i] - top);
-      score[i] = valid ? exp(score[i] - top) : 0.0f;
-      l[i] = l[i] * correction + simd_sum(score[i]);
-      m[i] = top;
-      for (int c = 0; c < CHANNELS; ++c) {
-        acc[i * CHANNELS + c] *= correction;
-      }
-    }
-    // The values, 8 slots at a time: their loads issued together, then the probabilities
-    // broadcast from the lanes that scored them (0 past the split's last slot).
-    uint keys_here = min(32u, last - base);
-    for (uint k0 = 0; k0 < keys_here; k0 += 8u) {
-      uint packed[8 * (CHANNELS / 2)];
-      for (int k = 0; k < 8; ++k) {
-        uint key_slot = base + k0 + uint(k);
-        bool stored = key_slot < last && key_slot != write_slot;
-        for (int c = 0; c < CHANNELS / 2; ++c) {
-          packed[k * (CHANNELS / 2) + c] =
-              stored ? *((const device uint*)(values + size_t(key_slot) * HEAD_DIM + 2u * lane + 64u * uint(c))) : 0u;
-        }
-      }
-      for (int k = 0; k < 8; ++k) {
-        uint key_slot = base + k0 + uint(k);
-        float p[HEAD_GROUP];
-        for (int i = 0; i < HEAD_GROUP; ++i) {
-          p[i] = simd_shuffle(score[i], k0 + uint(k));
-        }
-        for (int c = 0; c < CHANNELS / 2; ++c) {
-          uint e = 2u * lane + 64u * uint(c);
-          float v0 = muser_half_low(packed[k * (CHANNELS / 2) + c]);
-          float v1 = muser_half_high(packed[k * (CHANNELS / 2) + c]);
-          if (key_slot == write_slot && key_slot < last) {
-            v0 = float(half(v_tile[e]));
-            v1 = float(half(v_tile[e + 1u]));
-          }
-          for (int i = 0; i < HEAD_GROUP; ++i) {
-            acc[i * CHANNELS + 2 * c] += p[i] * v0;
-            acc[i * CHANNELS + 2 * c + 1] += p[i] * v1;
-          }
-        }
+      for (int i = 0; i < HEAD_GROUP; ++i) {
+        acc[i * CHANNELS + 2 * c] += p[i] * v0;
+        acc[i * CHANNELS + 2 * c + 1] += p[i] * v1;
       }
     }
   }

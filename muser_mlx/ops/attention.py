@@ -85,6 +85,9 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 
 ATTENTION_SPLITS = 64  # splits of a cache the first pass aims for (enough SIMD groups to fill the GPU)
+# Query heads one SIMD group of attention_decode takes (at most; a divisor of the group): more
+# heads share each key row's load, fewer spread q's preparation over more SIMD groups.
+ATTENTION_HEAD_GROUP = 4
 
 
 def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, after: mx.array,
@@ -117,7 +120,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
         return _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, offsets, gate,
                                      q_weight, k_weight, bias, rope, eps, scale)
     group = heads // kv_heads
-    head_group = max(g for g in range(1, min(group, 4) + 1) if group % g == 0)
+    head_group = max(g for g in range(1, min(group, ATTENTION_HEAD_GROUP) + 1) if group % g == 0)
     # Keys per split, from a few sizes (each a kernel): ATTENTION_SPLITS splits or more.
     split = 32 * 2 ** max(0, math.ceil(math.log2(capacity / (32 * ATTENTION_SPLITS))))
     splits = -(-capacity // split)  # at most ATTENTION_SPLITS: attention_combine's lanes hold 2 each
