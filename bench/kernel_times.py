@@ -13,7 +13,7 @@ per kernel and per step:
     python bench/kernel_times.py report times.csv --steps 4 --layers 4 --ceiling-gbs 3600
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \
         python bench/kernel_times.py prefill --layers 2 --steps 2 > prefill.csv   # 512-row chunks
-    python bench/kernel_times.py report prefill.csv --steps 2 --layers 2 --whole   # µs per chunk
+    python bench/kernel_times.py report prefill.csv --steps 1 --layers 2 --whole   # the last chunk
     ncu --clock-control none --section SpeedOfLight ... python bench/kernel_times.py matvec \
         --type Q4_K --rows 39936 --cols 6656      # one decode product, a few calls
 """
@@ -21,6 +21,8 @@ per kernel and per step:
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import collections
 import csv
 import io
@@ -69,6 +71,11 @@ def prefill(args) -> None:
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
     if not path.exists():
         write_file(path, np.random.default_rng(0), args.layers)
+    for setting in args.set:  # module constants, e.g. muser_mlx.models.transformer.PREFILL_LAYERS_AHEAD=1
+        target, value = setting.split("=", 1)
+        module_name, attr = target.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        setattr(module, attr, type(getattr(module, attr))(ast.literal_eval(value)))
     model, _ = load(path)
     rng = np.random.default_rng(1)
     times = []
@@ -78,7 +85,8 @@ def prefill(args) -> None:
         tic = time.perf_counter()
         mx.eval(model.logits(model.hidden(ids, cache)[:, -1:]))
         times.append(time.perf_counter() - tic)
-    print(f"{args.layers} layers: {[round(1e3 * t, 1) for t in times]} ms per 512-row chunk", file=sys.stderr)
+    print(f"{args.layers} layers {args.set}: {[round(1e3 * t, 1) for t in times]} ms per 512-row chunk; peak "
+          f"{mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr)
 
 
 def matvec(args) -> None:
@@ -112,7 +120,10 @@ def report(args) -> None:
     launches = [(*kernels[i], metrics[i]["gpu__time_duration.sum"] / 1e3,
                  metrics[i].get("dram__bytes_read.sum", 0) + metrics[i].get("dram__bytes_write.sum", 0))
                 for i in sorted(kernels)]
-    if args.whole:  # every launch, summed per kernel name and divided by the steps (chunks)
+    if args.whole:  # every launch of the last --steps chunks (each begins with the embedding), summed per name
+        starts = [i for i, (name, *_) in enumerate(launches) if "embedding" in name]
+        if len(starts) >= args.steps:  # the first chunks pay first touches of every buffer: left out
+            launches = launches[starts[-args.steps]:]
         totals = collections.defaultdict(list)
         for name, grid, us, nbytes in launches:
             totals[name[:70]].append((us, nbytes))
@@ -163,6 +174,7 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=6656, help="matvec: input features")
     parser.add_argument("--group-rows", type=int, default=0, help="matvec: rows per threadgroup")
     parser.add_argument("--threads", type=int, default=0, help="matvec: most threads per row")
+    parser.add_argument("--set", action="append", default=[], help="prefill: module.ATTR=value")
     parser.add_argument("--whole", action="store_true",
                         help="report: every launch summed per kernel name (prefill), no step detection")
     args = parser.parse_args()

@@ -87,7 +87,7 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
 ATTENTION_SPLITS = 64  # splits of a cache the first pass aims for (enough SIMD groups to fill the GPU)
 # Query heads one SIMD group of attention_decode takes (at most; a divisor of the group): more
 # heads share each key row's load, fewer spread q's preparation over more SIMD groups.
-ATTENTION_HEAD_GROUP = 4
+ATTENTION_HEAD_GROUP = 2  # H200, session 8: 2 beat 4 by 0.3-0.4 ms a step (1: 0.9 ms slower)
 
 
 def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, after: mx.array,
