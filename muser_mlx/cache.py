@@ -42,9 +42,9 @@ class KVCache:
         self.keys = _grown(self.keys, (batch, kv_heads, capacity, head_dim), self.dtype)
         self.values = _grown(self.values, (batch, kv_heads, capacity, head_dim), self.dtype)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Append keys/values [B, kv_heads, T, head_dim]; return the keys, values (float32) and
-        key positions attention may see: [B, kv_heads, S, head_dim] twice and [S]."""
+    def update_and_fetch(self, keys: mx.array, values: mx.array, dtype=mx.float32):
+        """Append keys/values [B, kv_heads, T, head_dim]; return the keys, values (in `dtype`)
+        and key positions attention may see: [B, kv_heads, S, head_dim] twice and [S]."""
         batch, kv_heads, tokens, head_dim = keys.shape
         finish_fused_writes(self)
         start = self.offset
@@ -53,7 +53,7 @@ class KVCache:
         self.values[:, :, start : start + tokens] = values.astype(self.dtype)
         self.advance(tokens)
         end = self.offset
-        return (self.keys[:, :, :end].astype(mx.float32), self.values[:, :, :end].astype(mx.float32),
+        return (self.keys[:, :, :end].astype(dtype), self.values[:, :, :end].astype(dtype),
                 mx.arange(end, dtype=mx.int32))
 
     def advance(self, tokens: int) -> None:
@@ -105,18 +105,18 @@ class SlidingWindowCache:
             held[self.stale] = NOWHERE
         return held.astype(np.int32)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
+    def update_and_fetch(self, keys: mx.array, values: mx.array, dtype=mx.float32):
         """Add keys/values [B, kv_heads, T, head_dim]; return what attention may see: the ring's
         keys before this chunk and the chunk's own (a chunk's first query still sees window-1
-        older keys), float32, with their positions. One token is written first and the ring
+        older keys), in `dtype`, with their positions. One token is written first and the ring
         returned as it is (its mask drops the key that just left the window)."""
         batch, kv_heads, tokens, head_dim = keys.shape
         finish_fused_writes(self)
         self.reserve(batch, kv_heads, head_dim, self.offset + tokens)
         start = self.offset
         if tokens > 1:
-            seen = (mx.concatenate([self.keys.astype(mx.float32), keys.astype(mx.float32)], axis=2),
-                    mx.concatenate([self.values.astype(mx.float32), values.astype(mx.float32)], axis=2),
+            seen = (mx.concatenate([self.keys.astype(dtype), keys.astype(dtype)], axis=2),
+                    mx.concatenate([self.values.astype(dtype), values.astype(dtype)], axis=2),
                     mx.array(np.concatenate([self.positions(), np.arange(start, start + tokens, dtype=np.int32)])))
         kept = min(tokens, self.window)  # the chunk's last `window` keys stay
         slots = mx.array(np.arange(start + tokens - kept, start + tokens) % self.window)
@@ -125,7 +125,7 @@ class SlidingWindowCache:
         self.advance(tokens)
         if tokens > 1:
             return seen
-        return self.keys.astype(mx.float32), self.values.astype(mx.float32), mx.array(self.positions())
+        return self.keys.astype(dtype), self.values.astype(dtype), mx.array(self.positions())
 
     def advance(self, tokens: int) -> None:
         self.offset += tokens

@@ -236,3 +236,39 @@ def test_attention_decode_refuses_a_float32_cache(rng):
     inputs["keys"] = inputs["keys"].astype(mx.float32)
     with pytest.raises(ValueError, match="float16"):
         ops.attention_decode(**inputs)
+
+
+def test_attention_dtype_is_float16_only_for_gpu_prefill_chunks_cudnn_takes():
+    assert ops.attention_dtype(512, 128, "cuda") == mx.float16
+    assert ops.attention_dtype(ops.MATVEC_MAX_TOKENS + 1, 64, "metal") == mx.float16
+    assert ops.attention_dtype(ops.MATVEC_MAX_TOKENS, 128, "cuda") == mx.float32  # decode steps stay exact
+    assert ops.attention_dtype(512, 256, "cuda") == mx.float32  # cuDNN takes head_dim <= 128
+    assert ops.attention_dtype(512, 100, "cuda") == mx.float32
+    assert ops.attention_dtype(512, 128, "cpu") == mx.float32
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, tokens, keys", [(4, 2, 64, 37, 80), (8, 8, 128, 16, 16)])
+def test_prefill_attention_in_float16_matches_numpy(backend, rng, heads, kv_heads, head_dim, tokens, keys):
+    """A GPU prefill chunk's attention with float16 keys/values (ops.attention_dtype): q, keys,
+    values and the probabilities rounded to float16 (unit roundoff 2^-11 = 4.9e-4 each), so
+    the output is within a few of those of float64: bound 3e-3."""
+    if backend == "cpu":
+        pytest.skip("float16 attention inputs are the GPU prefill path")
+    q = rng.standard_normal((1, heads, tokens, head_dim)).astype(np.float32)
+    k = rng.standard_normal((1, kv_heads, keys, head_dim)).astype(np.float16)
+    v = rng.standard_normal((1, kv_heads, keys, head_dim)).astype(np.float16)
+    positions = np.arange(keys)
+    queries = np.arange(keys - tokens, keys)
+    mask = (positions[None, :] <= queries[:, None]) & (positions[None, :] > queries[:, None] - 24)
+    scale = head_dim ** -0.5
+    out = ops.attention(mx.array(q), mx.array(k), mx.array(v), scale, mx.array(mask))
+    assert out.dtype == mx.float32
+    group = heads // kv_heads
+    k64 = np.repeat(k.astype(np.float64), group, axis=1)
+    v64 = np.repeat(v.astype(np.float64), group, axis=1)
+    scores = np.einsum("bhtd,bhsd->bhts", q.astype(np.float64), k64) * scale
+    scores = np.where(mask, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    expected = np.einsum("bhts,bhsd->bhtd", p, v64)
+    assert relative_error(np.array(out), expected) <= 3e-3

@@ -188,3 +188,21 @@ def test_the_generic_gpu_matvec_is_logged_once_per_format(caplog):
         ops.linear_path(GGMLType.Q4_K, 1, "cuda")
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and messages[0].startswith("Q5_K weights have no dedicated decode kernel")
+
+
+def test_paced_products_wait_for_all_but_the_last_queued(monkeypatch):
+    """A GPU prefill's products are queued as they are built; the host waits for all but the
+    last PREFILL_PRODUCTS_AHEAD of them (their float16 weight temporaries stay bounded)."""
+    from muser_mlx.ops import products
+
+    waited = []
+    monkeypatch.setattr(products.mx, "eval", lambda *arrays: waited.extend(arrays))
+    monkeypatch.setattr(products.mx, "async_eval", lambda *arrays: None)
+    outs = [mx.full((2,), float(i)) for i in range(5)]
+    with ops.paced_products(ahead=1):
+        pacer = products._PACING.pacer
+        for out in outs:
+            pacer.queue(out)
+            assert len(pacer.queued) <= 1
+    assert [a is b for a, b in zip(waited, outs[:4])] == [True] * 4
+    assert getattr(products._PACING, "pacer", None) is None

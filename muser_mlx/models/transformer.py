@@ -11,6 +11,8 @@ Calling convention (mlx-lm's): `model(token_ids [B, T], cache=model.make_cache()
 
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 import threading
 
@@ -23,10 +25,6 @@ from muser_mlx.dequant import dequantize_rows
 from muser_mlx.models.config import ModelConfig
 
 
-# GPU prefill: layers queued beyond the one being waited for. Each Muse Glimmer layer holds ~1 GB
-# of float16 weights while it runs; 2 ahead peaked at 1.18x the file (H200, session 7), 0 keeps
-# the peak near the file plus one layer (the host builds a layer in well under 1 % of its time).
-PREFILL_LAYERS_AHEAD = 0
 # decode_step compiles its graph on a GPU (bench/decode.py --no-compile measures without).
 COMPILE_DECODE = True
 
@@ -158,7 +156,7 @@ class Attention(nn.Module):
         else:
             q = ops.split_heads(y["q"], c.heads, c.head_dim, rope=rope, start=start)  # [B, heads, T, hd]
             k = ops.split_heads(y["k"], c.kv_heads, c.head_dim, rope=rope, start=start)
-        keys, values, key_positions = cache.update_and_fetch(k, v)
+        keys, values, key_positions = cache.update_and_fetch(k, v, ops.attention_dtype(tokens, c.head_dim))
         mask = None
         if tokens > 1 or self.sliding:  # one token sees a whole full cache; a ring may hold empty slots
             query_positions = mx.arange(start, start + tokens, dtype=mx.int32)
@@ -392,19 +390,13 @@ class Transformer(nn.Module):
         x = self.embed(ids)
         h = rms_norm(x, self.layers[0].attn_norm, c.eps)
         next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.output_norm]
-        # A GPU prefill chunk decodes each weight to float16 for the matmul: ~1 GB of
-        # temporaries per Muse Glimmer layer, alive until the GPU has run that layer. MLX
-        # encodes far ahead of the GPU, so unbounded, those temporaries added up to 2x the
-        # file. Queue each layer as it is built and wait for the one PREFILL_LAYERS_AHEAD back.
-        bounded = ids.shape[1] > ops.MATVEC_MAX_TOKENS and kernels.backend() != "cpu"
-        queued = []
-        for layer, layer_cache, next_norm in zip(self.layers, cache, next_norms):
-            x, h = layer(x, h, layer_cache, next_norm)
-            if bounded:
-                mx.async_eval(x, h)
-                queued.append(h)
-                if len(queued) > PREFILL_LAYERS_AHEAD:
-                    mx.eval(queued.pop(0))
+        # A GPU prefill chunk decodes each weight to float16 for the matmul (~1 GB a Muse
+        # Glimmer layer): its products are paced (ops.paced_products) so that few of those
+        # temporaries are alive at once.
+        paced = ids.shape[1] > ops.MATVEC_MAX_TOKENS and kernels.backend() != "cpu"
+        with ops.paced_products() if paced else contextlib.nullcontext():
+            for layer, layer_cache, next_norm in zip(self.layers, cache, next_norms):
+                x, h = layer(x, h, layer_cache, next_norm)
         return h
 
     def logits(self, hidden: mx.array) -> mx.array:

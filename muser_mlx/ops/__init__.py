@@ -7,7 +7,7 @@ step's q8x products), norm, attention.
 """
 
 from muser_mlx.kernels import MAX_GRID
-from muser_mlx.ops.attention import (attention, attention_decode, qk_norm_rope, qk_norm_rope_mlx,
+from muser_mlx.ops.attention import (attention, attention_decode, attention_dtype, qk_norm_rope, qk_norm_rope_mlx,
                                      split_heads)
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.embedding import check_token_ids, embedding, embedding_unchecked, make_resident
@@ -15,14 +15,15 @@ from muser_mlx.ops.activations import Q8X, quantize_rows
 from muser_mlx.ops.fused_products import (PRODUCT_CONFIG, PRODUCT_FORMATS, GatedProduct,
                                           NoProductKernelError, Product, ProductConfig, gelu_tanh,
                                           greedy, product, product_glu)
-from muser_mlx.ops.products import MATVEC_KERNELS, MatvecKernel, dequantize_weight, linear, linear_path
+from muser_mlx.ops.products import (MATVEC_KERNELS, MatvecKernel, dequantize_weight, linear, linear_path,
+                                    paced_products)
 from muser_mlx.ops.norm import residual_norm, residual_norm_quant
 
 __all__ = [
     "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MAX_GRID", "PRODUCT_CONFIG", "PRODUCT_FORMATS", "Q8X",
-    "attention", "attention_decode", "check_token_ids", "dequantize_weight", "embedding",
+    "attention", "attention_decode", "attention_dtype", "check_token_ids", "dequantize_weight", "embedding",
     "embedding_unchecked", "GatedProduct", "gelu_tanh", "greedy", "linear", "linear_path",
-    "make_resident", "MatvecKernel", "NoProductKernelError", "product", "Product", "product_glu",
+    "make_resident", "MatvecKernel", "NoProductKernelError", "paced_products", "product", "Product", "product_glu",
     "ProductConfig", "qk_norm_rope", "qk_norm_rope_mlx", "quantize_rows", "residual_norm",
     "residual_norm_quant", "split_heads",
 ]

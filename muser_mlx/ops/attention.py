@@ -10,6 +10,7 @@ import numpy as np
 
 from muser_mlx import cpu_ext, kernels
 from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx
+from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 
 
 def split_heads(y: mx.array, heads: int, head_dim: int, weight: mx.array | None = None,
@@ -70,17 +71,35 @@ def _inverse_frequencies(dims: int, base: float) -> mx.array:
     return mx.array((base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32))
 
 
+def attention_dtype(tokens: int, head_dim: int, backend: str | None = None):
+    """The dtype a chunk of `tokens` queries gives `attention` its keys and values in.
+    float16 for a GPU prefill chunk (more than MATVEC_MAX_TOKENS rows) when head_dim is one
+    cuDNN's fused attention takes (a multiple of 8, at most 128): MLX then runs cuDNN's flash
+    attention, where float32 inputs make it materialize every score in float32 (a Muse Glimmer
+    layer: 0.6 of its 2.1 ms of GPU time per 512-row chunk, H200, session 8). The cache holds
+    float16 on a GPU anyway; q is rounded to float16 too (the prefill products already multiply
+    in float16). float32 otherwise: decode steps and every CPU step keep their exact path."""
+    backend = backend or kernels.backend()
+    if backend != "cpu" and tokens > MATVEC_MAX_TOKENS and head_dim % 8 == 0 and head_dim <= 128:
+        return mx.float16
+    return mx.float32
+
+
 def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
               mask: mx.array | None = None) -> mx.array:
     """softmax(q keysᵀ · scale, where mask) values: q [B, heads, T, head_dim], keys/values
-    [B, kv_heads, S, head_dim], mask bool [T, S] or None; returns [B, heads, T, head_dim]. On
-    the CPU the compiled primitive (cpu_ext.attention: MLX's CPU attention runs its matmuls on
-    reference BLAS, 5-8x slower); elsewhere MLX's fused attention."""
+    [B, kv_heads, S, head_dim], mask bool [T, S] or None; returns float32 [B, heads, T,
+    head_dim]. On the CPU the compiled primitive (cpu_ext.attention: MLX's CPU attention runs
+    its matmuls on reference BLAS, 5-8x slower); elsewhere MLX's fused attention, in float16
+    when keys and values come in float16 (attention_dtype)."""
     if kernels.backend() == "cpu":
         if cpu_ext.available() and q.shape[-1] % 16 == 0:
             return cpu_ext.attention(q, keys, values, scale, mask)
         if not cpu_ext.available():
             cpu_ext.note_unavailable()  # logged once
+    if keys.dtype == mx.float16:
+        return mx.fast.scaled_dot_product_attention(q.astype(mx.float16), keys, values.astype(mx.float16),
+                                                    scale=scale, mask=mask).astype(mx.float32)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
