@@ -9,7 +9,7 @@ GB/s, and time over the floor (weight bytes / the copy bandwidth measured in thi
 T = 512: TFLOP/s of linear() against an f16 `x @ w.T` of the same shape.
 
     python bench/linear.py [--ours-only] [--sweep [--types Q4_K] [--kernel Q4_K=NAME:UNIT]]
-    python bench/linear.py --products [--types Q4_K,Q6_K]   # the fused decode's q8x kernels
+    python bench/linear.py --products [--types Q4_K,Q6_K] [--product-configs 2:8:1,2:8:2]   # q8x kernels
 """
 
 from __future__ import annotations
@@ -85,6 +85,9 @@ def main() -> None:
                         help="--sweep: rows per threadgroup to try (e.g. 4,8,16)")
     parser.add_argument("--sweep-shapes", type=int, default=len(SWEEP_SHAPES),
                         help="--sweep: the first N of Muse Glimmer's shapes (the last is the LM head)")
+    parser.add_argument("--product-configs", default=[],
+                        type=lambda s: [tuple(int(v) for v in c.split(":")) for c in s.split(",")],
+                        help="--products: R:G:U (rows, SIMD groups, unroll) configurations, e.g. 2:8:1,2:8:2")
     parser.add_argument("--products", action="store_true",
                         help="GPU: the fused decode's q8x products on Muse Glimmer's shapes, over rows per "
                              "SIMD group x SIMD groups per threadgroup, then stop")
@@ -218,8 +221,8 @@ PRODUCT_CASES = [
 def products(rng, bandwidth, args) -> None:
     """µs per call and % of the copy ceiling of ops.product / product_glu (x as q8x, made once)
     over ops.PRODUCT_CONFIG's rows per SIMD group x SIMD groups per threadgroup."""
-    configs = [(r, g) for r in (1, 2, 4, 8) for g in (2, 4, 8)]
-    print("| product | shape out x in | weight | MB | " + " | ".join(f"R{r} G{g}" for r, g in configs) + " |")
+    configs = args.product_configs or [(r, g, 1) for r in (1, 2, 4, 8) for g in (2, 4, 8)]
+    print("| product | shape out x in | weight | MB | " + " | ".join(f"R{r} G{g} U{u}" for r, g, u in configs) + " |")
     print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in configs) + " |")
     saved = dict(ops.PRODUCT_CONFIG)
     try:
@@ -254,9 +257,9 @@ def products(rng, bandwidth, args) -> None:
                 return ops.product(x, first, second)
 
             cells = []
-            for r, g in configs:
-                ops.PRODUCT_CONFIG[ggml_type] = ops.ProductConfig(r, g)
-                if extra == "glu" and g != 4:  # product_glu's threadgroup is 32 / rows SIMD groups
+            for r, g, u in configs:
+                ops.PRODUCT_CONFIG[ggml_type] = ops.ProductConfig(r, g, u)
+                if extra == "glu" and g != 4 and not args.product_configs:  # glu: 32 / rows SIMD groups
                     cells.append("")
                     continue
                 seconds = per_call_seconds(lambda: [call(i) for i in range(args.calls)], args.repeats)

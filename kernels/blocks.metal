@@ -479,19 +479,40 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
 
 // The ROWS rows first_row.. of a weight (rows past OUT re-read row OUT-1; the caller never
 // stores them) dotted with TOKENS tokens of q8x activations by one SIMD group: lane l takes
-// units l, l + 32, ... of every row, so the lanes' weight loads are consecutive. Adds each
-// lane's share into acc[t * ROWS + r]; the caller sums the lanes.
-template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN>
+// units l, l + 32, ... of every row, so the lanes' weight loads are consecutive. UNROLL units
+// per lane at a time (l, l + 32, ..., l + 32 (UNROLL - 1)): their loads are issued together
+// before any is used (a unit past the row's last re-reads the last unit and adds nothing).
+// Adds each lane's share into acc[t * ROWS + r]; the caller sums the lanes.
+template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL>
 inline void muser_rows_dot(const device uint8_t* weight, uint first_row, const device int8_t* xq,
                            const device float* xd, const device float* xs, uint lane, thread float* acc) {
-  for (uint unit = lane; unit < uint(IN / 32); unit += 32u) {
-    muser_x_unit x[TOKENS];
-    for (int t = 0; t < TOKENS; ++t) {
-      x[t] = muser_load_x_unit<FORMAT>(xq + t * IN, xd + t * (IN / 32), xs + t * (IN / 8), unit);
+  const uint UNITS = uint(IN / 32);
+  for (uint base = lane; base < UNITS; base += 32u * uint(UNROLL)) {
+    muser_x_unit x[UNROLL * TOKENS];
+    uint units[UNROLL];
+    for (int u = 0; u < UNROLL; ++u) {
+      units[u] = min(base + 32u * uint(u), UNITS - 1u);
+      for (int t = 0; t < TOKENS; ++t) {
+        x[u * TOKENS + t] = muser_load_x_unit<FORMAT>(xq + t * IN, xd + t * (IN / 32), xs + t * (IN / 8), units[u]);
+      }
     }
-    for (int r = 0; r < ROWS; ++r) {
-      uint row = min(first_row + uint(r), uint(OUT - 1));
-      muser_unit_dot<FORMAT, TOKENS, ROWS>(weight, size_t(row) * size_t(ROW_BYTES), unit, x, acc + r);
+    float part[UNROLL * TOKENS * ROWS];
+    for (int i = 0; i < UNROLL * TOKENS * ROWS; ++i) {
+      part[i] = 0.0f;
+    }
+    for (int u = 0; u < UNROLL; ++u) {
+      for (int r = 0; r < ROWS; ++r) {
+        uint row = min(first_row + uint(r), uint(OUT - 1));
+        muser_unit_dot<FORMAT, TOKENS, ROWS>(weight, size_t(row) * size_t(ROW_BYTES), units[u], x + u * TOKENS,
+                                             part + u * TOKENS * ROWS + r);
+      }
+    }
+    for (int u = 0; u < UNROLL; ++u) {
+      if (base + 32u * uint(u) < UNITS) {
+        for (int i = 0; i < TOKENS * ROWS; ++i) {
+          acc[i] += part[u * TOKENS * ROWS + i];
+        }
+      }
     }
   }
 }

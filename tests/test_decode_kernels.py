@@ -86,6 +86,29 @@ def test_product_of_one_or_two_weights_matches_numpy(backend, rng, formats_ab, t
     assert relative_error(out, expected) <= PRODUCT_BOUND
 
 
+@pytest.mark.parametrize("unroll", [2, 3])
+@pytest.mark.parametrize("formats_ab", FORMAT_PAIRS[:3], ids=lambda p: "+".join(t.name for t in p if t))
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, rng, monkeypatch, formats_ab,
+                                                                         tokens, unroll):
+    """ProductConfig.unroll: 88 units a row, so lanes take 2 or 3 units and the last batch of
+    most lanes runs past the row (those units must add nothing)."""
+    first, _ = formats_ab
+    in_features, out = 2816, 37
+    monkeypatch.setitem(ops.PRODUCT_CONFIG, first, ops.ProductConfig(2, 4, unroll))
+    a, a_values = weight(rng, first, in_features, out, "a")
+    x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32))
+    gate, gate_values = weight(rng, first, in_features, 64, "gate")
+    up, up_values = weight(rng, first, in_features, 64, "up")
+    with kernels.poisoned_outputs():
+        y = np.array(ops.product(x, a))
+        glu = ops.product_glu(x, gate, up, "silu")
+        mx.eval(glu)
+    assert relative_error(y, x_values @ a_values.T) <= PRODUCT_BOUND
+    g, u = x_values @ gate_values.T, x_values @ up_values.T
+    assert_within_half_a_code(glu, g / (1 + np.exp(-g)) * u)
+
+
 @pytest.mark.parametrize("cap", [20.0, 0.0], ids=["softcap", "no-softcap"])
 def test_lm_head_epilogue_scales_caps_and_picks_the_greedy_row(backend, rng, cap):
     vocab, hidden, scale = 2003, 512, 0.2

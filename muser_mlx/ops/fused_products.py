@@ -20,12 +20,14 @@ PRODUCT_FORMATS = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
 
 
 class ProductConfig(NamedTuple):
-    """Rows per SIMD group and SIMD groups per threadgroup of kernel product for a weight
-    format (a launch of two weights takes its first's); product_glu takes `rows` (its
-    threadgroups hold 32 rows: 32 / rows SIMD groups)."""
+    """Rows per SIMD group, SIMD groups per threadgroup and units per lane at a time (their
+    loads issued together) of kernel product for a weight format (a launch of two weights
+    takes its first's); product_glu takes `rows` and `unroll` (its threadgroups hold 32 rows:
+    32 / rows SIMD groups)."""
 
     rows: int
     simd_groups: int
+    unroll: int = 1
 
 
 # Chosen by `bench/linear.py --products` on the H200 (bench/RESULTS.md).
@@ -83,12 +85,12 @@ class Product:
         self.in_features = weight.shape[0]
         out_a, out_b = weight.shape[1], second.shape[1] if second is not None else 0
         self.out_features = out_a + out_b
-        rows, simd_groups = PRODUCT_CONFIG[ggml_type]
+        rows, simd_groups, unroll = PRODUCT_CONFIG[ggml_type]
         self.groups = -(-(-(-out_a // rows) - (-out_b // rows)) // simd_groups)  # threadgroups
         self.template = (_weight_template("A", weight) + [("OUT_A", out_a)]
                          + _weight_template("B", second if second is not None else weight)
                          + [("OUT_B", out_b), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", rows),
-                            ("EPILOGUE", int(head is not None))])
+                            ("UNROLL", unroll), ("EPILOGUE", int(head is not None))])
         self.threadgroup = (32 * simd_groups, 1, 1)
         self.grid = (32 * simd_groups * self.groups, 1, 1)
         self.parameters = kernels.parameters(*(head if head is not None else (1.0, 0.0)))
@@ -142,10 +144,10 @@ class GatedProduct:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.gate, self.up, self.activation, self.tokens = gate, up, activation, tokens
         self.in_features, self.ff = gate.shape
-        rows = PRODUCT_CONFIG[ggml_type].rows
+        rows, _, unroll = PRODUCT_CONFIG[ggml_type]
         self.template = (_weight_template("G", gate) + _weight_template("U", up)
                          + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", rows),
-                            ("ACTIVATION", ACTIVATIONS[activation])])
+                            ("UNROLL", unroll), ("ACTIVATION", ACTIVATIONS[activation])])
         self.threadgroup = (32 * (32 // rows), 1, 1)  # a threadgroup per 32 rows
         self.grid = (self.ff // 32 * self.threadgroup[0], 1, 1)
 
