@@ -13,9 +13,9 @@
 // Bytes per call: HEADS * SPLITS * (HEAD_DIM + 2) * 4 read, HEADS * HEAD_DIM * 1.375 written.
 // Bounds: SIMD groups past the last block (CUDA's surplus) return whole.
 // SPLITS is partial_stats' second dimension, read at run time.
-// SPLITS is at most 64 (ops.attention sizes the splits so).
+// SPLITS is at most 128 (ops.attention sizes the splits so).
 // Template constants: HEADS, HEAD_DIM, GATE, G_OFF.
-const int MAX_SPLITS = 64;
+const int MAX_SPLITS = 128;
 const uint SPLITS = uint(partial_stats_shape[1]);
 uint lane = thread_index_in_simdgroup;
 uint block = thread_position_in_grid.x / 32u;

@@ -44,7 +44,8 @@ class KVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array, dtype=mx.float32):
         """Append keys/values [B, kv_heads, T, head_dim]; return the keys, values (in `dtype`)
-        and key positions attention may see: [B, kv_heads, S, head_dim] twice and [S]."""
+        and key positions attention may see: [B, kv_heads, S, head_dim] twice and [S], and
+        whether key j holds position j for every j (here always: slot s holds position s)."""
         batch, kv_heads, tokens, head_dim = keys.shape
         finish_fused_writes(self)
         start = self.offset
@@ -54,7 +55,7 @@ class KVCache:
         self.advance(tokens)
         end = self.offset
         return (self.keys[:, :, :end].astype(dtype), self.values[:, :, :end].astype(dtype),
-                mx.arange(end, dtype=mx.int32))
+                mx.arange(end, dtype=mx.int32), True)
 
     def advance(self, tokens: int) -> None:
         """Count `tokens` positions as written (a fused decode step wrote them itself)."""
@@ -108,16 +109,23 @@ class SlidingWindowCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array, dtype=mx.float32):
         """Add keys/values [B, kv_heads, T, head_dim]; return what attention may see: the ring's
         keys before this chunk and the chunk's own (a chunk's first query still sees window-1
-        older keys), in `dtype`, with their positions. One token is written first and the ring
-        returned as it is (its mask drops the key that just left the window)."""
+        older keys), in `dtype`, with their positions, and whether key j holds position j for
+        every j: so while nothing has left the window (the chunk ends within it, no slot
+        stale), when the ring's filled slots come first, in order. One token is written first
+        and the ring returned as it is (its mask drops the key that just left the window)."""
         batch, kv_heads, tokens, head_dim = keys.shape
         finish_fused_writes(self)
         self.reserve(batch, kv_heads, head_dim, self.offset + tokens)
         start = self.offset
-        if tokens > 1:
+        if tokens > 1 and start + tokens <= self.window and self.stale is None:
+            seen = (mx.concatenate([self.keys[:, :, :start].astype(dtype), keys.astype(dtype)], axis=2),
+                    mx.concatenate([self.values[:, :, :start].astype(dtype), values.astype(dtype)], axis=2),
+                    mx.arange(start + tokens, dtype=mx.int32), True)
+        elif tokens > 1:
             seen = (mx.concatenate([self.keys.astype(dtype), keys.astype(dtype)], axis=2),
                     mx.concatenate([self.values.astype(dtype), values.astype(dtype)], axis=2),
-                    mx.array(np.concatenate([self.positions(), np.arange(start, start + tokens, dtype=np.int32)])))
+                    mx.array(np.concatenate([self.positions(), np.arange(start, start + tokens, dtype=np.int32)])),
+                    False)
         kept = min(tokens, self.window)  # the chunk's last `window` keys stay
         slots = mx.array(np.arange(start + tokens - kept, start + tokens) % self.window)
         self.keys[:, :, slots] = keys[:, :, tokens - kept :].astype(self.dtype)
@@ -125,7 +133,7 @@ class SlidingWindowCache:
         self.advance(tokens)
         if tokens > 1:
             return seen
-        return self.keys.astype(dtype), self.values.astype(dtype), mx.array(self.positions())
+        return self.keys.astype(dtype), self.values.astype(dtype), mx.array(self.positions()), False
 
     def advance(self, tokens: int) -> None:
         self.offset += tokens

@@ -7,6 +7,8 @@ quantizes its own float32 result, a code may land on the other side of a roundin
 the float64 reference's; so each value is checked to lie within half a code step (d / 2) of the
 exact result, which is the quantization's own bound, plus float32 rounding."""
 
+import importlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -86,13 +88,13 @@ def test_product_of_one_or_two_weights_matches_numpy(backend, rng, formats_ab, t
     assert relative_error(out, expected) <= PRODUCT_BOUND
 
 
-@pytest.mark.parametrize("unroll", [2, 3])
+@pytest.mark.parametrize("unroll", [1, 2])
 @pytest.mark.parametrize("formats_ab", FORMAT_PAIRS[:3], ids=lambda p: "+".join(t.name for t in p if t))
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, rng, monkeypatch, formats_ab,
                                                                          tokens, unroll):
-    """ProductConfig.unroll: 88 units a row, so lanes take 2 or 3 units and the last batch of
-    most lanes runs past the row (those units must add nothing)."""
+    """ProductConfig.unroll: 88 units a row, so lanes take 2 or 3 units and, two at a time, the
+    last batch of most lanes runs past the row (those units must add nothing)."""
     first, _ = formats_ab
     in_features, out = 2816, 37
     monkeypatch.setitem(ops.PRODUCT_CONFIG, first, ops.ProductConfig(2, 4, unroll))
@@ -107,6 +109,13 @@ def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, 
     assert relative_error(y, x_values @ a_values.T) <= PRODUCT_BOUND
     g, u = x_values @ gate_values.T, x_values @ up_values.T
     assert_within_half_a_code(glu, g / (1 + np.exp(-g)) * u)
+
+
+def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
+    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 3))
+    a, _ = weight(rng, GGMLType.Q4_K, 256, 8, "a")
+    with pytest.raises(ValueError, match="unroll must be 1 or 2"):
+        ops.Product(a)
 
 
 @pytest.mark.parametrize("cap", [20.0, 0.0], ids=["softcap", "no-softcap"])
@@ -232,7 +241,12 @@ def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm
 @pytest.mark.parametrize("capacity, position", [(256, 0), (256, 1), (256, 200), (8, 5), (8, 8), (8, 29), (4096, 3000)],
                          ids=["first", "second", "full-200", "ring-filling", "ring-wraps", "ring-29", "long"])
 @pytest.mark.parametrize("variant", ["muse", "llama", "qwen2", "gqa-3"])
-def test_attention_decode_matches_numpy_and_writes_its_slot(backend, rng, capacity, position, variant):
+@pytest.mark.parametrize("splits", [64, 128], ids=["64-splits", "128-splits"])
+def test_attention_decode_matches_numpy_and_writes_its_slot(backend, rng, monkeypatch, capacity, position, variant,
+                                                            splits):
+    if splits != 64 and capacity < 4096:
+        pytest.skip("only a long cache has more than 64 splits")
+    monkeypatch.setattr(importlib.import_module("muser_mlx.ops.attention"), "ATTENTION_SPLITS", splits)
     heads, kv_heads, gate, bias, qk_norm, rope_spec = {
         "muse": (8, 2, True, False, True, (64, True)),
         "llama": (4, 2, False, False, False, (64, False)),

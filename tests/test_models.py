@@ -106,6 +106,22 @@ def test_sliding_window_layers_see_exactly_window_keys(tiny, rng, architecture):
     assert relative_error(decoded, reference(WINDOW - 1)) > max(10 * right, 1e-3)
 
 
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
+def test_prefill_chunks_within_a_wide_window_match_the_reference(tmp_path, rng, backend, architecture):
+    """Chunks of more than MATVEC_MAX_TOKENS rows that end inside a 48-key window: the window
+    caches give attention their filled slots in order (on a GPU, cuDNN's attention with a
+    causal mask), then a chunk that crosses the window and one-token steps."""
+    path = tiny_model(tmp_path / f"{architecture}-wide.gguf", architecture, rng, weights="Q8_0", window=48)
+    file = gguf.read(path)
+    model = build_model(file)
+    ids = random_ids(rng, model, 70)
+    cache = model.make_cache()
+    pieces = [model(ids[None, a:b], cache) for a, b in [(0, 20), (20, 45), (45, 60), (60, 61), (61, 70)]]
+    logits = np.array(mx.concatenate(pieces, axis=1))[0]
+    expected = Reference(model.config, file.tensors).forward(ids)
+    assert relative_error(logits, expected) <= TOLERANCE[backend]
+
+
 def test_sliding_window_caches_hold_at_most_the_window(tiny, rng):
     _, model = tiny("muse-glimmer", "Q8_0")
     cache = model.make_cache()

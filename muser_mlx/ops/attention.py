@@ -88,11 +88,15 @@ def attention_dtype(tokens: int, head_dim: int, backend: str | None = None):
 def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
               mask: mx.array | None = None) -> mx.array:
     """softmax(q keysᵀ · scale, where mask) values: q [B, heads, T, head_dim], keys/values
-    [B, kv_heads, S, head_dim], mask bool [T, S] or None; returns float32 [B, heads, T,
+    [B, kv_heads, S, head_dim], mask bool [T, S], "causal" (query i of T sees keys up to
+    S - T + i) or None; returns float32 [B, heads, T,
     head_dim]. On the CPU the compiled primitive (cpu_ext.attention: MLX's CPU attention runs
     its matmuls on reference BLAS, 5-8x slower); elsewhere MLX's fused attention, in float16
     when keys and values come in float16 (attention_dtype)."""
     if kernels.backend() == "cpu":
+        if isinstance(mask, str) and mask == "causal":
+            tokens, keys_seen = q.shape[2], keys.shape[2]
+            mask = mx.arange(keys_seen)[None, :] <= mx.arange(keys_seen - tokens, keys_seen)[:, None]
         if cpu_ext.available() and q.shape[-1] % 16 == 0:
             return cpu_ext.attention(q, keys, values, scale, mask)
         if not cpu_ext.available():
@@ -141,8 +145,10 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     group = heads // kv_heads
     head_group = max(g for g in range(1, min(group, ATTENTION_HEAD_GROUP) + 1) if group % g == 0)
     # Keys per split, from a few sizes (each a kernel): ATTENTION_SPLITS splits or more.
+    if not 1 <= ATTENTION_SPLITS <= 128:
+        raise ValueError(f"ATTENTION_SPLITS must be 1..128 (attention_combine's lanes hold 4 each), got {ATTENTION_SPLITS}")
     split = 32 * 2 ** max(0, math.ceil(math.log2(capacity / (32 * ATTENTION_SPLITS))))
-    splits = -(-capacity // split)  # at most ATTENTION_SPLITS: attention_combine's lanes hold 2 each
+    splits = -(-capacity // split)  # at most ATTENTION_SPLITS
     dims = rope["dims"] if rope is not None else 0
     unused = kernels.parameters(0.0)
     partial_o, partial_stats = kernels.launch(

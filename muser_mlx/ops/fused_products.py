@@ -37,6 +37,13 @@ PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8), GGMLType.Q6_K: ProductConf
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
+def _config(ggml_type) -> ProductConfig:
+    config = PRODUCT_CONFIG[ggml_type]
+    if config.unroll not in (1, 2):  # 3 units of 3 tokens need more registers than a launch of 512 threads has (H200)
+        raise ValueError(f"PRODUCT_CONFIG[{ggml_type.name}]: unroll must be 1 or 2, got {config.unroll}")
+    return config
+
+
 class NoProductKernelError(ValueError):
     """A weight the q8x product kernels cannot read (its format, or its shape for product_glu):
     a model with one runs the general step instead of the fused one."""
@@ -85,7 +92,7 @@ class Product:
         self.in_features = weight.shape[0]
         out_a, out_b = weight.shape[1], second.shape[1] if second is not None else 0
         self.out_features = out_a + out_b
-        rows, simd_groups, unroll = PRODUCT_CONFIG[ggml_type]
+        rows, simd_groups, unroll = _config(ggml_type)
         self.groups = -(-(-(-out_a // rows) - (-out_b // rows)) // simd_groups)  # threadgroups
         self.template = (_weight_template("A", weight) + [("OUT_A", out_a)]
                          + _weight_template("B", second if second is not None else weight)
@@ -144,7 +151,7 @@ class GatedProduct:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.gate, self.up, self.activation, self.tokens = gate, up, activation, tokens
         self.in_features, self.ff = gate.shape
-        rows, _, unroll = PRODUCT_CONFIG[ggml_type]
+        rows, _, unroll = _config(ggml_type)
         self.template = (_weight_template("G", gate) + _weight_template("U", up)
                          + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", rows),
                             ("UNROLL", unroll), ("ACTIVATION", ACTIVATIONS[activation])])
