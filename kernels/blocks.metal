@@ -274,6 +274,23 @@ inline void muser_threadgroup_sum(thread float* acc, threadgroup float* partial,
   }
 }
 
+// Two floats as float16, packed into one word (the first in the low half).
+inline uint muser_pack_halves(float a, float b) {
+  return uint(as_type<ushort>(half(a))) | (uint(as_type<ushort>(half(b))) << 16u);
+}
+
+// Eight consecutive values stored with 16-byte stores (out 16-byte aligned): as float16 or
+// float32, the type of the output.
+inline void muser_store8(device half* out, thread const float* v) {
+  *((device uint4*)out) = uint4(muser_pack_halves(v[0], v[1]), muser_pack_halves(v[2], v[3]),
+                                muser_pack_halves(v[4], v[5]), muser_pack_halves(v[6], v[7]));
+}
+
+inline void muser_store8(device float* out, thread const float* v) {
+  *((device float4*)out) = float4(v[0], v[1], v[2], v[3]);
+  *((device float4*)(out + 4)) = float4(v[4], v[5], v[6], v[7]);
+}
+
 // One element of a row in format FORMAT (a compile-time constant: dead cases fold away).
 template <int FORMAT>
 inline float muser_value(const device uint8_t* row, uint element) {

@@ -119,6 +119,7 @@ CUDA_TRANSLATION: list[tuple[str, str]] = [
     (r"\bconstant\s+", "__constant__ "),
     (r"\binline\s+", "__device__ inline "),
     (r"\bas_type<half>", "__ushort_as_half"),
+    (r"\bas_type<ushort>", "__half_as_ushort"),  # of a half only
     (r"\bas_type<float>", "__uint_as_float"),
     (r"\buint2\(", "make_uint2("),
     (r"\buint4\(", "make_uint4("),

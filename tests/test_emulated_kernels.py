@@ -39,7 +39,7 @@ F16_MATMUL = 3e-3
 
 ALL_FORMATS = list(formats.FORMATS)
 DEDICATED = list(ops.MATVEC_KERNELS)
-KERNELS_TESTED = {"embedding", "dequant_rows", "matvec", "qk_norm_rope", "quantize_rows", "product", "argmax",
+KERNELS_TESTED = {"embedding", "dequant_rows", "dequant_spans", "matvec", "qk_norm_rope", "quantize_rows", "product", "argmax",
                   "product_glu", "residual_norm_quant", "attention_decode", "attention_combine",
                   *(kernel.name for kernel in ops.MATVEC_KERNELS.values())}
 
@@ -83,26 +83,48 @@ def test_decode_kernels_one_and_eight_tokens(tmp_path, rng, ggml_type, tokens, i
     assert relative_error(out, expected) <= F32_SUMS
 
 
-def test_prefill_decodes_the_weight_with_dequant_rows(tmp_path, rng):
+def test_prefill_decodes_the_weight_with_dequant_spans(tmp_path, rng):
     out, expected, launches = linear(tmp_path, rng, GGMLType.Q4_K, 512, 7, 9)
-    assert [launch[0] for launch in launches] == ["dequant_rows"]
+    assert [launch[0] for launch in launches] == ["dequant_spans"]
     assert relative_error(out, expected) <= F16_MATMUL
 
 
+@pytest.mark.parametrize("kernel", ["dequant_rows", "dequant_spans"])
 @pytest.mark.parametrize("ggml_type, in_features", [
-    (GGMLType.Q4_K, 512), (GGMLType.Q6_K, 256), (GGMLType.Q8_0, 96), (GGMLType.Q5_K, 256), (GGMLType.F32, 100)],
-    ids=lambda v: getattr(v, "name", v))
-def test_dequant_rows(tmp_path, rng, ggml_type, in_features):
-    # Q8_0 and F32 rows end inside their last 256-value span; 11 rows leave surplus SIMD groups.
+    (GGMLType.Q4_K, 512), (GGMLType.Q6_K, 256), (GGMLType.Q8_0, 96), (GGMLType.Q5_K, 256), (GGMLType.F32, 100),
+    (GGMLType.Q4_1, 160), (GGMLType.F16, 64)], ids=lambda v: getattr(v, "name", v))
+def test_dequant_rows_and_spans(tmp_path, rng, monkeypatch, kernel, ggml_type, in_features):
+    # Q8_0, Q4_1 and F32 rows end inside their last 256-value span; 11 rows leave surplus SIMD
+    # groups. F32 rows of 100 values are not whole 32-value blocks: dequant_rows takes them.
+    from muser_mlx.ops import products
+
+    monkeypatch.setattr(products, "DEQUANT_KERNEL", kernel)
     out_features = 11
     raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
     expected = formats.dequantize(raw, ggml_type, [in_features, out_features])
-    dtype = mx.float32 if ggml_type == GGMLType.F32 else mx.float16
-    with emulated_gpu() as launches, kernels.poisoned_outputs():
-        out = np.array(ops.dequantize_weight(mx.array(raw), ggml_type, in_features, out_features, dtype))
-    assert [launch[0] for launch in launches] == ["dequant_rows"]
-    assert np.isfinite(out).all(), "an output left unwritten"
-    assert relative_error(out, expected) <= (F16_VALUES if dtype == mx.float16 else 1e-7)
+    for dtype in (mx.float16, mx.float32):
+        with emulated_gpu() as launches, kernels.poisoned_outputs():
+            out = np.array(ops.dequantize_weight(mx.array(raw), ggml_type, in_features, out_features, dtype))
+        assert [launch[0] for launch in launches] == [kernel if in_features % 32 == 0 else "dequant_rows"]
+        assert np.isfinite(out).all(), "an output left unwritten"
+        if dtype == mx.float32 and ggml_type != GGMLType.F16:
+            assert relative_error(out, expected) <= 1e-7
+        else:
+            assert relative_error(out, expected) <= F16_VALUES
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_dequant_spans_gives_dequant_rows_bits(tmp_path, rng, monkeypatch, ggml_type):
+    """The same expression for each value: the two decoders agree bit for bit."""
+    from muser_mlx.ops import products
+
+    raw = mx.array(testing.random_blocks(rng, ggml_type, 5, 512))
+    outs = []
+    for kernel in ("dequant_rows", "dequant_spans"):
+        monkeypatch.setattr(products, "DEQUANT_KERNEL", kernel)
+        with emulated_gpu(), kernels.poisoned_outputs():
+            outs.append(np.array(ops.dequantize_weight(raw, ggml_type, 512, 5, mx.float16)))
+    np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
 
 
 @pytest.mark.parametrize("ggml_type, dtype", [(GGMLType.Q4_K, mx.float32), (GGMLType.Q6_K, mx.float32),

@@ -34,6 +34,18 @@ LAUNCHES = {
         [mx.float16],
         [("FORMAT", 12), ("IN", 512), ("ROW_BYTES", 288), ("OUT", 24)],
     ),
+    "dequant_spans_q6k": (
+        "dequant_spans",
+        [InputSpec(mx.uint8, 2, 24 * 420)],
+        [mx.float16],
+        [("FORMAT", 14), ("IN", 512), ("ROW_BYTES", 420), ("OUT", 24)],
+    ),
+    "dequant_spans_q8_0_f32": (
+        "dequant_spans",
+        [InputSpec(mx.uint8, 2, 5 * 102)],
+        [mx.float32],
+        [("FORMAT", 8), ("IN", 96), ("ROW_BYTES", 102), ("OUT", 5)],
+    ),
     "dequant_rows_f32": (
         "dequant_rows",
         [InputSpec(mx.uint8, 2, 5 * 400)],

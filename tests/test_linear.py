@@ -190,19 +190,23 @@ def test_the_generic_gpu_matvec_is_logged_once_per_format(caplog):
     assert len(messages) == 1 and messages[0].startswith("Q5_K weights have no dedicated decode kernel")
 
 
-def test_paced_products_wait_for_all_but_the_last_queued(monkeypatch):
-    """A GPU prefill's products are queued as they are built; the host waits for all but the
-    last PREFILL_PRODUCTS_AHEAD of them (their float16 weight temporaries stay bounded)."""
+def test_paced_products_keep_the_queued_temporaries_within_the_budget(monkeypatch):
+    """A GPU prefill's products are queued as they are built; before each, the host waits for
+    the oldest until the float16 weight temporaries queued at once fit the budget (one product
+    is queued whatever its size)."""
     from muser_mlx.ops import products
 
     waited = []
     monkeypatch.setattr(products.mx, "eval", lambda *arrays: waited.extend(arrays))
     monkeypatch.setattr(products.mx, "async_eval", lambda *arrays: None)
-    outs = [mx.full((2,), float(i)) for i in range(5)]
-    with ops.paced_products(ahead=1):
+    sizes = [300, 500, 100, 100, 900, 50]
+    outs = [mx.full((2,), float(i)) for i in range(len(sizes))]
+    with ops.paced_products(budget=800):
         pacer = products._PACING.pacer
-        for out in outs:
-            pacer.queue(out)
-            assert len(pacer.queued) <= 1
-    assert [a is b for a, b in zip(waited, outs[:4])] == [True] * 4
+        for out, nbytes in zip(outs, sizes):
+            pacer.make_room(nbytes)
+            assert sum(n for _, n in pacer.queued) + nbytes <= 800 or not pacer.queued
+            pacer.queue(out, nbytes)
+    # 300+500 fit; 100 waits for 300; 100 fits (700); 900 waits for all and is queued alone; 50 waits for it.
+    assert [id(a) for a in waited] == [id(outs[i]) for i in (0, 1, 2, 3, 4)]
     assert getattr(products._PACING, "pacer", None) is None

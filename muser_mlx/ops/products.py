@@ -22,6 +22,9 @@ from muser_mlx.ops.cpu_products import (MATVEC_MAX_TOKENS, _cpu_affine, _cpu_deq
                                         _cpu_gguf_linear)
 
 DEQUANT_THREADGROUP = 256
+# The prefill's weight decoder: "dequant_spans" (a lane's 8 values consecutive, 16-byte stores)
+# or "dequant_rows" (a lane's values 32 apart, 2-byte stores); the same values either way.
+DEQUANT_KERNEL = "dequant_spans"
 MATVEC_SIMD_GROUPS = 8  # SIMD groups (of 32 threads) per threadgroup, at most
 
 class MatvecKernel(NamedTuple):
@@ -139,8 +142,10 @@ def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_f
     threads = out_features * -(-in_features // 256) * 32  # a SIMD group per 256 values
     if threads > MAX_GRID:
         raise ValueError(f"{out_features} rows of {in_features} values exceed one launch")
+    # dequant_spans stores 8 values at a time: rows of whole 32-value blocks.
+    name = DEQUANT_KERNEL if in_features % 32 == 0 else "dequant_rows"
     (values,) = kernels.launch(
-        "dequant_rows",
+        name,
         inputs=[weight_bytes],
         template=[("FORMAT", int(fmt.ggml_type)), ("IN", in_features),
                   ("ROW_BYTES", fmt.row_bytes(in_features)), ("OUT", out_features)],
@@ -156,42 +161,47 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
     # Prefill: decode the weight once per call (its cost is shared by all T rows), then the
     # backend's f16 matmul does the arithmetic.
     weight = dequantize_weight(weight_bytes, fmt.ggml_type, in_features, out_features, mx.float16)
-    out = (rows.astype(mx.float16) @ weight.T).astype(mx.float32)
     pacer = getattr(_PACING, "pacer", None)
+    if pacer is not None:  # before the weight's buffer exists: MLX allocates it when encoding
+        pacer.make_room(2 * in_features * out_features)
+    out = (rows.astype(mx.float16) @ weight.T).astype(mx.float32)
     if pacer is not None:
-        pacer.queue(out)
+        pacer.queue(out, 2 * in_features * out_features)
     return out
 
 
-# GPU prefill: products queued on the GPU beyond the one the host waits for. Each queued product
-# holds its weight decoded to float16 (up to 0.53 GB for Muse Glimmer's gate/up), allocated when
-# MLX encodes it, freed when the GPU has run it: MLX encodes far ahead of the GPU, so unbounded,
-# a chunk's temporaries added up to 2x the file. With 1, the GPU always has the next product
-# queued while the host builds the one after (waiting a whole layer back idled the GPU while
-# the host built each layer: 185-191 against 137-144 ms a chunk, H200, session 8).
-PREFILL_PRODUCTS_AHEAD = 1
+# GPU prefill: the float16 weight temporaries queued on the GPU at once, at most (bytes). Each
+# queued product holds its weight decoded to float16 (Muse Glimmer: 0.53 GB for gate/up, 0.27
+# for ffn_down, 0.05-0.11 for the attention's), allocated when MLX encodes it, freed when the
+# GPU has run it; MLX encodes far ahead of the GPU, so unbounded, a chunk's temporaries added
+# up to 2x the file. Before a product is queued the host waits for the oldest ones until it
+# fits (one product is queued whatever its size). Waiting for a whole layer instead idled the
+# GPU while the host built each layer (H200, session 8: 185-191 against 137-144 ms a chunk).
+PREFILL_TEMPORARY_BYTES = 800_000_000
 _PACING = threading.local()
 
 
 class _Pacer:
-    def __init__(self, ahead: int):
-        self.ahead = ahead
-        self.queued = collections.deque()
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.queued = collections.deque()  # (output, temporary bytes), oldest first
 
-    def queue(self, out: mx.array) -> None:
+    def make_room(self, nbytes: int) -> None:
+        while self.queued and sum(n for _, n in self.queued) + nbytes > self.budget:
+            mx.eval(self.queued.popleft()[0])
+
+    def queue(self, out: mx.array, nbytes: int) -> None:
         mx.async_eval(out)
-        self.queued.append(out)
-        while len(self.queued) > self.ahead:
-            mx.eval(self.queued.popleft())
+        self.queued.append((out, nbytes))
 
 
 @contextlib.contextmanager
-def paced_products(ahead: int | None = None):
-    """Within this block (this thread), every GPU prefill product is queued as it is built and
-    the host waits for the one `ahead` (PREFILL_PRODUCTS_AHEAD) back: the float16 weight
-    temporaries alive at once stay at ahead + 1 products'."""
+def paced_products(budget: int | None = None):
+    """Within this block (this thread), every GPU prefill product is queued as it is built,
+    after waiting for older ones until the float16 weight temporaries queued at once fit in
+    `budget` bytes (PREFILL_TEMPORARY_BYTES)."""
     previous = getattr(_PACING, "pacer", None)
-    _PACING.pacer = _Pacer(PREFILL_PRODUCTS_AHEAD if ahead is None else ahead)
+    _PACING.pacer = _Pacer(PREFILL_TEMPORARY_BYTES if budget is None else budget)
     try:
         yield
     finally:
