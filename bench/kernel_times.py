@@ -62,7 +62,8 @@ def run(args) -> None:
 def prefill(args) -> None:
     """512-row prefill chunks (model.hidden and the last row's logits, as generation's prompt
     does) from context 0, --steps of them: wall ms per chunk; under ncu, every kernel's time
-    (`report --whole` sums them per chunk)."""
+    (`report --whole` sums them per chunk). --variant NAME:module.ATTR=value,... (repeatable)
+    times the same chunks again with those module constants (read at call time) changed."""
     import mlx.core as mx
 
     from decode import write_file
@@ -71,22 +72,36 @@ def prefill(args) -> None:
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
     if not path.exists():
         write_file(path, np.random.default_rng(0), args.layers)
-    for setting in args.set:  # module constants, e.g. muser_mlx.models.transformer.PREFILL_LAYERS_AHEAD=1
-        target, value = setting.split("=", 1)
-        module_name, attr = target.rsplit(".", 1)
-        module = importlib.import_module(module_name)
-        setattr(module, attr, type(getattr(module, attr))(ast.literal_eval(value)))
+
+    def apply(settings):
+        saved = []
+        for setting in settings:  # e.g. muser_mlx.ops.products.DEQUANT_KERNEL='dequant_rows'
+            target, value = setting.split("=", 1)
+            module_name, attr = target.rsplit(".", 1)
+            module = importlib.import_module(module_name)
+            saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, type(getattr(module, attr))(ast.literal_eval(value)))
+        return saved
+
+    apply(args.set)
     model, _ = load(path)
     rng = np.random.default_rng(1)
-    times = []
-    for _ in range(args.steps):
-        cache = model.make_cache()
-        ids = mx.array(rng.integers(0, 1000, size=(1, 512)), dtype=mx.int32)
-        tic = time.perf_counter()
-        mx.eval(model.logits(model.hidden(ids, cache)[:, -1:]))
-        times.append(time.perf_counter() - tic)
-    print(f"{args.layers} layers {args.set}: {[round(1e3 * t, 1) for t in times]} ms per 512-row chunk; peak "
-          f"{mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr)
+    for label, settings in [("", [])] + [(v.split(":", 1)[0], v.split(":", 1)[1].split(","))
+                                          for v in args.variant]:
+        saved = apply(settings)
+        mx.reset_peak_memory()
+        times = []
+        for _ in range(args.steps):
+            cache = model.make_cache()
+            ids = mx.array(rng.integers(0, 1000, size=(1, 512)), dtype=mx.int32)
+            tic = time.perf_counter()
+            mx.eval(model.logits(model.hidden(ids, cache)[:, -1:]))
+            times.append(time.perf_counter() - tic)
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+        print(f"{args.layers} layers {args.set} {label} {settings}: {[round(1e3 * t, 1) for t in times]} ms per "
+              f"512-row chunk from context 0 ({512 / statistics.median(times[1:]):,.0f} tokens/s after the first); "
+              f"peak {mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr, flush=True)
 
 
 def matvec(args) -> None:
@@ -175,6 +190,7 @@ def main() -> None:
     parser.add_argument("--group-rows", type=int, default=0, help="matvec: rows per threadgroup")
     parser.add_argument("--threads", type=int, default=0, help="matvec: most threads per row")
     parser.add_argument("--set", action="append", default=[], help="prefill: module.ATTR=value")
+    parser.add_argument("--variant", action="append", default=[], help="prefill: NAME:module.ATTR=value,...")
     parser.add_argument("--whole", action="store_true",
                         help="report: every launch summed per kernel name (prefill), no step detection")
     args = parser.parse_args()
