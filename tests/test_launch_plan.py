@@ -46,7 +46,7 @@ def test_every_launch_of_prefill_and_decode_is_well_formed(tmp_path, rng, record
         for a, b in [(0, 20), (20, 21), (21, 26), (26, 30)]:  # prefill, decode, 5 and 4 rows
             mx.eval(model(ids[None, a:b], cache))
     names = {launch[0] for launch in recorded}
-    assert {"embedding", "dequant_rows"} <= names and names & set(SIMD_REDUCING)
+    assert {"embedding", ops.products.DEQUANT_KERNEL} <= names and names & set(SIMD_REDUCING)
     for name, inputs, template, grid, threadgroup, output_shapes in recorded:
         source = kernels.source(name)
         where = f"{name} {template}"
@@ -66,6 +66,9 @@ def test_every_launch_of_prefill_and_decode_is_well_formed(tmp_path, rng, record
             assert x.dtype == mx.float32 and x.shape[-1] == template["IN"], where
             assert int(np.prod(x.shape[:-1])) == template["TOKENS"] <= ops.MATVEC_MAX_TOKENS, where
             assert output_shapes[0] == (*x.shape[:-1], template["OUT"]), where
+        if name in ("dequant_rows", "dequant_spans"):  # a SIMD group per 256 values of a row
+            assert grid[0] >= 32 * template["OUT"] * -(-template["IN"] // 256), where
+            assert output_shapes[0] == (template["OUT"], template["IN"]), where
         if name == "qk_norm_rope":
             batch, tokens, width = inputs[0].shape
             assert width == template["HEADS"] * template["HEAD_DIM"], where

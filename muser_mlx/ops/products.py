@@ -176,8 +176,11 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
 # GPU has run it; MLX encodes far ahead of the GPU, so unbounded, a chunk's temporaries added
 # up to 2x the file. Before a product is queued the host waits for the oldest ones until it
 # fits (one product is queued whatever its size). Waiting for a whole layer instead idled the
-# GPU while the host built each layer (H200, session 8: 185-191 against 137-144 ms a chunk).
-PREFILL_TEMPORARY_BYTES = 800_000_000
+# GPU while the host built each layer (H200, session 8: 185-191 ms a 512-row chunk). The budget
+# trades speed for memory (H200, session 8, Muse Glimmer, chunks from context 0): 0.55 GB ran
+# 87.5 ms a chunk at a peak of 18.36 GB (1.096x the file: the bound is 1.10x), 0.8 GB
+# 80 ms at 18.97 GB, 1.2 GB 70.4 ms (7,276 tokens/s) at 19.30 GB.
+PREFILL_TEMPORARY_BYTES = 500_000_000
 _PACING = threading.local()
 
 
