@@ -139,6 +139,24 @@ def peak_gb() -> str:
     return f"peak {peak:.2f} GB"
 
 
+def apply_settings(settings: list[str]) -> list:
+    """Set module constants given as "module.ATTR=value" (a Python literal, converted to the
+    constant's type); returns what restore_settings needs to put them back."""
+    saved = []
+    for setting in settings:
+        target, value = setting.split("=", 1)
+        module_name, attr = target.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        saved.append((module, attr, getattr(module, attr)))
+        setattr(module, attr, type(getattr(module, attr))(ast.literal_eval(value)))
+    return saved
+
+
+def restore_settings(saved: list) -> None:
+    for module, attr, value in reversed(saved):
+        setattr(module, attr, value)
+
+
 def general_step(model, token, cache):
     """The general step generate() ran before the fused one: model(...) and an argmax."""
     logits = model.logits(model.hidden_unchecked(token, cache))
@@ -259,17 +277,10 @@ def main() -> None:
                   f"({pipelined / floor_ms:.2f}x the floor; {1e3 / pipelined:.1f} tokens/s)", flush=True)
         for variant in args.variant:
             name, settings = variant.split(":", 1)
-            saved = []
-            for setting in settings.split(","):
-                target, value = setting.split("=", 1)
-                module_name, attr = target.rsplit(".", 1)
-                module = importlib.import_module(module_name)
-                saved.append((module, attr, getattr(module, attr)))
-                setattr(module, attr, type(getattr(module, attr))(ast.literal_eval(value)))
+            saved = apply_settings(settings.split(","))
             model._compiled_decode = {}
             pipelined = pipelined_decode_ms(fused_step, model, cache, args.steps)
-            for module, attr, value in saved:
-                setattr(module, attr, value)
+            restore_settings(saved)
             model._compiled_decode = {}
             print(f"  variant {name} ({settings}) pipelined: {pipelined:7.2f} ms/token", flush=True)
 

@@ -21,8 +21,6 @@ per kernel and per step:
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import collections
 import csv
 import io
@@ -66,29 +64,19 @@ def prefill(args) -> None:
     times the same chunks again with those module constants (read at call time) changed."""
     import mlx.core as mx
 
-    from decode import write_file
+    from decode import apply_settings, restore_settings, write_file
     from muser_mlx.generate import load
 
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
     if not path.exists():
         write_file(path, np.random.default_rng(0), args.layers)
+    apply_settings(args.set)  # e.g. muser_mlx.ops.products.DEQUANT_KERNEL='dequant_rows'
 
-    def apply(settings):
-        saved = []
-        for setting in settings:  # e.g. muser_mlx.ops.products.DEQUANT_KERNEL='dequant_rows'
-            target, value = setting.split("=", 1)
-            module_name, attr = target.rsplit(".", 1)
-            module = importlib.import_module(module_name)
-            saved.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, type(getattr(module, attr))(ast.literal_eval(value)))
-        return saved
-
-    apply(args.set)
     model, _ = load(path)
     rng = np.random.default_rng(1)
     for label, settings in [("", [])] + [(v.split(":", 1)[0], v.split(":", 1)[1].split(","))
                                           for v in args.variant]:
-        saved = apply(settings)
+        saved = apply_settings(settings)
         mx.reset_peak_memory()
         times = []
         for _ in range(args.steps):
@@ -97,8 +85,7 @@ def prefill(args) -> None:
             tic = time.perf_counter()
             mx.eval(model.logits(model.hidden(ids, cache)[:, -1:]))
             times.append(time.perf_counter() - tic)
-        for module, attr, value in saved:
-            setattr(module, attr, value)
+        restore_settings(saved)
         print(f"{args.layers} layers {args.set} {label} {settings}: {[round(1e3 * t, 1) for t in times]} ms per "
               f"512-row chunk from context 0 ({512 / statistics.median(times[1:]):,.0f} tokens/s after the first); "
               f"peak {mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr, flush=True)
