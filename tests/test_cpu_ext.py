@@ -142,7 +142,6 @@ def test_rounded_product_matches_the_reference_on_rounded_x(rng, ggml_type, toke
     assert out.shape == (tokens, out_features)
     assert np.isfinite(out).all(), "an output left unwritten"
     assert relative_error(out, rounded(x) @ weight.T) <= BOUND
-    assert relative_error(out, x.astype(np.float64) @ weight.T) <= ROUNDED_BOUND
 
 
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
@@ -162,7 +161,8 @@ def test_rounded_product_of_random_bytes_matches_the_reference(rng, ggml_type):
 
 def test_the_rounded_product_rounds(rng):
     # Fails if the rounded path silently multiplied x as given: its output must be the rounded
-    # reference's, measurably apart from the exact one.
+    # reference's, measurably apart from the exact one, and within ROUNDED_BOUND of it (a shape
+    # of many outputs: over a few, the relative error of a product near zero may dominate).
     ggml_type, in_features, out_features = GGMLType.Q4_K, 1024, 64
     raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
     weight = quants.dequantize(raw, ggml_type).astype(np.float64)
@@ -170,7 +170,7 @@ def test_the_rounded_product_rounds(rng):
     out = product(x, raw, ggml_type, out_features, 2, rounded=True)
     exact = x.astype(np.float64) @ weight.T
     assert relative_error(out, rounded(x) @ weight.T) <= BOUND
-    assert relative_error(out, exact) > 20 * relative_error(rounded(x) @ weight.T, out)
+    assert 20 * relative_error(rounded(x) @ weight.T, out) < relative_error(out, exact) <= ROUNDED_BOUND
 
 
 @pytest.mark.parametrize("tokens, in_features, message", [

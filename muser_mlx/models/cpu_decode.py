@@ -1,16 +1,20 @@
 """The CPU's one-token decode step, as one compiled graph (generate()'s loop on the CPU).
 
 The general step (`Transformer.__call__`) serves any number of tokens: its Python builds ~20
-MLX ops a layer every step (5-6 ms for SmolLM2's 30 layers) and MLX's CPU runs each op
-alone. Here the same layers are written as a function of arrays alone (the token, its
-position, every layer's cache arrays), so `mx.compile` traces it once per cache shape and
-fuses its element-wise ops; the cache is written at the position *array* (mx.slice_update),
-attention reads the whole preallocated cache under a mask of the slots written so far.
+MLX ops a layer every step (5-6 ms for SmolLM2's 30 layers) and MLX's CPU runs each op alone
+(3-30 us each). Here the same layers are written as a function of arrays alone (the token,
+its position, every layer's cache arrays), so `mx.compile` traces it once per thread and
+cache shape, and a layer is about ten graph nodes: its products, the two residual seams
+(cpu_ext.residual_norm) and attention's three (cpu_ext.attention_decode: the key and value
+written into the cache at the position *array*, in the cache's own memory, then attention
+over the slots written so far).
 
-`rounded`: every product's input is rounded to int8 blocks of 32 values with one scale
-(q8_0, as llama.cpp's CPU products do) inside the compiled product, which then multiplies with
-integer dot products. Its numerical effect is the GPU's fused step's (README "The CPU decode
-step"): each product input off by at most max|x| / 254 of its block.
+`rounded` (ROUNDED for generate()): every product's input is rounded to int8 blocks of 32
+values with one scale (q8_0, as llama.cpp's CPU products do; formats.quantize_activations)
+inside the compiled product, which then multiplies with integer dot products. Each value is
+off by at most max|x| / 254 of its block: ~0.5 % of each product's output for normal
+activations, 0.5-2.3 % of the logits of the tiny test models (README "The CPU decode step",
+tests/test_cpu_decode.py). The cache stays float32. `model(...)` keeps the exact products.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import mlx.core as mx
 
 from muser_mlx import cpu_ext, kernels, ops
 
-# generate()'s CPU steps round every product's input to q8_0 (module docstring).
+# generate()'s CPU steps round every product's input to q8_0 (module docstring): 10-20 %
+# faster products (bench/RESULTS.md, issue 13, session 8).
 ROUNDED = True
 
 
@@ -110,6 +115,11 @@ class CPUDecodeStep:
         x, h = cpu_ext.residual_norm(x, f, block.post_ffw_norm if sandwich else None, next_norm,
                                      post_eps, c.eps)
         return x, h, keys, values
+
+
+def rounds(model) -> bool:
+    """Whether generate()'s one-token steps of `model` round their products' inputs here."""
+    return serves(model) and model.cpu_step.rounded
 
 
 def serves(model) -> bool:
