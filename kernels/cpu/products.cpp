@@ -58,10 +58,11 @@ constexpr int PANEL_ROWS = 8;
 constexpr int GROUP_ACCUMULATORS = 8;
 constexpr int64_t X_CHUNK_BYTES = 1 << 20;
 // Decode tiles ask for each weight row's bytes this far ahead of the block they read: the
-// hardware prefetcher alone left each block's first load waiting on memory. 4 KB measured
-// best against 0.5-16 KB (SmolLM2's and Gemma 3's decode products, 2 threads: 14.1 -> 9.4 ms
-// and 28.8 -> 19.0 ms with x rounded; bench/RESULTS.md, issue 13, session 8).
-constexpr int64_t PREFETCH_BYTES = 4096;
+// hardware prefetcher alone left each block's first load waiting on memory. Against no
+// prefetch, 0.5-16 KB measured best at 4-8 KB (decode products with x rounded, 2 threads:
+// SmolLM2's 14.1 -> 9.4 ms, Gemma 3's 28.8 -> 15.2 ms, the 1.5B qwen2's ~117 -> 88 ms;
+// bench/RESULTS.md, issue 13, session 8).
+constexpr int64_t PREFETCH_BYTES = 8192;
 // Products of fewer multiply-adds than this run on the calling thread (~10 us of work: waking
 // a worker would cost a good part of it).
 constexpr int64_t SMALL_PRODUCT = 1 << 17;
@@ -343,6 +344,15 @@ struct Q6_KFormat {
 // Tiles
 // ---------------------------------------------------------------------------------------------
 
+// Every 64-byte line a block of F spans (a K-quant's 144-210 bytes span 3-4: one request a
+// block skipped lines, which then waited on memory).
+template <class F>
+inline void prefetch_block(const uint8_t* p) {
+  for (int offset = 0; offset < F::BYTES; offset += 64) {
+    __builtin_prefetch(p + offset);
+  }
+}
+
 // out[c * out_stride + r] = x[c] . W[r] for R rows (rows row_bytes apart) and C tokens;
 // sums[c * groups + g]: the sum of x[c] over scale group g (groups = in_features / GROUP).
 template <class F, int R, int C>
@@ -357,7 +367,7 @@ void tile(const uint8_t* weight, int64_t row_bytes, const float* x, const float*
     const uint8_t* blocks[R];
     for (int r = 0; r < R; ++r) {
       blocks[r] = weight + r * row_bytes + block * F::BYTES;
-      __builtin_prefetch(blocks[r] + PREFETCH_BYTES);
+      prefetch_block<F>(blocks[r] + PREFETCH_BYTES);
       F::scales(blocks[r], d[r], m[r]);
     }
     if constexpr (F::OFFSET) {
@@ -671,7 +681,7 @@ void tile_rounded(const uint8_t* weight, int64_t row_bytes, const RoundedRows& x
     const uint8_t* blocks[R];
     for (int r = 0; r < R; ++r) {
       blocks[r] = weight + r * row_bytes + block * F::BYTES;
-      __builtin_prefetch(blocks[r] + PREFETCH_BYTES);
+      prefetch_block<F>(blocks[r] + PREFETCH_BYTES);
       F::scales(blocks[r], d[r], m[r]);
     }
     if constexpr (F::OFFSET) {
