@@ -80,8 +80,9 @@ def linear(rows: mx.array, weight_bytes: mx.array, ggml_type, out_features: int,
     rounded: rows rounded to int8 blocks of 32 (one scale max|x|/127 each, half away from
     zero, as formats.quantize_activations) and multiplied with integer dot products; T <= 8.
     threads: 0 for all cores."""
-    return _cpu_kernels.linear(rows, weight_bytes.reshape(out_features, -1), int(ggml_type), threads,
-                               rounded=rounded)
+    if weight_bytes.ndim != 2 or weight_bytes.shape[0] != out_features:
+        weight_bytes = weight_bytes.reshape(out_features, -1)  # a graph node: only where needed
+    return _cpu_kernels.linear(rows, weight_bytes, int(ggml_type), threads, rounded=rounded)
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | None,

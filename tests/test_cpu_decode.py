@@ -98,14 +98,17 @@ def test_rounded_steps_match_the_reference_within_the_bound(tiny, rng, architect
 
 
 def test_rounded_steps_round(tiny, rng):
-    # Fails if the rounded step silently ran the exact products: it must sit by the reference
-    # that rounds, measurably away from the exact one.
+    # Fails if the rounded step silently ran the exact products (then ~1e-7 from the exact
+    # reference, ~1 % from the rounding one): its first step must sit nearer the reference that
+    # rounds. Usually ~1e-7 from it; where float32 moves a code at a tie (these weights are
+    # quantized, so ties are common), up to ~0.9 % measured, still nearer. Later steps are left
+    # out: moved codes carry on through the cache.
     file, model = tiny("llama", "Q4_K_M")
-    ids = random_ids(rng, model, 6)
+    ids = random_ids(rng, model, 1)
     logits = run_steps(CPUDecodeStep(model, rounded=True), ids, model.make_cache())
     exact = Reference(model.config, file.tensors).forward(ids)
     rounded = Reference(model.config, file.tensors, decode_numerics=True, float16_cache=False).forward(ids)
-    assert relative_error(logits, exact) > 3 * relative_error(logits, rounded)
+    assert relative_error(logits, exact) > relative_error(logits, rounded)
 
 
 @pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])

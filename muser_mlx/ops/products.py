@@ -99,10 +99,10 @@ def linear(x, weight, rounded: bool = False) -> mx.array:
         if in_features % Q8X_BLOCK:
             raise ValueError(f"weight {weight.name!r}: {in_features} input features are not whole "
                              f"{Q8X_BLOCK}-value blocks, which a rounded product needs")
-        if path == "cpu_gguf_linear":
-            out = _cpu_gguf_linear(x.reshape(-1, in_features), weight.data, fmt, in_features,
-                                   out_features, rounded=True)
-            return out.reshape(*lead, out_features)
+        if path == "cpu_gguf_linear":  # x [T, in] as the decode step has it: no reshape nodes
+            rows = x if x.ndim == 2 else x.reshape(-1, in_features)
+            out = _cpu_gguf_linear(rows, weight.data, fmt, in_features, out_features, rounded=True)
+            return out if x.ndim == 2 else out.reshape(*lead, out_features)
         x = quantize_rows_mlx(x).dequantize()
     if path.startswith("matvec"):  # a decode kernel reads x as flat rows, writes [..., out]
         return _matvec(path, x, weight.data, fmt, in_features, out_features)
