@@ -200,7 +200,9 @@ def test_residual_norm_matches_numpy(rng, rows, with_residual, with_branch_weigh
     poison = mx.full((2, rows, hidden), float("nan"))
     mx.eval(poison)
     del poison
-    total, normed = cpu_ext.residual_norm(mx.array(residual) if with_residual else None, mx.array(branch),
+    # The branch as a transposed view: the primitive reads it in its strides.
+    strided_branch = mx.array(np.ascontiguousarray(branch.T)).T
+    total, normed = cpu_ext.residual_norm(mx.array(residual) if with_residual else None, strided_branch,
                                           mx.array(branch_weight) if with_branch_weight else None,
                                           mx.array(next_weight), 1e-6, 1e-5)
     b = branch.astype(np.float64)

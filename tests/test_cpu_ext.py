@@ -182,6 +182,21 @@ def test_the_rounded_product_refuses_more_than_8_rows(tokens, in_features, messa
         cpu_ext.linear(mx.zeros((tokens, in_features)), raw, GGMLType.Q8_0, 4, rounded=True)
 
 
+@pytest.mark.parametrize("rounded_x", [False, True])
+def test_a_strided_x_is_read_in_its_strides(rng, rounded_x):
+    # The primitive takes x as it comes (no copy node in the graph): a slice of wider rows and
+    # a transposed array must multiply as their values.
+    ggml_type, in_features, out_features = GGMLType.Q4_0, 64, 9
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)
+    wide = rng.standard_normal((3, 2 * in_features)).astype(np.float32)
+    for x, values in ((mx.array(wide)[:, 1 : in_features + 1], wide[:, 1 : in_features + 1]),
+                      (mx.array(np.ascontiguousarray(wide[:, :in_features].T)).T, wide[:, :in_features])):
+        out = np.array(cpu_ext.linear(x, mx.array(raw), ggml_type, out_features, 2, rounded=rounded_x))
+        expected = (rounded(values) if rounded_x else values.astype(np.float64)) @ weight.T
+        assert relative_error(out, expected) <= BOUND
+
+
 def test_ops_linear_runs_the_compiled_product_on_the_cpu(rng, tmp_path, monkeypatch):
     # Through the model's entry point, with MLX's own CPU paths made to fail: the compiled
     # product must be what ran.
