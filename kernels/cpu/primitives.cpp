@@ -1,5 +1,7 @@
 #include "primitives.h"
 
+#include <algorithm>
+#include <cstring>
 #include <functional>
 #include <sstream>
 #include <stdexcept>
@@ -41,18 +43,28 @@ const T* row_major(const mx::array& in, mx::cpu::CommandEncoder& encoder) {
   encoder.add_temporary(copy);
   T* to = copy.data<T>();
   encoder.dispatch([from = in.data<T>(), to, shape = in.shape(), strides = in.strides()] {
-    std::vector<int64_t> index(shape.size(), 0);
-    int64_t count = 1;
-    for (int extent : shape) {
-      count *= extent;
+    // Row by row along the last axis (a slice of a cache: whole rows of head_dim values).
+    const int last = static_cast<int>(shape.size()) - 1;
+    const int64_t inner = last >= 0 ? shape[last] : 1, inner_stride = last >= 0 ? strides[last] : 1;
+    int64_t rows = 1;
+    for (int d = 0; d < last; ++d) {
+      rows *= shape[d];
     }
-    for (int64_t i = 0; i < count; ++i) {
+    std::vector<int64_t> index(std::max(last, 0), 0);
+    for (int64_t row = 0; row < rows; ++row) {
       int64_t offset = 0;
-      for (size_t d = 0; d < shape.size(); ++d) {
+      for (int d = 0; d < last; ++d) {
         offset += index[d] * strides[d];
       }
-      to[i] = from[offset];
-      for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
+      T* out = to + row * inner;
+      if (inner_stride == 1) {
+        std::memcpy(out, from + offset, inner * sizeof(T));
+      } else {
+        for (int64_t i = 0; i < inner; ++i) {
+          out[i] = from[offset + i * inner_stride];
+        }
+      }
+      for (int d = last - 1; d >= 0; --d) {
         if (++index[d] < shape[d]) {
           break;
         }
