@@ -370,7 +370,7 @@ void CacheWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&
   throw std::runtime_error("[write_cache] runs on the CPU only; a GPU has kernels/*.metal");
 }
 
-bool same_heads(const DecodeHeads& a, const DecodeHeads& b) {
+static bool same_heads(const DecodeHeads& a, const DecodeHeads& b) {
   return a.heads == b.heads && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim &&
          a.capacity == b.capacity && a.q_off == b.q_off && a.k_off == b.k_off &&
          a.v_off == b.v_off && a.gate_off == b.gate_off && a.rotary_dim == b.rotary_dim &&
