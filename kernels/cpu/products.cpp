@@ -675,7 +675,7 @@ void tile_rounded(const uint8_t* weight, int64_t row_bytes, const RoundedRows& x
   constexpr int UNITS = F::VALUES / 32, GROUPS = F::VALUES / F::GROUP;
   const int64_t in = x.in_features;
   f32x8 acc[R][C] = {};
-  float offset[R][C] = {};
+  float group_offsets[R][C][GROUPS] = {};
   for (int64_t block = 0; block < in / F::VALUES; ++block) {
     float d[R][GROUPS], m[R][GROUPS];
     const uint8_t* blocks[R];
@@ -685,12 +685,16 @@ void tile_rounded(const uint8_t* weight, int64_t row_bytes, const RoundedRows& x
       F::scales(blocks[r], d[r], m[r]);
     }
     if constexpr (F::OFFSET) {
+      // Per group, so that a K-quant's 8-16 groups are one vector multiply-add a row.
       for (int c = 0; c < C; ++c) {
         const float* sums16 = x.sums16.data() + (t0 + c) * (in / 16) + block * (F::VALUES / 16);
+        float sums[GROUPS];
         for (int g = 0; g < GROUPS; ++g) {
-          float sum = F::GROUP == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
-          for (int r = 0; r < R; ++r) {
-            offset[r][c] += m[r][g] * sum;
+          sums[g] = F::GROUP == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
+        }
+        for (int r = 0; r < R; ++r) {
+          for (int g = 0; g < GROUPS; ++g) {
+            group_offsets[r][c][g] += m[r][g] * sums[g];
           }
         }
       }
@@ -722,7 +726,10 @@ void tile_rounded(const uint8_t* weight, int64_t row_bytes, const RoundedRows& x
   }
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) {
-      float sum = offset[r][c];
+      float sum = 0;
+      for (int g = 0; g < GROUPS; ++g) {
+        sum += group_offsets[r][c][g];
+      }
       for (int lane = 0; lane < 8; ++lane) {
         sum += acc[r][c][lane];
       }
