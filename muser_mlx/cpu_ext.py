@@ -74,11 +74,15 @@ def note_fallback(ggml_type) -> None:
 
 
 def linear(rows: mx.array, weight_bytes: mx.array, ggml_type, out_features: int,
-           threads: int = 0) -> mx.array:
+           threads: int = 0, rounded: bool = False) -> mx.array:
     """rows [T, in] float @ W.T for W = `out_features` rows of raw GGUF blocks (uint8, any
     shape holding [out, row_bytes]); returns float32 [T, out], multiplied in float32.
+    rounded: rows rounded to int8 blocks of 32 (one scale max|x|/127 each, half away from
+    zero, as formats.quantize_activations) and multiplied with integer dot products; T <= 8.
     threads: 0 for all cores."""
-    return _cpu_kernels.linear(rows, weight_bytes.reshape(out_features, -1), int(ggml_type), threads)
+    if weight_bytes.ndim != 2 or weight_bytes.shape[0] != out_features:
+        weight_bytes = weight_bytes.reshape(out_features, -1)  # a graph node: only where needed
+    return _cpu_kernels.linear(rows, weight_bytes, int(ggml_type), threads, rounded=rounded)
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | None,
@@ -87,3 +91,38 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask:
     and values [B, kv_heads, S, head_dim] (head_dim a multiple of 16), mask bool [T, S] or
     None; returns float32 [B, heads, T, head_dim] (zeros for a row that sees no key)."""
     return _cpu_kernels.attention(q, keys, values, scale, mask, threads)
+
+
+def residual_norm(residual: mx.array | None, branch: mx.array, branch_weight: mx.array | None,
+                  next_weight: mx.array, branch_eps: float, next_eps: float):
+    """ops.residual_norm as one primitive: residual (or None), branch float [rows, hidden];
+    weights [hidden] (branch_weight None: no post-norm). Returns (sum, normed), float32."""
+    total, normed = _cpu_kernels.residual_norm(residual, branch, branch_weight, next_weight,
+                                               branch_eps, next_eps)
+    return total, normed
+
+
+def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, *,
+                     heads: int, kv_heads: int, head_dim: int, offsets: tuple[int, int, int],
+                     gate: int | None, bias: mx.array | None, q_norm: mx.array | None,
+                     k_norm: mx.array | None, rope: dict | None, eps: float, scale: float,
+                     threads: int = 0):
+    """One decode token's attention from its projections: three primitives (the key and
+    value writes, each one output so that MLX can hand it the cache's memory, then attention).
+
+    y: float32 [1, width]: q at offsets[0] (heads * head_dim), k at offsets[1], v at
+    offsets[2] (kv_heads * head_dim each), the gate's sigmoid input at `gate` (None: no gate);
+    bias: q, k, v biases concatenated, or None; q_norm/k_norm [head_dim] or None; rope:
+    dict(dims, base, traditional) or None; position: int32 [1]. keys/values: float32 [1,
+    kv_heads, capacity, head_dim]: slot position % capacity receives the token's key and
+    value, slots 0 .. min(position + 1, capacity) - 1 are attended.
+    Returns (o float32 [1, heads * head_dim], keys, values): new cache arrays, which reuse
+    the old ones' memory when nothing else holds them."""
+    shape = _cpu_kernels.DecodeHeads(
+        heads, kv_heads, head_dim, *offsets, -1 if gate is None else gate,
+        rope["dims"] if rope else 0, bool(rope and rope["traditional"]),
+        float(rope["base"]) if rope else 0.0, eps, scale)
+    keys = _cpu_kernels.write_cache(y, keys, position, bias, k_norm, shape, True)
+    values = _cpu_kernels.write_cache(y, values, position, bias, None, shape, False)
+    o = _cpu_kernels.attention_decode(y, keys, values, position, bias, q_norm, shape, threads)
+    return o, keys, values

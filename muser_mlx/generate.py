@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from muser_mlx import gguf, ops, packaged
-from muser_mlx.models import build_model
+from muser_mlx.models import build_model, cpu_decode
 from muser_mlx.ops import check_token_ids
 from muser_mlx.tokenizer import GGUFTokenizer, StreamingDetokenizer
 
@@ -156,10 +156,13 @@ def prefill(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP):
 def decode(model, token: mx.array, cache):
     """One token [1, 1] (int32, in range; may be lazy) -> (logits [vocab], greedy token int32
     [1] or None): the fused decode graph where the model has one on this device (its LM head
-    picks the greedy token too), else the model's general step."""
+    picks the greedy token too), the compiled CPU step on the CPU (models/cpu_decode.py), else
+    the model's general step."""
     if model.fused:
         logits, greedy = model.decode_step(token, cache)
         return logits[0, -1], greedy
+    if cpu_decode.serves(model):
+        return model.cpu_step(token, cache), None
     return model.logits(model.hidden_unchecked(token, cache))[0, -1], None
 
 

@@ -48,12 +48,16 @@ class Reference:
 
     decode_numerics: compute what the fused GPU decode step does on purpose, rather than the
     exact function: every product's input rounded to q8x (formats.quantize_activations) and
-    keys and values rounded to float16 as the cache stores them. The rest stays float64."""
+    keys and values rounded to float16 as the cache stores them. The rest stays float64.
+    float16_cache=False: keys and values kept as computed, as the CPU decode step's float32
+    cache keeps them (models/cpu_decode.py)."""
 
-    def __init__(self, config: ModelConfig, tensors: dict, decode_numerics: bool = False):
+    def __init__(self, config: ModelConfig, tensors: dict, decode_numerics: bool = False,
+                 float16_cache: bool = True):
         self.config = config
         self.tensors = tensors
         self.decode_numerics = decode_numerics
+        self.float16_cache = float16_cache
         self._cache = {}
 
     def product_input(self, x: np.ndarray) -> np.ndarray:
@@ -65,7 +69,7 @@ class Reference:
 
     def cached(self, x: np.ndarray) -> np.ndarray:
         """Keys or values as the cache holds them."""
-        return x.astype(np.float16).astype(np.float64) if self.decode_numerics else x
+        return x.astype(np.float16).astype(np.float64) if self.decode_numerics and self.float16_cache else x
 
     def weight(self, name: str) -> np.ndarray:
         if name not in self._cache:

@@ -6,6 +6,12 @@ our decoders). Attention: decode and prefill shapes, masks, grouped heads, again
 The product multiplies in float32 with x as given (no int8 rounding of x), so only float32
 rounding of the weights and of a sum in another order separates it from the reference: a
 relative error ~1e-7 measured, bound 2e-5 as for every other product (tests/test_linear.py).
+
+The rounded product (rounded=True: the CPU decode step's) rounds x to int8 blocks first. Against
+the reference fed the same rounded x (formats.quantize_activations) only float32 scaling and
+summation separate them: the same 2e-5. Against the exact reference its error is the rounding's:
+each value off by at most max|x| / 254 of its block, ~0.5 % of the output for normal x
+(max|x| ~2.5 sigma over 32 values: 2.5 / 127 / sqrt(12) = 0.57 %); ROUNDED_BOUND is 2 %.
 """
 
 import os
@@ -16,7 +22,7 @@ import pytest
 from gguf import GGMLQuantizationType as GGMLType
 from gguf import quants
 
-from muser_mlx import cpu_ext, gguf, ops, testing
+from muser_mlx import cpu_ext, formats, gguf, ops, testing
 from tests.conftest import relative_error
 
 # `make test` installs the package, which builds the extension, and sets MUSER_REQUIRE_CPU_EXT:
@@ -45,14 +51,23 @@ def random_byte_blocks(rng, ggml_type, rows, row_length) -> np.ndarray:
     return raw
 
 
-def product(x, raw, ggml_type, out_features, threads):
+ROUNDED_BOUND = 2e-2
+
+
+def product(x, raw, ggml_type, out_features, threads, rounded=False):
     """The compiled product into an output buffer that held NaN: MLX's buffer cache hands the
     poisoned buffer of the same size back, so an element left unwritten stays NaN."""
     poison = mx.full((x.shape[0], out_features), float("nan"))
     mx.eval(poison)
     del poison
-    out = cpu_ext.linear(mx.array(x), mx.array(raw), ggml_type, out_features, threads)
+    out = cpu_ext.linear(mx.array(x), mx.array(raw), ggml_type, out_features, threads, rounded=rounded)
     return np.array(out)
+
+
+def rounded(x: np.ndarray) -> np.ndarray:
+    """x as the rounded product reads it (formats.quantize_activations), float64."""
+    codes, scales, _ = formats.quantize_activations(x)
+    return formats.dequantize_activations(codes, scales).astype(np.float64)
 
 
 def shape_for(rng, ggml_type):
@@ -113,6 +128,73 @@ def test_product_of_random_bytes_matches_reference(rng, ggml_type, tokens):
     x = rng.standard_normal((tokens, in_features)).astype(np.float32)
     out = product(x, raw, ggml_type, out_features, 2)
     assert relative_error(out, x.astype(np.float64) @ weight.T) <= BOUND
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 2, 7])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_rounded_product_matches_the_reference_on_rounded_x(rng, ggml_type, tokens, threads):
+    in_features, out_features = shape_for(rng, ggml_type)
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)
+    x = rng.standard_normal((tokens, in_features)).astype(np.float32)
+    out = product(x, raw, ggml_type, out_features, threads, rounded=True)
+    assert out.shape == (tokens, out_features)
+    assert np.isfinite(out).all(), "an output left unwritten"
+    assert relative_error(out, rounded(x) @ weight.T) <= BOUND
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+def test_rounded_product_of_random_bytes_matches_the_reference(rng, ggml_type):
+    # Every code bit pattern (Q8_0's -128 too), negative scales; x of mixed magnitudes, with
+    # a block of zeros (its scale 0) and exact halves of a code step.
+    in_features, out_features = BLOCK[ggml_type] * 4, 37
+    raw = random_byte_blocks(rng, ggml_type, out_features, in_features)
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)
+    x = (rng.standard_normal((3, in_features)) * rng.choice([1e-3, 1.0, 50.0], size=(3, 1))).astype(np.float32)
+    x[0, :32] = 0
+    x[1, :32] = np.arange(32) - 15.5
+    x[1, 0] = 127.0  # scale 1: the other values are halves, rounded away from zero
+    out = product(x, raw, ggml_type, out_features, 2, rounded=True)
+    assert relative_error(out, rounded(x) @ weight.T) <= BOUND
+
+
+def test_the_rounded_product_rounds(rng):
+    # Fails if the rounded path silently multiplied x as given: its output must be the rounded
+    # reference's, measurably apart from the exact one, and within ROUNDED_BOUND of it (a shape
+    # of many outputs: over a few, the relative error of a product near zero may dominate).
+    ggml_type, in_features, out_features = GGMLType.Q4_K, 1024, 64
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)
+    x = rng.standard_normal((1, in_features)).astype(np.float32)
+    out = product(x, raw, ggml_type, out_features, 2, rounded=True)
+    exact = x.astype(np.float64) @ weight.T
+    assert relative_error(out, rounded(x) @ weight.T) <= BOUND
+    assert 20 * relative_error(rounded(x) @ weight.T, out) < relative_error(out, exact) <= ROUNDED_BOUND
+
+
+@pytest.mark.parametrize("tokens, in_features, message", [
+    (9, 64, "at most 8 rows of x of whole 32-value blocks"),
+])
+def test_the_rounded_product_refuses_more_than_8_rows(tokens, in_features, message):
+    raw = mx.zeros((4, in_features // 32 * 34), dtype=mx.uint8)
+    with pytest.raises(ValueError, match=message):
+        cpu_ext.linear(mx.zeros((tokens, in_features)), raw, GGMLType.Q8_0, 4, rounded=True)
+
+
+@pytest.mark.parametrize("rounded_x", [False, True])
+def test_a_strided_x_is_read_in_its_strides(rng, rounded_x):
+    # The primitive takes x as it comes (no copy node in the graph): a slice of wider rows and
+    # a transposed array must multiply as their values.
+    ggml_type, in_features, out_features = GGMLType.Q4_0, 64, 9
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)
+    wide = rng.standard_normal((3, 2 * in_features)).astype(np.float32)
+    for x, values in ((mx.array(wide)[:, 1 : in_features + 1], wide[:, 1 : in_features + 1]),
+                      (mx.array(np.ascontiguousarray(wide[:, :in_features].T)).T, wide[:, :in_features])):
+        out = np.array(cpu_ext.linear(x, mx.array(raw), ggml_type, out_features, 2, rounded=rounded_x))
+        expected = (rounded(values) if rounded_x else values.astype(np.float64)) @ weight.T
+        assert relative_error(out, expected) <= BOUND
 
 
 def test_ops_linear_runs_the_compiled_product_on_the_cpu(rng, tmp_path, monkeypatch):

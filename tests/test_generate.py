@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from muser_mlx.generate import decode, generate, load, stream_generate
+from muser_mlx.models import cpu_decode
 from muser_mlx.testing import tiny_model
 from tests.conftest import relative_error
 
@@ -31,9 +32,11 @@ def test_greedy_is_deterministic_across_runs_and_prefill_chunk_sizes(tiny):
     model, tokenizer = tiny
     # Prefill chunks of other sizes run other kernels (several rows at once, or one), so the cache
     # they leave differs in float32's last bits. The general step keeps that in the last bits; the
-    # fused step (a GPU) rounds its products' inputs to q8x, where a last bit can move a code, and
-    # a tiny random model's near-ties then pick other tokens: there, only runs alike must agree.
-    steps = (512, 512) if model.fused else (512, 512, 1, 3)
+    # fused step (a GPU) and the CPU's step round their products' inputs to int8, where a last
+    # bit can move a code, and a tiny random model's near-ties then pick other tokens: there,
+    # only runs alike must agree.
+    rounds = model.fused or cpu_decode.rounds(model)
+    steps = (512, 512) if rounds else (512, 512, 1, 3)
     runs = [[r.token for r in stream_generate(model, tokenizer, PROMPT, 24, prefill_step_size=step)]
             for step in steps]
     assert all(run == runs[0] for run in runs)

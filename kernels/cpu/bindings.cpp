@@ -5,18 +5,20 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "primitives.h"
 #include "products.h"
 
 namespace nb = nanobind;
+namespace mx = mlx::core;
 using namespace nb::literals;
 
 NB_MODULE(_cpu_kernels, m) {
   m.doc() = "muser_mlx's CPU products from raw GGUF blocks, as MLX primitives";
 
   m.def("linear", &muser::cpu::linear, "x"_a, "weight"_a, "ggml_type"_a, "threads"_a = 0,
-        nb::kw_only(), "stream"_a = nb::none(),
+        nb::kw_only(), "rounded"_a = false, "stream"_a = nb::none(),
         R"(x @ W.T for W kept as raw GGUF blocks, on the CPU.
 
 Args:
@@ -24,6 +26,8 @@ Args:
     weight (array): uint8 [out_features, row_bytes], blocks of ggml type `ggml_type`.
     ggml_type (int): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K.
     threads (int): threads inside the product; 0 for all of the machine's cores.
+    rounded (bool): x rounded to int8 blocks of 32 values (one scale max|x|/127 each, half
+        away from zero) and multiplied with integer dot products; at most 8 tokens.
 
 Returns:
     array: float32 [tokens, out_features].)");
@@ -42,6 +46,53 @@ Args:
 
 Returns:
     array: float32 [batch, heads, tokens, head_dim]; a row that sees no key is zeros.)");
+
+  nb::class_<muser::cpu::DecodeHeads>(m, "DecodeHeads",
+                                      "The shapes and settings of attention_decode (decode.h).")
+      .def("__init__",
+           [](muser::cpu::DecodeHeads* self, int64_t heads, int64_t kv_heads, int64_t head_dim,
+              int64_t q_off, int64_t k_off, int64_t v_off, int64_t gate_off, int64_t rotary_dim,
+              bool traditional, float rope_base, float eps, float scale) {
+             new (self) muser::cpu::DecodeHeads{heads, kv_heads, head_dim, 0, q_off, k_off,
+                                                v_off, gate_off, rotary_dim, traditional,
+                                                rope_base, eps, scale};
+           },
+           "heads"_a, "kv_heads"_a, "head_dim"_a, "q_off"_a, "k_off"_a, "v_off"_a, "gate_off"_a,
+           "rotary_dim"_a, "traditional"_a, "rope_base"_a, "eps"_a, "scale"_a);
+
+  // The ops, not the raw kernels of the same names (decode.h).
+  using ResidualNormOp = std::vector<mx::array> (*)(
+      const std::optional<mx::array>&, const mx::array&, const std::optional<mx::array>&,
+      const mx::array&, float, float, mx::StreamOrDevice);
+  using WriteCacheOp = mx::array (*)(const mx::array&, const mx::array&, const mx::array&,
+                                     const std::optional<mx::array>&,
+                                     const std::optional<mx::array>&, muser::cpu::DecodeHeads,
+                                     bool, mx::StreamOrDevice);
+  using AttentionDecodeOp = mx::array (*)(
+      const mx::array&, const mx::array&, const mx::array&, const mx::array&,
+      const std::optional<mx::array>&, const std::optional<mx::array>&,
+      muser::cpu::DecodeHeads, int, mx::StreamOrDevice);
+  m.def("residual_norm", static_cast<ResidualNormOp>(&muser::cpu::residual_norm), "residual"_a.none(), "branch"_a,
+        "branch_weight"_a.none(), "next_weight"_a, "branch_eps"_a, "next_eps"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        R"(The seam between two branches of a decoder layer, on the CPU, in float32:
+b = rms(branch) * branch_weight (or branch), sum = residual + b (or b),
+normed = rms(sum) * next_weight. Returns [sum, normed], each [rows, hidden].)");
+
+  m.def("write_cache", static_cast<WriteCacheOp>(&muser::cpu::write_cache), "y"_a, "cache"_a,
+        "position"_a, "bias"_a.none(), "norm"_a.none(), "shape"_a, "key"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        R"(The cache [1, kv_heads, capacity, head_dim] with one decode token's keys (key=True:
+from y [1, width] at shape's k offset, plus bias, per-head norm, RoPE at `position`) or values
+written at slot position % capacity. Reuses the cache's memory when nothing else holds it.)");
+
+  m.def("attention_decode", static_cast<AttentionDecodeOp>(&muser::cpu::attention_decode),
+        "y"_a, "keys"_a, "values"_a, "position"_a, "bias"_a.none(), "q_norm"_a.none(),
+        "shape"_a, "threads"_a = 0, nb::kw_only(), "stream"_a = nb::none(),
+        R"(One decode token's attention on the CPU, in float32: its q heads from y [1, width]
+(plus bias, per-head norm, RoPE at `position`, int32 [1]) over slots 0 .. min(position + 1,
+capacity) - 1 of keys and values [1, kv_heads, capacity, head_dim], the attention gate applied.
+Returns o [1, heads * head_dim].)");
 
   m.def("has_product", &muser::cpu::has_product, "ggml_type"_a,
         "Whether ggml type `ggml_type` has a CPU product here.");

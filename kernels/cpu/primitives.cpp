@@ -1,5 +1,8 @@
 #include "primitives.h"
 
+#include <algorithm>
+#include <cstring>
+#include <functional>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -18,10 +21,89 @@ int all_cores() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+// Inputs are taken as they come (a graph node costs 3-30 us on MLX's CPU: a decode step has
+// hundreds): cast only where the dtype differs, and made row-major by the primitive itself.
+mx::array as_f32(const mx::array& a, mx::Stream stream) {
+  return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, stream);
+}
+
+mx::array as_shape(const mx::array& a, const mx::Shape& shape, mx::Stream stream) {
+  return a.shape() == shape ? a : mx::reshape(a, shape, stream);
+}
+
+// The elements of `in` in row-major order, for the work dispatched after this call: its own
+// memory when it is row-contiguous, else a copy (in any strides, broadcasts too) made first.
+template <class T>
+const T* row_major(const mx::array& in, mx::cpu::CommandEncoder& encoder) {
+  if (in.flags().row_contiguous) {
+    return in.data<T>();
+  }
+  mx::array copy(in.shape(), in.dtype(), nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  encoder.add_temporary(copy);
+  T* to = copy.data<T>();
+  encoder.dispatch([from = in.data<T>(), to, shape = in.shape(), strides = in.strides()] {
+    // Row by row along the last axis (a slice of a cache: whole rows of head_dim values).
+    const int last = static_cast<int>(shape.size()) - 1;
+    const int64_t inner = last >= 0 ? shape[last] : 1, inner_stride = last >= 0 ? strides[last] : 1;
+    int64_t rows = 1;
+    for (int d = 0; d < last; ++d) {
+      rows *= shape[d];
+    }
+    std::vector<int64_t> index(std::max(last, 0), 0);
+    for (int64_t row = 0; row < rows; ++row) {
+      int64_t offset = 0;
+      for (int d = 0; d < last; ++d) {
+        offset += index[d] * strides[d];
+      }
+      T* out = to + row * inner;
+      if (inner_stride == 1) {
+        std::memcpy(out, from + offset, inner * sizeof(T));
+      } else {
+        for (int64_t i = 0; i < inner; ++i) {
+          out[i] = from[offset + i * inner_stride];
+        }
+      }
+      for (int d = last - 1; d >= 0; --d) {
+        if (++index[d] < shape[d]) {
+          break;
+        }
+        index[d] = 0;
+      }
+    }
+  });
+  return to;
+}
+
+// `out` takes `in`'s buffer when nothing else holds it (MLX's donation, as its slice_update
+// does); else `out` gets a buffer of its own and the returned work copies `in` [a, b, c, d]
+// (any strides) into it, to run before anything writes `out`.
+std::function<void()> reuse_or_copy(const mx::array& in, mx::array& out) {
+  if (in.is_donatable() && in.flags().row_contiguous) {
+    out.copy_shared_buffer(in);
+    return [] {};
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return [from = in.data<float>(), to = out.data<float>(), shape = in.shape(),
+          strides = in.strides()] {
+    float* next = to;
+    for (int64_t a = 0; a < shape[0]; ++a) {
+      for (int64_t b = 0; b < shape[1]; ++b) {
+        for (int64_t c = 0; c < shape[2]; ++c) {
+          const float* row = from + a * strides[0] + b * strides[1] + c * strides[2];
+          for (int64_t d = 0; d < shape[3]; ++d) {
+            *next++ = row[d * strides[3]];
+          }
+        }
+      }
+    }
+  };
+}
+
 } // namespace
 
 mx::array linear(const mx::array& x, const mx::array& weight, int ggml_type, int threads,
-                 mx::StreamOrDevice s) {
+                 bool rounded, mx::StreamOrDevice s) {
   if (!has_product(ggml_type)) {
     throw std::invalid_argument("[gguf_linear] ggml type " + std::to_string(ggml_type) +
                                 " has no CPU product");
@@ -43,11 +125,17 @@ mx::array linear(const mx::array& x, const mx::array& weight, int ggml_type, int
   if (threads < 0) {
     throw std::invalid_argument("[gguf_linear] threads must be >= 0 (0: all cores)");
   }
+  if (rounded && (x.shape(0) > ROUNDED_MAX_TOKENS || in_features % 32 != 0)) {
+    std::ostringstream message;
+    message << "[gguf_linear] a rounded product takes at most " << ROUNDED_MAX_TOKENS
+            << " rows of x of whole 32-value blocks, got x " << x.shape();
+    throw std::invalid_argument(message.str());
+  }
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  auto x32 = mx::contiguous(mx::astype(x, mx::float32, stream), false, stream);
-  auto rows = mx::contiguous(weight, false, stream);
+  auto x32 = as_f32(x, stream);
+  auto rows = weight;
   return mx::array({x.shape(0), weight.shape(0)}, mx::float32,
-                   std::make_shared<GGUFLinear>(stream, ggml_type, threads), {x32, rows});
+                   std::make_shared<GGUFLinear>(stream, ggml_type, threads, rounded), {x32, rows});
 }
 
 void GGUFLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -60,11 +148,19 @@ void GGUFLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   encoder.set_input_array(weight);
   encoder.set_output_array(out);
   int threads = threads_ > 0 ? threads_ : all_cores();
-  encoder.dispatch([x_data = x.data<float>(), weight_data = weight.data<uint8_t>(),
+  const float* x_rows = row_major<float>(x, encoder);
+  const uint8_t* weight_rows = row_major<uint8_t>(weight, encoder);
+  encoder.dispatch([x_data = x_rows, weight_data = weight_rows,
                     out_data = out.data<float>(), type = ggml_type_, tokens = x.shape(0),
-                    in_features = x.shape(1), out_features = weight.shape(0), threads]() {
-    linear_from_blocks(x_data, weight_data, out_data, type, tokens, in_features, out_features,
-                       threads);
+                    in_features = x.shape(1), out_features = weight.shape(0), threads,
+                    rounded = rounded_]() {
+    if (rounded) {
+      linear_rounded_from_blocks(x_data, weight_data, out_data, type, tokens, in_features,
+                                 out_features, threads);
+    } else {
+      linear_from_blocks(x_data, weight_data, out_data, type, tokens, in_features, out_features,
+                         threads);
+    }
   });
 }
 
@@ -74,7 +170,7 @@ void GGUFLinear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&
 
 bool GGUFLinear::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GGUFLinear&>(other);
-  return ggml_type_ == o.ggml_type_ && threads_ == o.threads_;
+  return ggml_type_ == o.ggml_type_ && threads_ == o.threads_ && rounded_ == o.rounded_;
 }
 
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
@@ -95,12 +191,9 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
     throw std::invalid_argument(message.str());
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  auto as_rows = [&](const mx::array& a) {
-    return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream);
-  };
-  std::vector<mx::array> inputs = {as_rows(q), as_rows(k), as_rows(v)};
+  std::vector<mx::array> inputs = {as_f32(q, stream), as_f32(k, stream), as_f32(v, stream)};
   if (mask) {
-    inputs.push_back(mx::contiguous(*mask, false, stream));
+    inputs.push_back(*mask);
   }
   return mx::array(q.shape(), mx::float32,
                    std::make_shared<Attention>(stream, scale, mask.has_value(), threads), inputs);
@@ -116,8 +209,11 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   }
   encoder.set_output_array(out);
   int threads = threads_ > 0 ? threads_ : all_cores();
-  encoder.dispatch([q = q.data<float>(), k = k.data<float>(), v = v.data<float>(),
-                    mask = masked_ ? inputs[3].data<bool>() : nullptr, out = out.data<float>(),
+  const float* q_rows = row_major<float>(q, encoder);
+  const float* k_rows = row_major<float>(k, encoder);
+  const float* v_rows = row_major<float>(v, encoder);
+  const bool* mask_rows = masked_ ? row_major<bool>(inputs[3], encoder) : nullptr;
+  encoder.dispatch([q = q_rows, k = k_rows, v = v_rows, mask = mask_rows, out = out.data<float>(),
                     batch = q.shape(0), heads = q.shape(1), kv_heads = k.shape(1),
                     tokens = q.shape(2), keys = k.shape(2), head_dim = q.shape(3),
                     scale = scale_, threads]() {
@@ -132,6 +228,212 @@ void Attention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&)
 bool Attention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const Attention&>(other);
   return scale_ == o.scale_ && masked_ == o.masked_ && threads_ == o.threads_;
+}
+
+std::vector<mx::array> residual_norm(const std::optional<mx::array>& residual,
+                                     const mx::array& branch,
+                                     const std::optional<mx::array>& branch_weight,
+                                     const mx::array& next_weight, float branch_eps,
+                                     float next_eps, mx::StreamOrDevice s) {
+  int64_t hidden = branch.ndim() == 2 ? branch.shape(1) : -1;
+  auto vector_of = [&](const mx::array& w) { return w.ndim() == 1 && w.shape(0) == hidden; };
+  if (hidden < 1 || (residual && residual->shape() != branch.shape()) ||
+      (branch_weight && !vector_of(*branch_weight)) || !vector_of(next_weight)) {
+    std::ostringstream message;
+    message << "[residual_norm] expected branch (and residual) [rows, hidden] and weights "
+            << "[hidden], got branch " << branch.shape() << ", next weight " << next_weight.shape();
+    throw std::invalid_argument(message.str());
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs;
+  if (residual) {
+    inputs.push_back(as_f32(*residual, stream));
+  }
+  inputs.push_back(as_f32(branch, stream));
+  if (branch_weight) {
+    inputs.push_back(as_f32(*branch_weight, stream));
+  }
+  inputs.push_back(as_f32(next_weight, stream));
+  return mx::array::make_arrays(
+      {branch.shape(), branch.shape()}, {mx::float32, mx::float32},
+      std::make_shared<ResidualNorm>(stream, residual.has_value(), branch_weight.has_value(),
+                                     branch_eps, next_eps),
+      inputs);
+}
+
+void ResidualNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& input : inputs) {
+    encoder.set_input_array(input);
+  }
+  for (auto& output : outputs) {
+    output.set_data(mx::allocator::malloc(output.nbytes()));
+    encoder.set_output_array(output);
+  }
+  size_t i = 0;
+  const float* residual = residual_ ? row_major<float>(inputs[i++], encoder) : nullptr;
+  const mx::array& branch = inputs[i++];
+  const float* branch_data = row_major<float>(branch, encoder);
+  const float* branch_weight = branch_weight_ ? row_major<float>(inputs[i++], encoder) : nullptr;
+  const float* next_weight = row_major<float>(inputs[i], encoder);
+  encoder.dispatch([=, sum = outputs[0].data<float>(),
+                    normed = outputs[1].data<float>(), rows = branch.shape(0),
+                    hidden = branch.shape(1), branch_eps = branch_eps_, next_eps = next_eps_]() {
+    residual_norm(residual, branch_data, branch_weight, next_weight, sum, normed, rows, hidden,
+                  branch_eps, next_eps);
+  });
+}
+
+void ResidualNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[residual_norm] runs on the CPU only");
+}
+
+bool ResidualNorm::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const ResidualNorm&>(other);
+  return residual_ == o.residual_ && branch_weight_ == o.branch_weight_ &&
+         branch_eps_ == o.branch_eps_ && next_eps_ == o.next_eps_;
+}
+
+namespace {
+
+// Refuses y, a cache and the optional vectors that do not fit `shape` (capacity from the
+// cache), naming the op.
+void check_decode_inputs(const char* op, const mx::array& y, const mx::array& cache,
+                         const mx::array& position, const std::optional<mx::array>& bias,
+                         const std::optional<mx::array>& norm, const DecodeHeads& shape) {
+  const int64_t head_dim = shape.head_dim, q_size = shape.heads * head_dim;
+  const int64_t kv_size = shape.kv_heads * head_dim;
+  int64_t width = y.ndim() == 2 ? y.shape(1) : -1;
+  auto fits = [&](int64_t offset, int64_t size) { return offset >= 0 && offset + size <= width; };
+  bool cache_ok = cache.ndim() == 4 && cache.shape(0) == 1 && cache.shape(1) == shape.kv_heads &&
+                  cache.shape(3) == head_dim && cache.shape(2) > 0 && cache.dtype() == mx::float32;
+  if (y.ndim() != 2 || y.shape(0) != 1 || shape.kv_heads < 1 || shape.heads % shape.kv_heads ||
+      head_dim % 16 || !cache_ok || !fits(shape.q_off, q_size) || !fits(shape.k_off, kv_size) ||
+      !fits(shape.v_off, kv_size) || (shape.gate_off >= 0 && !fits(shape.gate_off, q_size)) ||
+      shape.rotary_dim % 2 || shape.rotary_dim > head_dim || shape.rotary_dim < 0) {
+    std::ostringstream message;
+    message << "[" << op << "] expected y [1, width] holding q, k, v (and gate) at their "
+            << "offsets, a float32 cache [1, " << shape.kv_heads << ", capacity, " << head_dim
+            << "], heads a multiple of kv_heads, head_dim of 16, an even rotary_dim <= head_dim;"
+            << " got y " << y.shape() << ", cache " << cache.shape() << " " << cache.dtype()
+            << ", heads " << shape.heads << "/" << shape.kv_heads;
+    throw std::invalid_argument(message.str());
+  }
+  if (position.dtype() != mx::int32 || position.size() != 1) {
+    throw std::invalid_argument(std::string("[") + op + "] position must be int32 [1]");
+  }
+  if ((bias && bias->size() != q_size + 2 * kv_size) || (norm && norm->size() != head_dim)) {
+    throw std::invalid_argument(std::string("[") + op + "] the bias must hold (heads + 2 "
+                                "kv_heads) * head_dim values, a norm weight head_dim");
+  }
+}
+
+} // namespace
+
+mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::array& position,
+                      const std::optional<mx::array>& bias, const std::optional<mx::array>& norm,
+                      DecodeHeads shape, bool key, mx::StreamOrDevice s) {
+  check_decode_inputs("write_cache", y, cache, position, bias, norm, shape);
+  shape.capacity = cache.shape(2);
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs = {as_f32(y, stream), cache, as_shape(position, {1}, stream)};
+  if (bias) {
+    inputs.push_back(as_f32(*bias, stream));
+  }
+  bool normed = key && norm.has_value();
+  if (normed) {
+    inputs.push_back(as_f32(*norm, stream));
+  }
+  return mx::array(cache.shape(), mx::float32,
+                   std::make_shared<CacheWrite>(stream, shape, key, bias.has_value(), normed),
+                   inputs);
+}
+
+void CacheWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& input : inputs) {
+    encoder.set_input_array(input);
+  }
+  auto copy = reuse_or_copy(inputs[1], outputs[0]);
+  encoder.set_output_array(outputs[0]);
+  size_t i = 3;
+  const float* bias = bias_ ? row_major<float>(inputs[i++], encoder) : nullptr;
+  const float* norm = norm_ ? row_major<float>(inputs[i++], encoder) : nullptr;
+  encoder.dispatch([=, y = row_major<float>(inputs[0], encoder), position = inputs[2].data<int32_t>(),
+                    cache = outputs[0].data<float>(), shape = shape_, key = key_]() {
+    copy();
+    write_cache(y, bias, norm, position[0], cache, shape, key);
+  });
+}
+
+void CacheWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[write_cache] runs on the CPU only; a GPU has kernels/*.metal");
+}
+
+static bool same_heads(const DecodeHeads& a, const DecodeHeads& b) {
+  return a.heads == b.heads && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim &&
+         a.capacity == b.capacity && a.q_off == b.q_off && a.k_off == b.k_off &&
+         a.v_off == b.v_off && a.gate_off == b.gate_off && a.rotary_dim == b.rotary_dim &&
+         a.traditional == b.traditional && a.rope_base == b.rope_base && a.eps == b.eps &&
+         a.scale == b.scale;
+}
+
+bool CacheWrite::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const CacheWrite&>(other);
+  return same_heads(shape_, o.shape_) && key_ == o.key_ && bias_ == o.bias_ && norm_ == o.norm_;
+}
+
+mx::array attention_decode(const mx::array& y, const mx::array& keys, const mx::array& values,
+                           const mx::array& position, const std::optional<mx::array>& bias,
+                           const std::optional<mx::array>& q_norm, DecodeHeads shape,
+                           int threads, mx::StreamOrDevice s) {
+  check_decode_inputs("attention_decode", y, keys, position, bias, q_norm, shape);
+  if (values.shape() != keys.shape() || values.dtype() != mx::float32) {
+    throw std::invalid_argument("[attention_decode] keys and values must be alike");
+  }
+  shape.capacity = keys.shape(2);
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs = {as_f32(y, stream), keys, values, as_shape(position, {1}, stream)};
+  if (bias) {
+    inputs.push_back(as_f32(*bias, stream));
+  }
+  if (q_norm) {
+    inputs.push_back(as_f32(*q_norm, stream));
+  }
+  return mx::array({1, static_cast<int>(shape.heads * shape.head_dim)}, mx::float32,
+                   std::make_shared<AttentionDecode>(stream, shape, bias.has_value(),
+                                                     q_norm.has_value(), threads),
+                   inputs);
+}
+
+void AttentionDecode::eval_cpu(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& input : inputs) {
+    encoder.set_input_array(input);
+  }
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  encoder.set_output_array(outputs[0]);
+  size_t i = 4;
+  const float* bias = bias_ ? row_major<float>(inputs[i++], encoder) : nullptr;
+  const float* q_norm = q_norm_ ? row_major<float>(inputs[i++], encoder) : nullptr;
+  int threads = threads_ > 0 ? threads_ : all_cores();
+  encoder.dispatch([=, y = row_major<float>(inputs[0], encoder),
+                    keys = row_major<float>(inputs[1], encoder),
+                    values = row_major<float>(inputs[2], encoder), position = inputs[3].data<int32_t>(),
+                    out = outputs[0].data<float>(), shape = shape_]() {
+    attention_decode(y, bias, q_norm, position[0], keys, values, out, shape, threads);
+  });
+}
+
+void AttentionDecode::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[attention_decode] runs on the CPU only; a GPU has kernels/*.metal");
+}
+
+bool AttentionDecode::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const AttentionDecode&>(other);
+  return same_heads(shape_, o.shape_) && bias_ == o.bias_ && q_norm_ == o.q_norm_ &&
+         threads_ == o.threads_;
 }
 
 } // namespace muser::cpu

@@ -2,6 +2,7 @@
 // (axpby): an op that builds the graph node, a primitive whose eval_cpu runs the kernel.
 //   linear:    x @ W.T with W as raw GGUF blocks (products.cpp)
 //   attention: softmax(q k^T * scale, masked) v (attention.cpp)
+//   residual_norm, attention_decode: the glue of a one-token decode step (decode.h)
 
 #pragma once
 
@@ -9,6 +10,8 @@
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+
+#include "decode.h"
 
 namespace muser::cpu {
 
@@ -18,13 +21,15 @@ namespace mx = mlx::core;
 // weight: uint8 [out_features, row_bytes], raw blocks of `ggml_type`
 // threads: threads inside the product (0: all the machine's cores)
 // returns float32 [tokens, out_features]
+// rounded: x rounded to int8 blocks first (products.h, linear_rounded_from_blocks);
+// tokens <= ROUNDED_MAX_TOKENS
 mx::array linear(const mx::array& x, const mx::array& weight, int ggml_type, int threads,
-                 mx::StreamOrDevice s = {});
+                 bool rounded, mx::StreamOrDevice s = {});
 
 class GGUFLinear : public mx::Primitive {
  public:
-  GGUFLinear(mx::Stream stream, int ggml_type, int threads)
-      : mx::Primitive(stream), ggml_type_(ggml_type), threads_(threads) {}
+  GGUFLinear(mx::Stream stream, int ggml_type, int threads, bool rounded)
+      : mx::Primitive(stream), ggml_type_(ggml_type), threads_(threads), rounded_(rounded) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -35,6 +40,7 @@ class GGUFLinear : public mx::Primitive {
  private:
   int ggml_type_;
   int threads_;
+  bool rounded_;
 };
 
 // q: float [batch, heads, tokens, head_dim]; k, v: float [batch, kv_heads, keys, head_dim]
@@ -57,6 +63,81 @@ class Attention : public mx::Primitive {
  private:
   float scale_;
   bool masked_;
+  int threads_;
+};
+
+// (sum, normed) of the seam in decode.h: residual (or none), branch: float [rows, hidden];
+// branch_weight (or none), next_weight: float [hidden]. Both outputs float32 [rows, hidden].
+std::vector<mx::array> residual_norm(const std::optional<mx::array>& residual,
+                                     const mx::array& branch,
+                                     const std::optional<mx::array>& branch_weight,
+                                     const mx::array& next_weight, float branch_eps,
+                                     float next_eps, mx::StreamOrDevice s = {});
+
+class ResidualNorm : public mx::Primitive {
+ public:
+  ResidualNorm(mx::Stream stream, bool residual, bool branch_weight, float branch_eps,
+               float next_eps)
+      : mx::Primitive(stream), residual_(residual), branch_weight_(branch_weight),
+        branch_eps_(branch_eps), next_eps_(next_eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "ResidualNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  bool residual_, branch_weight_;
+  float branch_eps_, next_eps_;
+};
+
+// The cache `cache` float32 [1, kv_heads, capacity, head_dim] with this token's keys (key) or
+// values written at slot position % capacity (decode.h's write_cache): y float [1, width],
+// position int32 [1], bias and norm (keys only) float or none. The output reuses the cache's
+// buffer when nothing else holds it (MLX's donation), else copies it first.
+mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::array& position,
+                      const std::optional<mx::array>& bias, const std::optional<mx::array>& norm,
+                      DecodeHeads shape, bool key, mx::StreamOrDevice s = {});
+
+class CacheWrite : public mx::Primitive {
+ public:
+  CacheWrite(mx::Stream stream, DecodeHeads shape, bool key, bool bias, bool norm)
+      : mx::Primitive(stream), shape_(shape), key_(key), bias_(bias), norm_(norm) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "CacheWrite"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  DecodeHeads shape_;
+  bool key_, bias_, norm_;
+};
+
+// o float32 [1, heads * head_dim] of decode.h's attention_decode: y float [1, width]; keys,
+// values float32 [1, kv_heads, capacity, head_dim] (written by write_cache); position int32
+// [1]; bias, q_norm float or none.
+mx::array attention_decode(const mx::array& y, const mx::array& keys, const mx::array& values,
+                           const mx::array& position, const std::optional<mx::array>& bias,
+                           const std::optional<mx::array>& q_norm, DecodeHeads shape,
+                           int threads, mx::StreamOrDevice s = {});
+
+class AttentionDecode : public mx::Primitive {
+ public:
+  AttentionDecode(mx::Stream stream, DecodeHeads shape, bool bias, bool q_norm, int threads)
+      : mx::Primitive(stream), shape_(shape), bias_(bias), q_norm_(q_norm), threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "AttentionDecode"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  DecodeHeads shape_;
+  bool bias_, q_norm_;
   int threads_;
 };
 

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -56,6 +57,12 @@ constexpr int PANEL_ROWS = 8;
 // accumulators per pair); larger ones scale each decoded chunk (one per pair).
 constexpr int GROUP_ACCUMULATORS = 8;
 constexpr int64_t X_CHUNK_BYTES = 1 << 20;
+// Decode tiles ask for each weight row's bytes this far ahead of the block they read: the
+// hardware prefetcher alone left each block's first load waiting on memory. Against no
+// prefetch, 0.5-16 KB measured best at 4-8 KB (decode products with x rounded, 2 threads:
+// SmolLM2's 14.1 -> 9.4 ms, Gemma 3's 28.8 -> 15.2 ms, the 1.5B qwen2's ~117 -> 88 ms;
+// bench/RESULTS.md, issue 13, session 8).
+constexpr int64_t PREFETCH_BYTES = 8192;
 // Products of fewer multiply-adds than this run on the calling thread (~10 us of work: waking
 // a worker would cost a good part of it).
 constexpr int64_t SMALL_PRODUCT = 1 << 17;
@@ -151,29 +158,69 @@ inline f32x16 with_fifth_bits(u8x16 low, uint32_t qh, int chunk) {
   return __builtin_convertvector(__builtin_convertvector(low, i32x16) | high, f32x16);
 }
 
+// The int8 path (linear_rounded_from_blocks) reads 32 codes at a time, unit u of a block
+// (values 32u .. 32u + 31), as bytes: codes32(block, u).
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef int8_t i8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x4 __attribute__((vector_size(4)));
+
+inline u8x32 bytes32(const uint8_t* p) {
+  u8x32 v;
+  std::memcpy(&v, p, 32);
+  return v;
+}
+
+// Byte i of 16 low nibbles then 16 high nibbles: a 32-value block's codes in value order.
+inline u8x32 nibbles32(const uint8_t* qs) {
+  u8x16 q = bytes16(qs);
+  u8x16 low = q & 15, high = q >> 4;
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// 16 where bit i of the little-endian u32 at qh is set, else 0 (Q5's fifth bits).
+inline u8x32 fifth_bits32(const uint8_t* qh) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return (u8x32)_mm256_maskz_set1_epi8(u32(qh), 16);
+#else
+  // Byte i holds byte i / 8 of qh, all of whose bits but i % 8 are then set by `others`.
+  u8x4 bytes;
+  std::memcpy(&bytes, qh, 4);
+  u8x32 spread = __builtin_shufflevector(bytes, bytes, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1,
+                                         1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const u8x32 others = {0xfe, 0xfd, 0xfb, 0xf7, 0xef, 0xdf, 0xbf, 0x7f, 0xfe, 0xfd, 0xfb,
+                        0xf7, 0xef, 0xdf, 0xbf, 0x7f, 0xfe, 0xfd, 0xfb, 0xf7, 0xef, 0xdf,
+                        0xbf, 0x7f, 0xfe, 0xfd, 0xfb, 0xf7, 0xef, 0xdf, 0xbf, 0x7f};
+  return (u8x32)((spread | others) == 0xff) & 16;
+#endif
+}
+
 struct Q4_0Format {
   static constexpr int VALUES = 32, BYTES = 18, GROUP = 32;
-  static constexpr bool OFFSET = true;
+  static constexpr bool OFFSET = true, SIGNED = false;
   static void scales(const uint8_t* b, float* d, float* m) {
     d[0] = f16(b);
     m[0] = -8 * d[0];
   }
   static f32x16 codes(const uint8_t* b, int j) { return to_float(nibbles(b + 2, j)); }
+  static u8x32 codes32(const uint8_t* b, int) { return nibbles32(b + 2); }
 };
 
 struct Q4_1Format {
   static constexpr int VALUES = 32, BYTES = 20, GROUP = 32;
-  static constexpr bool OFFSET = true;
+  static constexpr bool OFFSET = true, SIGNED = false;
   static void scales(const uint8_t* b, float* d, float* m) {
     d[0] = f16(b);
     m[0] = f16(b + 2);
   }
   static f32x16 codes(const uint8_t* b, int j) { return to_float(nibbles(b + 4, j)); }
+  static u8x32 codes32(const uint8_t* b, int) { return nibbles32(b + 4); }
 };
 
 struct Q5_0Format {
   static constexpr int VALUES = 32, BYTES = 22, GROUP = 32;
-  static constexpr bool OFFSET = true;
+  static constexpr bool OFFSET = true, SIGNED = false;
+  static u8x32 codes32(const uint8_t* b, int) { return nibbles32(b + 6) | fifth_bits32(b + 2); }
   static void scales(const uint8_t* b, float* d, float* m) {
     d[0] = f16(b);
     m[0] = -16 * d[0];
@@ -185,7 +232,8 @@ struct Q5_0Format {
 
 struct Q5_1Format {
   static constexpr int VALUES = 32, BYTES = 24, GROUP = 32;
-  static constexpr bool OFFSET = true;
+  static constexpr bool OFFSET = true, SIGNED = false;
+  static u8x32 codes32(const uint8_t* b, int) { return nibbles32(b + 8) | fifth_bits32(b + 4); }
   static void scales(const uint8_t* b, float* d, float* m) {
     d[0] = f16(b);
     m[0] = f16(b + 2);
@@ -197,7 +245,8 @@ struct Q5_1Format {
 
 struct Q8_0Format {
   static constexpr int VALUES = 32, BYTES = 34, GROUP = 32;
-  static constexpr bool OFFSET = false;
+  static constexpr bool OFFSET = false, SIGNED = true;  // codes32: int8 codes as bytes
+  static u8x32 codes32(const uint8_t* b, int) { return bytes32(b + 2); }
   static void scales(const uint8_t* b, float* d, float*) { d[0] = f16(b); }
   static f32x16 codes(const uint8_t* b, int j) { return int8_to_float(b + 2 + 16 * j); }
 };
@@ -234,16 +283,26 @@ inline u8x16 k4_nibbles(const uint8_t* qs, int j) {
   return sub_block % 2 ? q >> 4 : q & 15;
 }
 
+// Sub-block s of a Q4_K / Q5_K: the low (s even) or high nibbles of bytes 32(s/2) .. +31.
+inline u8x32 k4_nibbles32(const uint8_t* qs, int s) {
+  u8x32 q = bytes32(qs + 32 * (s / 2));
+  return s % 2 ? q >> 4 : q & 15;
+}
+
 struct Q4_KFormat {
   static constexpr int VALUES = 256, BYTES = 144, GROUP = 32;
-  static constexpr bool OFFSET = true;
+  static constexpr bool OFFSET = true, SIGNED = false;
+  static u8x32 codes32(const uint8_t* b, int u) { return k4_nibbles32(b + 16, u); }
   static void scales(const uint8_t* b, float* d, float* m) { k4_scales(b, d, m); }
   static f32x16 codes(const uint8_t* b, int j) { return to_float(k4_nibbles(b + 16, j)); }
 };
 
 struct Q5_KFormat {
   static constexpr int VALUES = 256, BYTES = 176, GROUP = 32;
-  static constexpr bool OFFSET = true;
+  static constexpr bool OFFSET = true, SIGNED = false;
+  static u8x32 codes32(const uint8_t* b, int u) {
+    return k4_nibbles32(b + 48, u) | (((bytes32(b + 16) >> u) & 1) << 4);
+  }
   static void scales(const uint8_t* b, float* d, float* m) { k4_scales(b, d, m); }
   static f32x16 codes(const uint8_t* b, int j) {
     // Bit s of qh[l] is bit 4 of value l of sub-block s.
@@ -258,7 +317,14 @@ struct Q5_KFormat {
 // value = d * scale * (q - 32).
 struct Q6_KFormat {
   static constexpr int VALUES = 256, BYTES = 210, GROUP = 16;
-  static constexpr bool OFFSET = true;
+  static constexpr bool OFFSET = true, SIGNED = false;
+  static u8x32 codes32(const uint8_t* b, int u) {
+    int half = u / 4, group = u % 4;
+    u8x32 ql = bytes32(b + 64 * half + 32 * (group % 2));
+    u8x32 qh = bytes32(b + 128 + 32 * half);
+    u8x32 low = group < 2 ? ql & 15 : ql >> 4;
+    return low | (((qh >> (2 * group)) & 3) << 4);
+  }
   static void scales(const uint8_t* b, float* d, float* m) {
     f32x16 scale = int8_to_float(b + 192) * f16(b + 208);
     f32x16 offset = scale * -32.0f;
@@ -278,6 +344,15 @@ struct Q6_KFormat {
 // Tiles
 // ---------------------------------------------------------------------------------------------
 
+// Every 64-byte line a block of F spans (a K-quant's 144-210 bytes span 3-4: one request a
+// block skipped lines, which then waited on memory).
+template <class F>
+inline void prefetch_block(const uint8_t* p) {
+  for (int offset = 0; offset < F::BYTES; offset += 64) {
+    __builtin_prefetch(p + offset);
+  }
+}
+
 // out[c * out_stride + r] = x[c] . W[r] for R rows (rows row_bytes apart) and C tokens;
 // sums[c * groups + g]: the sum of x[c] over scale group g (groups = in_features / GROUP).
 template <class F, int R, int C>
@@ -292,6 +367,7 @@ void tile(const uint8_t* weight, int64_t row_bytes, const float* x, const float*
     const uint8_t* blocks[R];
     for (int r = 0; r < R; ++r) {
       blocks[r] = weight + r * row_bytes + block * F::BYTES;
+      prefetch_block<F>(blocks[r] + PREFETCH_BYTES);
       F::scales(blocks[r], d[r], m[r]);
     }
     if constexpr (F::OFFSET) {
@@ -518,6 +594,189 @@ void linear_format(const float* x, const uint8_t* weight, float* out, int64_t to
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// The rounded path (decode, T <= 8): x rounded to int8 blocks of 32 values with one scale each
+// (llama.cpp's q8_0; formats.quantize_activations), weights read as unsigned byte codes
+// (value = d * code + m; Q8_0's signed), and each 32-value unit multiplied with an integer dot
+// product (AVX-512 VNNI dpbusd, or AVX2 maddubs + madd, or scalar code) into 8 int32 lanes,
+// converted and scaled once per unit: d_weight * d_x (per 16 values for Q6_K's scales). The
+// offsets m through per-16 sums of the rounded x.
+// ---------------------------------------------------------------------------------------------
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+// Lane k: the sum over values 4k .. 4k + 3 of w * x (w unsigned, at most 128 with x's sign
+// folded in, so AVX2's 16-bit pair sums cannot saturate: 2 * 128 * 127 < 2^15).
+inline i32x8 dot_unsigned(u8x32 w, i8x32 x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return (i32x8)_mm256_dpbusd_epi32(_mm256_setzero_si256(), (__m256i)w, (__m256i)x);
+#elif defined(__AVXVNNI__)
+  return (i32x8)_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (__m256i)w, (__m256i)x);
+#elif defined(__AVX2__)
+  return (i32x8)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)w, (__m256i)x),
+                                  _mm256_set1_epi16(1));
+#else
+  i32x8 sum = {};
+  for (int i = 0; i < 32; ++i) {
+    sum[i / 4] += static_cast<int32_t>(w[i]) * static_cast<int32_t>(x[i]);
+  }
+  return sum;
+#endif
+}
+
+// The same for signed w (Q8_0): |w| times x with w's sign.
+inline i32x8 dot_signed(u8x32 w, i8x32 x) {
+#if defined(__AVX2__)
+  return dot_unsigned((u8x32)_mm256_abs_epi8((__m256i)w), (i8x32)_mm256_sign_epi8((__m256i)x, (__m256i)w));
+#else
+  i32x8 sum = {};
+  for (int i = 0; i < 32; ++i) {
+    sum[i / 4] += static_cast<int32_t>(static_cast<int8_t>(w[i])) * static_cast<int32_t>(x[i]);
+  }
+  return sum;
+#endif
+}
+
+// x rounded: codes [tokens, in], scales [tokens, in / 32] (max |x| / 127 of each 32 values),
+// sums16 [tokens, in / 16] (scale * the sum of each 16 codes: the rounded x's sums).
+struct RoundedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, sums16;
+  int64_t in_features;
+
+  RoundedRows(const float* x, int64_t tokens, int64_t in) :
+      codes(tokens * in), scales(tokens * in / 32), sums16(tokens * in / 16), in_features(in) {
+    for (int64_t block = 0; block < tokens * in / 32; ++block) {
+      const float* values = x + 32 * block;
+      float top = 0;
+      for (int i = 0; i < 32; ++i) {
+        top = std::max(top, std::fabs(values[i]));
+      }
+      float d = top / 127.0f;
+      scales[block] = d;
+      int32_t sums[2] = {0, 0};
+      for (int i = 0; i < 32; ++i) {
+        // Half away from zero, as formats.quantize_activations (x / d, not x * (1 / d)).
+        float code = d > 0 ? std::copysign(std::floor(std::fabs(values[i] / d) + 0.5f), values[i]) : 0.0f;
+        codes[32 * block + i] = static_cast<int8_t>(code);
+        sums[i / 16] += static_cast<int32_t>(code);
+      }
+      sums16[2 * block] = d * static_cast<float>(sums[0]);
+      sums16[2 * block + 1] = d * static_cast<float>(sums[1]);
+    }
+  }
+};
+
+// out[c * out_stride + r] = x[t0 + c] (rounded) . W[r] for R rows and C tokens.
+template <class F, int R, int C>
+void tile_rounded(const uint8_t* weight, int64_t row_bytes, const RoundedRows& x, int64_t t0,
+                  float* out, int64_t out_stride) {
+  constexpr int UNITS = F::VALUES / 32, GROUPS = F::VALUES / F::GROUP;
+  const int64_t in = x.in_features;
+  f32x8 acc[R][C] = {};
+  float group_offsets[R][C][GROUPS] = {};
+  for (int64_t block = 0; block < in / F::VALUES; ++block) {
+    float d[R][GROUPS], m[R][GROUPS];
+    const uint8_t* blocks[R];
+    for (int r = 0; r < R; ++r) {
+      blocks[r] = weight + r * row_bytes + block * F::BYTES;
+      prefetch_block<F>(blocks[r] + PREFETCH_BYTES);
+      F::scales(blocks[r], d[r], m[r]);
+    }
+    if constexpr (F::OFFSET) {
+      // Per group, so that a K-quant's 8-16 groups are one vector multiply-add a row.
+      for (int c = 0; c < C; ++c) {
+        const float* sums16 = x.sums16.data() + (t0 + c) * (in / 16) + block * (F::VALUES / 16);
+        float sums[GROUPS];
+        for (int g = 0; g < GROUPS; ++g) {
+          sums[g] = F::GROUP == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
+        }
+        for (int r = 0; r < R; ++r) {
+          for (int g = 0; g < GROUPS; ++g) {
+            group_offsets[r][c][g] += m[r][g] * sums[g];
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < UNITS; ++u) {
+      i8x32 xv[C];
+      float xd[C];
+      for (int c = 0; c < C; ++c) {
+        int64_t x_block = (t0 + c) * (in / 32) + block * UNITS + u;
+        std::memcpy(&xv[c], x.codes.data() + 32 * x_block, 32);
+        xd[c] = x.scales[x_block];
+      }
+      for (int r = 0; r < R; ++r) {
+        u8x32 w = F::codes32(blocks[r], u);
+        f32x8 scale;
+        if constexpr (F::GROUP == 16) {  // lanes 0-3: group 2u, lanes 4-7: group 2u + 1
+          float a = d[r][2 * u], b = d[r][2 * u + 1];
+          scale = f32x8{a, a, a, a, b, b, b, b};
+        } else {
+          scale = f32x8{} + d[r][u];
+        }
+        for (int c = 0; c < C; ++c) {
+          i32x8 dot = F::SIGNED ? dot_signed(w, xv[c]) : dot_unsigned(w, xv[c]);
+          acc[r][c] += __builtin_convertvector(dot, f32x8) * (scale * xd[c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float sum = 0;
+      for (int g = 0; g < GROUPS; ++g) {
+        sum += group_offsets[r][c][g];
+      }
+      for (int lane = 0; lane < 8; ++lane) {
+        sum += acc[r][c][lane];
+      }
+      out[c * out_stride + r] = sum;
+    }
+  }
+}
+
+using RoundedTileFn = void (*)(const uint8_t*, int64_t, const RoundedRows&, int64_t, float*,
+                               int64_t);
+
+// Tiles of DECODE_ROWS rows (or 1, for a short last block) by 1..ROUNDED_MAX_TOKENS tokens.
+template <class F>
+struct RoundedTiles {
+  RoundedTileFn tiles[2][ROUNDED_MAX_TOKENS];
+  template <int... C>
+  constexpr RoundedTiles(std::integer_sequence<int, C...>)
+      : tiles{{tile_rounded<F, 1, C + 1>...}, {tile_rounded<F, DECODE_ROWS, C + 1>...}} {}
+  constexpr RoundedTiles() : RoundedTiles(std::make_integer_sequence<int, ROUNDED_MAX_TOKENS>{}) {}
+};
+
+template <class F>
+void linear_rounded_format(const float* x, const uint8_t* weight, float* out, int64_t tokens,
+                           int64_t in_features, int64_t out_features, int threads) {
+  static constexpr RoundedTiles<F> tiles;
+  RoundedRows rounded(x, tokens, in_features);
+  int64_t row_bytes = in_features / F::VALUES * F::BYTES;
+  int64_t row_blocks = (out_features + DECODE_ROWS - 1) / DECODE_ROWS;
+  bool parallel = tokens * in_features * out_features >= SMALL_PRODUCT;
+  int tasks = static_cast<int>(std::min<int64_t>(row_blocks, parallel ? TASKS_PER_THREAD * threads : 1));
+  ThreadPool::instance().run(tasks, threads, [&](int task) {
+    int64_t first = row_blocks * task / tasks, last = row_blocks * (task + 1) / tasks;
+    for (int64_t block = first; block < last; ++block) {
+      int64_t row0 = block * DECODE_ROWS;
+      if (row0 + DECODE_ROWS <= out_features) {
+        tiles.tiles[1][tokens - 1](weight + row0 * row_bytes, row_bytes, rounded, 0, out + row0,
+                                   out_features);
+      } else {
+        for (int64_t r = row0; r < out_features; ++r) {
+          tiles.tiles[0][tokens - 1](weight + r * row_bytes, row_bytes, rounded, 0, out + r,
+                                     out_features);
+        }
+      }
+    }
+  });
+}
+
 } // namespace
 
 bool has_product(int ggml_type) {
@@ -562,6 +821,25 @@ const char* instruction_set() {
 #else
   return "scalar";
 #endif
+}
+
+void linear_rounded_from_blocks(const float* x, const uint8_t* weight, float* out,
+                                int ggml_type, int64_t tokens, int64_t in_features,
+                                int64_t out_features, int threads) {
+  auto run = [&](auto format) {
+    linear_rounded_format<decltype(format)>(x, weight, out, tokens, in_features, out_features,
+                                            threads);
+  };
+  switch (ggml_type) {
+    case Q4_0: return run(Q4_0Format{});
+    case Q4_1: return run(Q4_1Format{});
+    case Q5_0: return run(Q5_0Format{});
+    case Q5_1: return run(Q5_1Format{});
+    case Q8_0: return run(Q8_0Format{});
+    case Q4_K: return run(Q4_KFormat{});
+    case Q5_K: return run(Q5_KFormat{});
+    case Q6_K: return run(Q6_KFormat{});
+  }
 }
 
 void linear_from_blocks(const float* x, const uint8_t* weight, float* out, int ggml_type,

@@ -38,4 +38,16 @@ void linear_from_blocks(const float* x, const uint8_t* weight, float* out, int g
                         int64_t tokens, int64_t in_features, int64_t out_features,
                         int threads);
 
+// Products of at most this many rows of x may be rounded (linear_rounded_from_blocks).
+constexpr int ROUNDED_MAX_TOKENS = 8;
+
+// As linear_from_blocks for tokens <= ROUNDED_MAX_TOKENS and in_features a multiple of 32,
+// with x rounded first: each 32 values to int8 codes round(x / d), half away from zero, with
+// d = max |x| / 127 of the 32 (0 where d is 0), as muser_mlx.formats.quantize_activations;
+// then integer dot products of the codes with the weights' codes. Each value of x is off by
+// at most d / 2.
+void linear_rounded_from_blocks(const float* x, const uint8_t* weight, float* out,
+                                int ggml_type, int64_t tokens, int64_t in_features,
+                                int64_t out_features, int threads);
+
 } // namespace muser::cpu

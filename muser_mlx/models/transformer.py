@@ -22,7 +22,9 @@ import mlx.nn as nn
 from muser_mlx import gguf, kernels, ops
 from muser_mlx.cache import KVCache, SlidingWindowCache, attention_mask
 from muser_mlx.dequant import dequantize_rows
+from muser_mlx.models import cpu_decode
 from muser_mlx.models.config import ModelConfig
+from muser_mlx.models.cpu_decode import CPUDecodeStep
 
 
 # decode_step compiles its graph on a GPU (bench/decode.py --no-compile measures without).
@@ -281,6 +283,7 @@ class Transformer(nn.Module):
                     and layer.attention.decode_output is not None
                     and layer.feed_forward.decode_products is not None for layer in self.layers))
         self._compiled_decode = {}  # thread id -> decode_step's compiled graph
+        self.cpu_step = CPUDecodeStep(self, rounded=cpu_decode.ROUNDED)  # generate()'s on the CPU
         # The small arrays made here (norm weights, biases) are evaluated now: a lazy array
         # belongs to the stream of the thread that made it, and a model may step in another.
         mx.eval(self.parameters())

@@ -99,5 +99,5 @@ def _cpu_affine(rows, weight_bytes, fmt, in_features, out_features):
     return _cpu_pieces(_qmm4_piece, x_permuted, weight_bytes, fmt, in_features, out_features)
 
 
-def _cpu_gguf_linear(rows, weight_bytes, fmt, in_features, out_features):
-    return cpu_ext.linear(rows, weight_bytes, fmt.ggml_type, out_features)
+def _cpu_gguf_linear(rows, weight_bytes, fmt, in_features, out_features, rounded=False):
+    return cpu_ext.linear(rows, weight_bytes, fmt.ggml_type, out_features, rounded=rounded)

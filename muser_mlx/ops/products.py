@@ -16,8 +16,9 @@ import mlx.core as mx
 
 from muser_mlx import cpu_ext, kernels
 from muser_mlx.dequant import AFFINE_CODE_TYPES, dequantize_rows
-from muser_mlx.formats import GGMLType, block_format
+from muser_mlx.formats import Q8X_BLOCK, GGMLType, block_format
 from muser_mlx.kernels import MAX_GRID
+from muser_mlx.ops.activations import quantize_rows_mlx
 from muser_mlx.ops.cpu_products import (MATVEC_MAX_TOKENS, _cpu_affine, _cpu_dequant_matmul,
                                         _cpu_gguf_linear)
 
@@ -78,11 +79,15 @@ def linear_path(ggml_type, tokens: int, backend: str | None = None) -> str:
     return "matvec"
 
 
-def linear(x, weight) -> mx.array:
+def linear(x, weight, rounded: bool = False) -> mx.array:
     """x @ W.T for a GGUF weight kept as raw blocks.
 
     x: [..., in] float (f32, f16 or bf16); weight: GGUF tensor of GGUF shape [in, out]
     returns float32 [..., out].
+    rounded: multiply x rounded to int8 blocks of 32 values with one scale each (q8_0, as
+    formats.quantize_activations rounds): the CPU's one-token decode step
+    (models/cpu_decode.py). The compiled CPU product rounds x itself and multiplies with
+    integer dot products; any other path multiplies the rounded values.
     """
     if len(weight.shape) != 2:
         raise ValueError(f"weight {weight.name!r} must be 2-D, has shape {list(weight.shape)}")
@@ -96,6 +101,15 @@ def linear(x, weight) -> mx.array:
     x = x if x.dtype == mx.float32 else x.astype(mx.float32)
     path = linear_path(weight.ggml_type, math.prod(lead))
     fmt = block_format(weight.ggml_type)
+    if rounded:
+        if in_features % Q8X_BLOCK:
+            raise ValueError(f"weight {weight.name!r}: {in_features} input features are not whole "
+                             f"{Q8X_BLOCK}-value blocks, which a rounded product needs")
+        if path == "cpu_gguf_linear":  # x [T, in] as the decode step has it: no reshape nodes
+            rows = x if x.ndim == 2 else x.reshape(-1, in_features)
+            out = _cpu_gguf_linear(rows, weight.data, fmt, in_features, out_features, rounded=True)
+            return out if x.ndim == 2 else out.reshape(*lead, out_features)
+        x = quantize_rows_mlx(x).dequantize()
     if path.startswith("matvec"):  # a decode kernel reads x as flat rows, writes [..., out]
         return _matvec(path, x, weight.data, fmt, in_features, out_features)
     out = _LINEAR_PATHS[path](x.reshape(-1, in_features), weight.data, fmt, in_features, out_features)

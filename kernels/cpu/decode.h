@@ -1,0 +1,47 @@
+// The glue of a one-token decode step on the CPU, between its products: the residual seams
+// (norm.cpp) and one token's attention from its projections (attention.cpp). No MLX types
+// here: primitives.cpp wraps them in MLX primitives, so that a compiled decode step is a few
+// graph nodes a layer (MLX's CPU runs each of its ops alone, at 3-30 us each).
+
+#pragma once
+
+#include <cstdint>
+
+namespace muser::cpu {
+
+// The seam between two branches of a decoder layer, for `rows` rows of `hidden` values:
+//   b      = branch_weight ? rms(branch, branch_eps) * branch_weight : branch
+//   sum    = residual ? residual + b : b
+//   normed = rms(sum, next_eps) * next_weight
+// with rms(x, eps) = x / sqrt(mean(x^2) + eps). residual and branch_weight may be null.
+void residual_norm(const float* residual, const float* branch, const float* branch_weight,
+                   const float* next_weight, float* sum, float* normed, int64_t rows,
+                   int64_t hidden, float branch_eps, float next_eps);
+
+// One decode token's attention, from its projections to the output projection's input.
+struct DecodeHeads {
+  int64_t heads, kv_heads, head_dim;  // heads a multiple of kv_heads, head_dim of 16
+  int64_t capacity;  // cache slots: position p goes to slot p % capacity
+  int64_t q_off, k_off, v_off;  // where q, k and v start in the projections' output y
+  int64_t gate_off;  // where the attention gate's input starts in y; < 0: no gate
+  int64_t rotary_dim;  // leading channels of each head RoPE rotates; 0: no rotation
+  bool traditional;  // rotate pairs (2i, 2i+1) rather than (i, i + rotary_dim / 2)
+  float rope_base, eps, scale;
+};
+
+// y: float32 [width], the q/k/v (and gate) projections of the token at `position`;
+// bias: float32 [(heads + 2 kv_heads) head_dim], q, k then v biases, or null.
+// write_cache: the token's keys (key: biased, normed by `norm` [head_dim] unless null,
+// rotated) or values (biased) into slot position % capacity of `cache` [kv_heads, capacity,
+// head_dim].
+void write_cache(const float* y, const float* bias, const float* norm, int64_t position,
+                 float* cache, const DecodeHeads& shape, bool key);
+
+// attention_decode: the token's q heads (biased, normed by q_norm unless null, rotated)
+// attend slots 0 .. min(position + 1, capacity) - 1 of keys and values (written first by
+// write_cache); out: float32 [heads * head_dim], times sigmoid(gate) if gated.
+void attention_decode(const float* y, const float* bias, const float* q_norm, int64_t position,
+                      const float* keys, const float* values, float* out,
+                      const DecodeHeads& shape, int threads);
+
+} // namespace muser::cpu

@@ -1,0 +1,300 @@
+"""The CPU decode step (models/cpu_decode.py) and its primitives (cpu_ext.residual_norm,
+cpu_ext.attention_decode), against numpy and the float64 reference, on tiny files.
+
+Unrounded, the step is the general step's float32 math in another order: ~1e-6 measured,
+STEP_BOUND 2e-5 (tests/test_cpu_ext.py's). Rounded (generate()'s), every product's input is
+rounded to int8 blocks of 32 (formats.quantize_activations): each value off by at most
+max|x| / 254 of its block, ~0.5 % of each product's output for normal activations, and through
+the four layers of these tiny random models 0.5-2.3 % of the logits (measured over the four
+architectures, two weight mixes, four seeds); ROUNDED_BOUND doubles the worst seen, as
+FUSED_BOUND does for the GPU's step. Against the reference that rounds the same values
+(Reference(decode_numerics=True, float16_cache=False): the CPU cache stays float32) what is left
+is float32 against float64 moving a code across a rounding boundary, and each moved code moving
+later ones through the cache: ~1e-3 after 6 steps, up to 1.2 % after 26 (measured over six
+seeds); bound 2.5e-2, the GPU step's FUSED_NUMERICS_BOUND.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from muser_mlx import cpu_ext, gguf, ops
+from muser_mlx.generate import decode
+from muser_mlx.models import build_model, cpu_decode
+from muser_mlx.models.cpu_decode import CPUDecodeStep
+from muser_mlx.reference import Reference
+from muser_mlx.testing import tiny_model
+from tests.conftest import relative_error
+
+if not cpu_ext.available() and os.environ.get("MUSER_REQUIRE_CPU_EXT") != "1":
+    pytest.skip(f"the CPU extension is not built here: {cpu_ext.unavailable()}", allow_module_level=True)
+
+ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2"]
+WINDOW = 8
+STEP_BOUND = 2e-5
+ROUNDED_BOUND = 5e-2
+ROUNDED_NUMERICS_BOUND = 2.5e-2
+PRIMITIVE_BOUND = 2e-5
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu():
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(previous)
+
+
+@pytest.fixture
+def tiny(tmp_path, rng):
+    def make(architecture, weights="Q4_K_M", **kwargs):
+        path = tiny_model(tmp_path / f"{architecture}-{weights}.gguf", architecture, rng,
+                          weights=weights, window=WINDOW, **kwargs)
+        file = gguf.read(path)
+        return file, build_model(file)
+    return make
+
+
+def random_ids(rng, model, tokens):
+    return rng.integers(0, model.config.vocab, size=tokens)
+
+
+def run_steps(step, ids, cache) -> np.ndarray:
+    """Logits [len(ids), vocab] of one step per id."""
+    return np.array(mx.stack([step(mx.array([[int(token)]], dtype=mx.int32), cache) for token in ids]))
+
+
+# --- the step ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weights", ["Q4_K_M", "Q8_0"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_unrounded_steps_match_the_general_step(tiny, rng, architecture, weights):
+    _, model = tiny(architecture, weights)
+    ids = random_ids(rng, model, 4 * WINDOW)
+    prompt = 2 * WINDOW + 1
+    compiled_cache, general_cache = model.make_cache(), model.make_cache()
+    mx.eval(model(ids[None, :prompt], compiled_cache), model(ids[None, :prompt], general_cache))
+    logits = run_steps(CPUDecodeStep(model, rounded=False), ids[prompt:], compiled_cache)
+    expected = np.array(mx.concatenate([model(ids[None, [i]], general_cache)[0]
+                                        for i in range(prompt, ids.size)]))
+    assert relative_error(logits, expected) <= STEP_BOUND
+
+
+@pytest.mark.parametrize("weights", ["Q4_K_M", "Q8_0"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_rounded_steps_match_the_reference_within_the_bound(tiny, rng, architecture, weights):
+    file, model = tiny(architecture, weights)
+    ids = random_ids(rng, model, 3 * WINDOW + 2)
+    logits = run_steps(CPUDecodeStep(model, rounded=True), ids, model.make_cache())
+    exact = Reference(model.config, file.tensors).forward(ids)
+    rounded = Reference(model.config, file.tensors, decode_numerics=True, float16_cache=False).forward(ids)
+    assert relative_error(logits, exact) <= ROUNDED_BOUND
+    assert relative_error(logits, rounded) <= ROUNDED_NUMERICS_BOUND
+
+
+def test_rounded_steps_round(tiny, rng):
+    # Fails if the rounded step silently ran the exact products (then ~1e-7 from the exact
+    # reference, ~1 % from the rounding one): its first step must sit nearer the reference that
+    # rounds. Usually ~1e-7 from it; where float32 moves a code at a tie (these weights are
+    # quantized, so ties are common), up to ~0.9 % measured, still nearer. Later steps are left
+    # out: moved codes carry on through the cache.
+    file, model = tiny("llama", "Q4_K_M")
+    ids = random_ids(rng, model, 1)
+    logits = run_steps(CPUDecodeStep(model, rounded=True), ids, model.make_cache())
+    exact = Reference(model.config, file.tensors).forward(ids)
+    rounded = Reference(model.config, file.tensors, decode_numerics=True, float16_cache=False).forward(ids)
+    assert relative_error(logits, exact) > relative_error(logits, rounded)
+
+
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
+def test_sliding_window_layers_see_exactly_window_keys(tiny, rng, architecture):
+    file, model = tiny(architecture, "Q8_0")
+    ids = random_ids(rng, model, 5 * WINDOW)
+    decoded = run_steps(CPUDecodeStep(model, rounded=False), ids, model.make_cache())[WINDOW:]
+
+    def reference(window):
+        config = dataclasses.replace(model.config, sliding_window=window)
+        return Reference(config, file.tensors).forward(ids)[WINDOW:]
+
+    right = relative_error(decoded, reference(WINDOW))
+    assert right <= 1e-4
+    assert relative_error(decoded, reference(WINDOW + 1)) > 100 * right
+    assert relative_error(decoded, reference(WINDOW - 1)) > 100 * right
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_steps_follow_a_prefill_chunk_a_trimmed_step_and_a_grown_cache(tiny, rng, architecture):
+    # generate()'s order: a chunk through the general path, then steps; the step fed ahead of a
+    # stop is trimmed and the next token takes its position; the cache grows by 256 slots at 256.
+    file, model = tiny(architecture, "Q4_K_M")
+    ids = random_ids(rng, model, 262)
+    chunk = 250
+    cache = model.make_cache()
+    mx.eval(model(ids[None, :chunk], cache))
+    step = CPUDecodeStep(model, rounded=False)
+    run_steps(step, random_ids(rng, model, 1), cache)  # fed ahead, then trimmed
+    for layer_cache in cache:
+        layer_cache.trim(1)
+    logits = run_steps(step, ids[chunk:], cache)
+    assert cache[0].keys.shape[2] == 512
+    expected = Reference(model.config, file.tensors).forward(ids)[chunk:]
+    assert relative_error(logits, expected) <= 1e-4
+
+
+def test_a_step_past_the_context_is_refused(tiny):
+    _, model = tiny("llama", "Q8_0", context=4)
+    cache = model.make_cache()
+    run_steps(model.cpu_step, [1, 2, 3, 4], cache)
+    with pytest.raises(ValueError, match="5 positions exceed the model's context of 4 tokens"):
+        model.cpu_step(mx.array([[1]], dtype=mx.int32), cache)
+
+
+def test_generate_runs_the_rounded_compiled_step_on_the_cpu(tiny, rng, monkeypatch):
+    # The general step's LM head is made to fail after the prompt: generate()'s one-token steps
+    # must be the compiled CPU step's, and its products must be asked to round.
+    _, model = tiny("qwen2", "Q4_K_M")
+    assert cpu_decode.serves(model) and cpu_decode.rounds(model)
+    asked = []
+    linear = ops.linear
+
+    def spy(x, weight, rounded=False):
+        asked.append(rounded)
+        return linear(x, weight, rounded=rounded)
+
+    monkeypatch.setattr(ops, "linear", spy)
+
+    def general_head(hidden):
+        raise AssertionError("a one-token step ran the general step")
+
+    monkeypatch.setattr(model, "logits", general_head)
+    cache = model.make_cache()
+    first, _ = decode(model, mx.array([[3]], dtype=mx.int32), cache)
+    ids = [int(np.argmax(np.array(first)))]
+    for _ in range(4):
+        logits, _ = decode(model, mx.array([ids[-1:]], dtype=mx.int32), cache)
+        ids.append(int(np.argmax(np.array(logits))))
+    assert asked and all(asked)
+    assert cache[0].offset == 5
+
+
+# --- the primitives ------------------------------------------------------------------------------
+
+def rms(x, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("with_branch_weight", [True, False])
+def test_residual_norm_matches_numpy(rng, rows, with_residual, with_branch_weight):
+    hidden = 96
+    residual = rng.standard_normal((rows, hidden)).astype(np.float32)
+    branch = (rng.standard_normal((rows, hidden)) * 3).astype(np.float32)
+    branch_weight = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    next_weight = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    poison = mx.full((2, rows, hidden), float("nan"))
+    mx.eval(poison)
+    del poison
+    # The branch as a transposed view: the primitive reads it in its strides.
+    strided_branch = mx.array(np.ascontiguousarray(branch.T)).T
+    total, normed = cpu_ext.residual_norm(mx.array(residual) if with_residual else None, strided_branch,
+                                          mx.array(branch_weight) if with_branch_weight else None,
+                                          mx.array(next_weight), 1e-6, 1e-5)
+    b = branch.astype(np.float64)
+    if with_branch_weight:
+        b = rms(b, 1e-6) * branch_weight
+    expected_total = residual + b if with_residual else b
+    assert relative_error(np.array(total), expected_total) <= PRIMITIVE_BOUND
+    assert relative_error(np.array(normed), rms(expected_total, 1e-5) * next_weight) <= PRIMITIVE_BOUND
+
+
+def rope(x, position, dims, base, traditional):
+    """x [heads, head_dim] rotated by RoPE at `position` over its first `dims` channels."""
+    half = dims // 2
+    angles = position * base ** (-2.0 * np.arange(half) / dims)
+    cos, sin = np.cos(angles), np.sin(angles)
+    out = x.copy()
+    if traditional:
+        first, second = x[:, 0:dims:2], x[:, 1:dims:2]
+        out[:, 0:dims:2], out[:, 1:dims:2] = first * cos - second * sin, first * sin + second * cos
+    else:
+        first, second = x[:, :half], x[:, half:dims]
+        out[:, :half], out[:, half:dims] = first * cos - second * sin, first * sin + second * cos
+    return out
+
+
+@pytest.mark.parametrize("position, capacity", [(0, 16), (5, 16), (21, 8)])  # the last: a ring
+@pytest.mark.parametrize("variant", ["plain", "bias", "qk_norm+gate", "traditional+partial", "no_rope"])
+def test_attention_decode_matches_numpy(rng, position, capacity, variant):
+    heads, kv_heads, head_dim, eps, scale = 4, 2, 32, 1e-6, 0.3
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    offsets = (2 * kv_size, 0, kv_size)  # y holds k, v, q, then the gate: any order will do
+    gate = 2 * kv_size + q_size if "gate" in variant else None
+    y = rng.standard_normal((1, 2 * kv_size + q_size + (q_size if gate else 0))).astype(np.float32)
+    bias = rng.standard_normal(q_size + 2 * kv_size).astype(np.float32) if variant == "bias" else None
+    q_norm, k_norm = (rng.uniform(0.5, 1.5, (2, head_dim)).astype(np.float32)
+                      if "qk_norm" in variant else (None, None))
+    dims = {"traditional+partial": 16, "no_rope": 0}.get(variant, head_dim)
+    rope_settings = None if dims == 0 else dict(dims=dims, base=10000.0, traditional="traditional" in variant)
+    keys = rng.standard_normal((1, kv_heads, capacity, head_dim)).astype(np.float32)
+    values = rng.standard_normal((1, kv_heads, capacity, head_dim)).astype(np.float32)
+
+    poison = mx.full((1, q_size), float("nan"))
+    mx.eval(poison)
+    del poison
+    o, new_keys, new_values = cpu_ext.attention_decode(
+        mx.array(y), mx.array(keys), mx.array(values), mx.array([position], dtype=mx.int32),
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, offsets=offsets, gate=gate,
+        bias=None if bias is None else mx.array(bias),
+        q_norm=None if q_norm is None else mx.array(q_norm), k_norm=None if k_norm is None else mx.array(k_norm),
+        rope=rope_settings, eps=eps, scale=scale)
+
+    y64 = y[0].astype(np.float64)
+    full_bias = np.zeros(q_size + 2 * kv_size) if bias is None else bias.astype(np.float64)
+    q = (y64[2 * kv_size : 2 * kv_size + q_size] + full_bias[:q_size]).reshape(heads, head_dim)
+    k = (y64[:kv_size] + full_bias[q_size : q_size + kv_size]).reshape(kv_heads, head_dim)
+    v = (y64[kv_size : 2 * kv_size] + full_bias[q_size + kv_size :]).reshape(kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms(q, eps) * q_norm, rms(k, eps) * k_norm
+    if dims:
+        q, k = (rope(a, position, dims, 10000.0, "traditional" in variant) for a in (q, k))
+    expected_keys, expected_values = keys[0].astype(np.float64), values[0].astype(np.float64)
+    expected_keys[:, position % capacity], expected_values[:, position % capacity] = k, v
+    seen = min(position + 1, capacity)
+    expected = np.empty((heads, head_dim))
+    for head in range(heads):
+        kv = head // (heads // kv_heads)
+        scores = expected_keys[kv, :seen] @ q[head] * scale
+        probs = np.exp(scores - scores.max())
+        expected[head] = probs / probs.sum() @ expected_values[kv, :seen]
+    expected = expected.reshape(1, q_size)
+    if gate is not None:
+        expected = expected / (1 + np.exp(-y64[gate : gate + q_size]))
+    out = np.array(o)
+    assert np.isfinite(out).all(), "an output left unwritten"
+    assert relative_error(out, expected) <= PRIMITIVE_BOUND
+    assert relative_error(np.array(new_keys)[0], expected_keys) <= PRIMITIVE_BOUND
+    np.testing.assert_array_equal(np.array(new_values)[0], expected_values.astype(np.float32))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(head_dim=24), "head_dim of 16"),
+    (dict(cache_dtype=mx.float16), "a float32 cache"),
+    (dict(position_dtype=mx.float32), "position must be int32"),
+    (dict(offsets=(0, 0, 200)), "at their offsets"),
+])
+def test_attention_decode_refuses_inputs_that_do_not_fit(change, message):
+    head_dim = change.get("head_dim", 32)
+    cache = mx.zeros((1, 2, 8, head_dim), dtype=change.get("cache_dtype", mx.float32))
+    with pytest.raises(ValueError, match=message):
+        cpu_ext.attention_decode(mx.zeros((1, 8 * head_dim)), cache, cache,
+                                 mx.array([0], dtype=change.get("position_dtype", mx.int32)),
+                                 heads=4, kv_heads=2, head_dim=head_dim,
+                                 offsets=change.get("offsets", (0, 4 * head_dim, 6 * head_dim)),
+                                 gate=None, bias=None, q_norm=None, k_norm=None, rope=None, eps=1e-6,
+                                 scale=1.0)
