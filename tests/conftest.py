@@ -84,3 +84,23 @@ def gemma3_path():
         return packaged.gemma3_path()
     except packaged.ModelNotInstalledError as error:
         pytest.skip(str(error))
+
+
+def tiny_models(tmp_path, rng, window: int, default_weights: str):
+    """make(architecture, weights=default_weights, **tiny_model options) -> (file, model): a tiny
+    GGUF model of random weights (muser_mlx.testing.tiny_model) written and loaded."""
+    from muser_mlx import gguf
+    from muser_mlx.models import build_model
+    from muser_mlx.testing import tiny_model
+
+    def make(architecture, weights=default_weights, **kwargs):
+        path = tiny_model(tmp_path / f"{architecture}-{weights}.gguf", architecture, rng,
+                          weights=weights, window=window, **kwargs)
+        file = gguf.read(path)
+        return file, build_model(file)
+    return make
+
+
+def random_ids(rng, model, tokens):
+    return rng.integers(0, model.config.vocab, size=tokens)
+

@@ -23,13 +23,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from muser_mlx import cpu_ext, gguf, ops
+from muser_mlx import cpu_ext, ops
 from muser_mlx.generate import decode
-from muser_mlx.models import build_model, cpu_decode
+from muser_mlx.models import cpu_decode
 from muser_mlx.models.cpu_decode import CPUDecodeStep
 from muser_mlx.reference import Reference
-from muser_mlx.testing import tiny_model
-from tests.conftest import relative_error
+from tests.conftest import random_ids, relative_error, tiny_models
 
 if not cpu_ext.available() and os.environ.get("MUSER_REQUIRE_CPU_EXT") != "1":
     pytest.skip(f"the CPU extension is not built here: {cpu_ext.unavailable()}", allow_module_level=True)
@@ -52,16 +51,7 @@ def on_the_cpu():
 
 @pytest.fixture
 def tiny(tmp_path, rng):
-    def make(architecture, weights="Q4_K_M", **kwargs):
-        path = tiny_model(tmp_path / f"{architecture}-{weights}.gguf", architecture, rng,
-                          weights=weights, window=WINDOW, **kwargs)
-        file = gguf.read(path)
-        return file, build_model(file)
-    return make
-
-
-def random_ids(rng, model, tokens):
-    return rng.integers(0, model.config.vocab, size=tokens)
+    return tiny_models(tmp_path, rng, WINDOW, "Q4_K_M")
 
 
 def run_steps(step, ids, cache) -> np.ndarray:

@@ -14,7 +14,7 @@ from muser_mlx.models.config import MissingKeyError, MissingTensorError, ModelCo
 from muser_mlx.reference import Reference
 from muser_mlx.testing import tiny_model
 
-from tests.conftest import relative_error
+from tests.conftest import random_ids, relative_error, tiny_models
 
 ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2"]
 WEIGHTS = ["F32", "F16", "Q8_0", "Q4_K", "Q4_K_M"]
@@ -26,16 +26,7 @@ TOLERANCE = {"cpu": 1e-4, "gpu": 5e-3}
 
 @pytest.fixture
 def tiny(tmp_path, rng):
-    def make(architecture, weights="F32", **kwargs):
-        path = tiny_model(tmp_path / f"{architecture}-{weights}.gguf", architecture, rng,
-                          weights=weights, window=WINDOW, **kwargs)
-        file = gguf.read(path)
-        return file, build_model(file)
-    return make
-
-
-def random_ids(rng, model, tokens):
-    return rng.integers(0, model.config.vocab, size=tokens)
+    return tiny_models(tmp_path, rng, WINDOW, "F32")
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
