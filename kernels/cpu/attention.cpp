@@ -18,25 +18,13 @@
 
 #include "decode.h"
 #include "thread_pool.h"
+#include "vectors.h"
 
 namespace muser::cpu {
 
 namespace {
 
 constexpr int64_t ROWS_PER_TASK = 16;
-
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, 64);
-  return v;
-}
-
-inline void store16(float* p, f32x16 v) {
-  std::memcpy(p, &v, 64);
-}
 
 // e^x for x <= 0 (scores minus their maximum), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
 // e^r by a degree-7 polynomial (relative error ~1e-7), 2^n from the exponent bits. Below
@@ -81,7 +69,7 @@ void attend_row(const float* q_row, const float* k, const float* v, const bool* 
     const float* k_row = k + s * head_dim;
     f32x16 acc = {};
     for (int64_t d = 0; d < head_dim; d += 16) {
-      acc += load16(q_row + d) * load16(k_row + d);
+      acc += load<f32x16>(q_row + d) * load<f32x16>(k_row + d);
     }
     scores[s] = scale * hsum(acc);
     top = std::max(top, scores[s]);
@@ -93,11 +81,11 @@ void attend_row(const float* q_row, const float* k, const float* v, const bool* 
   float total = 0;
   int64_t s = 0;
   for (; s + 16 <= keys; s += 16) {
-    f32x16 p = exp16(load16(scores.data() + s) - top);
+    f32x16 p = exp16(load<f32x16>(scores.data() + s) - top);
     for (int lane = 0; lane < 16; ++lane) {  // masked keys: -inf - top -> flushed to 0
       p[lane] = scores[s + lane] == -std::numeric_limits<float>::infinity() ? 0.0f : p[lane];
     }
-    store16(scores.data() + s, p);
+    store(scores.data() + s, p);
     total += hsum(p);
   }
   for (; s < keys; ++s) {
@@ -109,12 +97,12 @@ void attend_row(const float* q_row, const float* k, const float* v, const bool* 
   for (int64_t key = 0; key < keys; ++key) {
     if (scores[key] != 0.0f) {
       for (int64_t d = 0; d < head_dim; d += 16) {
-        store16(out_row + d, load16(out_row + d) + scores[key] * load16(v + key * head_dim + d));
+        store(out_row + d, load<f32x16>(out_row + d) + scores[key] * load<f32x16>(v + key * head_dim + d));
       }
     }
   }
   for (int64_t d = 0; d < head_dim; d += 16) {
-    store16(out_row + d, load16(out_row + d) / total);
+    store(out_row + d, load<f32x16>(out_row + d) / total);
   }
 }
 

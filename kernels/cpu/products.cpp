@@ -23,6 +23,7 @@
 // may be short (their own instantiations).
 
 #include "products.h"
+#include "vectors.h"
 
 #include <algorithm>
 #include <array>
@@ -70,23 +71,6 @@ constexpr int64_t SMALL_PRODUCT = 1 << 17;
 // pieces as they come free (a worker the OS has descheduled leaves its pieces to the others).
 constexpr int TASKS_PER_THREAD = 4;
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-
-inline u8x16 bytes16(const uint8_t* p) {
-  u8x16 v;
-  std::memcpy(&v, p, 16);
-  return v;
-}
-
-inline f32x16 floats16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, 64);
-  return v;
-}
-
 // Byte codes to floats. GCC turns a direct u8 -> float vector conversion into 16 scalar
 // ones, and an int8 one into lane inserts: AVX-512 gets the two instructions by name.
 inline f32x16 to_float(u8x16 codes) {
@@ -101,9 +85,7 @@ inline f32x16 int8_to_float(const uint8_t* p) {
 #if defined(__AVX512F__)
   return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 #else
-  i8x16 q;
-  std::memcpy(&q, p, 16);
-  return __builtin_convertvector(__builtin_convertvector(q, i32x16), f32x16);
+  return __builtin_convertvector(__builtin_convertvector(load<i8x16>(p), i32x16), f32x16);
 #endif
 }
 
@@ -148,7 +130,7 @@ inline uint32_t u32(const uint8_t* p) {
 
 // 32-value blocks keep value i in the low nibble of byte i, value 16 + i in the high one.
 inline u8x16 nibbles(const uint8_t* qs, int chunk) {
-  u8x16 q = bytes16(qs);
+  u8x16 q = load<u8x16>(qs);
   return chunk ? q >> 4 : q & 15;
 }
 
@@ -160,19 +142,9 @@ inline f32x16 with_fifth_bits(u8x16 low, uint32_t qh, int chunk) {
 
 // The int8 path (linear_rounded_from_blocks) reads 32 codes at a time, unit u of a block
 // (values 32u .. 32u + 31), as bytes: codes32(block, u).
-typedef uint8_t u8x32 __attribute__((vector_size(32)));
-typedef int8_t i8x32 __attribute__((vector_size(32)));
-typedef uint8_t u8x4 __attribute__((vector_size(4)));
-
-inline u8x32 bytes32(const uint8_t* p) {
-  u8x32 v;
-  std::memcpy(&v, p, 32);
-  return v;
-}
-
 // Byte i of 16 low nibbles then 16 high nibbles: a 32-value block's codes in value order.
 inline u8x32 nibbles32(const uint8_t* qs) {
-  u8x16 q = bytes16(qs);
+  u8x16 q = load<u8x16>(qs);
   u8x16 low = q & 15, high = q >> 4;
   return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                                  16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -246,7 +218,7 @@ struct Q5_1Format {
 struct Q8_0Format {
   static constexpr int VALUES = 32, BYTES = 34, GROUP = 32;
   static constexpr bool OFFSET = false, SIGNED = true;  // codes32: int8 codes as bytes
-  static u8x32 codes32(const uint8_t* b, int) { return bytes32(b + 2); }
+  static u8x32 codes32(const uint8_t* b, int) { return load<u8x32>(b + 2); }
   static void scales(const uint8_t* b, float* d, float*) { d[0] = f16(b); }
   static f32x16 codes(const uint8_t* b, int j) { return int8_to_float(b + 2 + 16 * j); }
 };
@@ -279,13 +251,13 @@ inline void k4_scales(const uint8_t* b, float* d, float* m) {
 // of sub-block j / 2.
 inline u8x16 k4_nibbles(const uint8_t* qs, int j) {
   int sub_block = j / 2;
-  u8x16 q = bytes16(qs + 32 * (sub_block / 2) + 16 * (j % 2));
+  u8x16 q = load<u8x16>(qs + 32 * (sub_block / 2) + 16 * (j % 2));
   return sub_block % 2 ? q >> 4 : q & 15;
 }
 
 // Sub-block s of a Q4_K / Q5_K: the low (s even) or high nibbles of bytes 32(s/2) .. +31.
 inline u8x32 k4_nibbles32(const uint8_t* qs, int s) {
-  u8x32 q = bytes32(qs + 32 * (s / 2));
+  u8x32 q = load<u8x32>(qs + 32 * (s / 2));
   return s % 2 ? q >> 4 : q & 15;
 }
 
@@ -301,12 +273,12 @@ struct Q5_KFormat {
   static constexpr int VALUES = 256, BYTES = 176, GROUP = 32;
   static constexpr bool OFFSET = true, SIGNED = false;
   static u8x32 codes32(const uint8_t* b, int u) {
-    return k4_nibbles32(b + 48, u) | (((bytes32(b + 16) >> u) & 1) << 4);
+    return k4_nibbles32(b + 48, u) | (((load<u8x32>(b + 16) >> u) & 1) << 4);
   }
   static void scales(const uint8_t* b, float* d, float* m) { k4_scales(b, d, m); }
   static f32x16 codes(const uint8_t* b, int j) {
     // Bit s of qh[l] is bit 4 of value l of sub-block s.
-    u8x16 fifth = (bytes16(b + 16 + 16 * (j % 2)) >> (j / 2)) & 1;
+    u8x16 fifth = (load<u8x16>(b + 16 + 16 * (j % 2)) >> (j / 2)) & 1;
     return to_float(k4_nibbles(b + 48, j) | (fifth << 4));
   }
 };
@@ -320,8 +292,8 @@ struct Q6_KFormat {
   static constexpr bool OFFSET = true, SIGNED = false;
   static u8x32 codes32(const uint8_t* b, int u) {
     int half = u / 4, group = u % 4;
-    u8x32 ql = bytes32(b + 64 * half + 32 * (group % 2));
-    u8x32 qh = bytes32(b + 128 + 32 * half);
+    u8x32 ql = load<u8x32>(b + 64 * half + 32 * (group % 2));
+    u8x32 qh = load<u8x32>(b + 128 + 32 * half);
     u8x32 low = group < 2 ? ql & 15 : ql >> 4;
     return low | (((qh >> (2 * group)) & 3) << 4);
   }
@@ -333,8 +305,8 @@ struct Q6_KFormat {
   }
   static f32x16 codes(const uint8_t* b, int j) {
     int half = j / 8, group = (j % 8) / 2, part = j % 2;
-    u8x16 ql = bytes16(b + 64 * half + 32 * (group % 2) + 16 * part);
-    u8x16 qh = bytes16(b + 128 + 32 * half + 16 * part);
+    u8x16 ql = load<u8x16>(b + 64 * half + 32 * (group % 2) + 16 * part);
+    u8x16 qh = load<u8x16>(b + 128 + 32 * half + 16 * part);
     u8x16 low = group < 2 ? ql & 15 : ql >> 4;
     return to_float(low | (((qh >> (2 * group)) & 3) << 4));
   }
@@ -390,7 +362,7 @@ void tile(const uint8_t* weight, int64_t row_bytes, const float* x, const float*
           for (int r = 0; r < R; ++r) {
             f32x16 codes = F::codes(blocks[r], j);
             for (int c = 0; c < C; ++c) {
-              group[r][c] += codes * floats16(xb + c * in_features + 16 * j);
+              group[r][c] += codes * load<f32x16>(xb + c * in_features + 16 * j);
             }
           }
         }
@@ -405,7 +377,7 @@ void tile(const uint8_t* weight, int64_t row_bytes, const float* x, const float*
       for (int j = 0; j < CHUNKS; ++j) {
         f32x16 xv[C];
         for (int c = 0; c < C; ++c) {
-          xv[c] = floats16(xb + c * in_features + 16 * j);
+          xv[c] = load<f32x16>(xb + c * in_features + 16 * j);
         }
         for (int r = 0; r < R; ++r) {
           f32x16 w = F::codes(blocks[r], j) * d[r][16 * j / F::GROUP];
@@ -473,7 +445,7 @@ void panel_product(const float* panel, const float* x_t, int64_t in_features, in
                    float* out, int64_t out_stride) {
   f32x16 acc[R][2] = {};
   for (int64_t k = 0; k < in_features; ++k) {
-    f32x16 x0 = floats16(x_t + k * PANEL_TOKENS), x1 = floats16(x_t + k * PANEL_TOKENS + 16);
+    f32x16 x0 = load<f32x16>(x_t + k * PANEL_TOKENS), x1 = load<f32x16>(x_t + k * PANEL_TOKENS + 16);
     for (int r = 0; r < R; ++r) {
       float w = panel[r * in_features + k];
       acc[r][0] += w * x0;
@@ -602,9 +574,6 @@ void linear_format(const float* x, const uint8_t* weight, float* out, int64_t to
 // converted and scaled once per unit: d_weight * d_x (per 16 values for Q6_K's scales). The
 // offsets m through per-16 sums of the rounded x.
 // ---------------------------------------------------------------------------------------------
-
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 // Lane k: the sum over values 4k .. 4k + 3 of w * x (w unsigned, at most 128 with x's sign
 // folded in, so AVX2's 16-bit pair sums cannot saturate: 2 * 128 * 127 < 2^15).

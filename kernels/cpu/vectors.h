@@ -1,0 +1,33 @@
+// GCC vector types the CPU kernels compute with, and unaligned loads and stores of them (memcpy:
+// the compiler emits one vector move).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace muser::cpu {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef int8_t i8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x4 __attribute__((vector_size(4)));
+
+// The vector at p (any alignment): load<u8x16>(bytes), load<f32x16>(floats).
+template <typename V, typename T>
+inline V load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename V, typename T>
+inline void store(T* p, V v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+
+}  // namespace muser::cpu
