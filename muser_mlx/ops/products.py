@@ -176,11 +176,12 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
     # backend's f16 matmul does the arithmetic.
     weight = dequantize_weight(weight_bytes, fmt.ggml_type, in_features, out_features, mx.float16)
     pacer = getattr(_PACING, "pacer", None)
+    temporary = weight.nbytes  # the float16 weight, alive until the GPU has run the matmul
     if pacer is not None:  # before the weight's buffer exists: MLX allocates it when encoding
-        pacer.make_room(2 * in_features * out_features)
+        pacer.make_room(temporary)
     out = (rows.astype(mx.float16) @ weight.T).astype(mx.float32)
     if pacer is not None:
-        pacer.queue(out, 2 * in_features * out_features)
+        pacer.queue(out, temporary)
     return out
 
 
