@@ -9,8 +9,10 @@ capacity, head_dim], in a fixed slot layout that two kinds of step share:
   the token's key into its slot itself, in place on a GPU.
 
 - `KVCache`: every position; position s at slot s. Capacity grows in steps of `STEP` slots.
-- `SlidingWindowCache`: a ring of exactly `window` slots; position s at slot s % window, so a
-  new position overwrites the one that just left the window.
+- `SlidingWindowCache`: a ring of `window` slots; position s at slot s % window, so a new
+  position overwrites the one that just left the window. Until the window has filled, its
+  capacity grows in steps of `STEP` as `KVCache`'s does (slot s = position s either way): a
+  short context's fused attention then launches for the slots it has, not for the window.
 The dtype is float16 on a GPU (half the bytes attention reads per step), float32 on the CPU.
 """
 
@@ -78,8 +80,9 @@ class KVCache:
 
 
 class SlidingWindowCache:
-    """The last `window` positions, a ring: keys/values [B, kv_heads, window, head_dim] in
-    `dtype`, position s at slot s % window."""
+    """The last `window` positions, a ring: keys/values [B, kv_heads, capacity, head_dim] in
+    `dtype`, position s at slot s % window. capacity = window once the positions reserved reach
+    it; before, the positions reserved rounded up to STEP (no slot wraps until then)."""
 
     def __init__(self, window: int, dtype=mx.float32):
         if window < 1:
@@ -93,13 +96,19 @@ class SlidingWindowCache:
         self.written_by = None  # the token of the last fused step, which wrote keys/values in place
 
     def reserve(self, batch: int, kv_heads: int, head_dim: int, end: int) -> None:
-        if self.keys is None:
-            self.keys = mx.zeros((batch, kv_heads, self.window, head_dim), dtype=self.dtype)
-            self.values = mx.zeros((batch, kv_heads, self.window, head_dim), dtype=self.dtype)
+        capacity = min(self.window, -(-end // STEP) * STEP)
+        if self.keys is None or self.keys.shape[2] < capacity:
+            finish_fused_writes(self)  # the copy below reads what a fused step may still be writing
+            self.keys = _grown(self.keys, (batch, kv_heads, capacity, head_dim), self.dtype)
+            self.values = _grown(self.values, (batch, kv_heads, capacity, head_dim), self.dtype)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
 
     def positions(self) -> np.ndarray:
-        """int32 [window]: the position each slot holds (NOWHERE for none)."""
-        slots = np.arange(self.window)
+        """int32 [capacity]: the position each slot holds (NOWHERE for none)."""
+        slots = np.arange(self.capacity)
         held = slots + self.window * ((self.offset - 1 - slots) // self.window)
         held = np.where(slots < self.offset, held, NOWHERE)
         if self.stale is not None:

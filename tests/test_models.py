@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from muser_mlx import cache as cache_module
 from muser_mlx import gguf
 from muser_mlx.models import build_model, config_for
 from muser_mlx.models.config import MissingKeyError, MissingTensorError, ModelConfigError, TensorShapeError
@@ -74,10 +75,13 @@ def test_greedy_tokens_match_the_reference_for_32_steps(tiny, rng, architecture)
     assert ours == theirs
 
 
+@pytest.mark.parametrize("step", [None, 3])  # 3: window caches grow (3, 6, then 8 slots) before they wrap
 @pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
-def test_sliding_window_layers_see_exactly_window_keys(tiny, rng, architecture):
+def test_sliding_window_layers_see_exactly_window_keys(tiny, rng, monkeypatch, architecture, step):
     """The model must match a reference with the file's window and clearly differ from
     references whose window is one key wider or narrower."""
+    if step:
+        monkeypatch.setattr(cache_module, "STEP", step)
     file, model = tiny(architecture, "F32")
     ids = random_ids(rng, model, 5 * WINDOW)
     cache = model.make_cache()
@@ -127,8 +131,11 @@ def test_sliding_window_caches_hold_at_most_the_window(tiny, rng):
 
 @pytest.mark.parametrize("steps", [WINDOW // 2, 3 * WINDOW + 1])  # windows not yet full; wrapped
 @pytest.mark.parametrize("then", [1, 3])  # go on with one token, or with a chunk
-def test_a_trimmed_last_position_is_forgotten(tiny, rng, backend, steps, then):
+@pytest.mark.parametrize("step", [None, 3])  # 3: window caches still growing when trimmed
+def test_a_trimmed_last_position_is_forgotten(tiny, rng, monkeypatch, backend, steps, then, step):
     # What a pipelined generation does when it stops: the step it fed ahead is trimmed away.
+    if step:
+        monkeypatch.setattr(cache_module, "STEP", step)
     _, model = tiny("muse-glimmer", "F32")
     ids = random_ids(rng, model, steps + then)
     cache = model.make_cache()
@@ -271,11 +278,22 @@ def test_fused_greedy_decoding_stays_within_the_bound_for_32_steps(tiny, rng, ar
         logits, greedy = decode_one_by_one(model, tokens[-1:], cache)
 
 
+@pytest.mark.parametrize("step", [None, 3])  # 3: window caches grow (3, 6, then 8 slots) before they wrap
 @pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
-def test_fused_sliding_window_layers_see_exactly_window_keys(tiny, rng, architecture):
+def test_fused_sliding_window_layers_see_exactly_window_keys(tiny, rng, monkeypatch, architecture, step):
+    if step:
+        monkeypatch.setattr(cache_module, "STEP", step)
     file, model = tiny(architecture, "Q8_0")
     ids = random_ids(rng, model, 5 * WINDOW)
-    decoded = decode_one_by_one(model, ids, model.make_cache(mx.float16))[0][WINDOW:]
+    cache = model.make_cache(mx.float16)
+    first = decode_one_by_one(model, ids[:2], cache)[0]
+    if step:  # every cache holds 3 slots, then the window caches stop at the window
+        assert [layer_cache.keys.shape[2] for layer_cache in cache] == [step] * len(cache)
+    decoded = np.concatenate([first, decode_one_by_one(model, ids[2:], cache)[0]])[WINDOW:]
+    if step:
+        grown = -(-ids.size // step) * step
+        assert [layer_cache.keys.shape[2] for layer_cache in cache] == [
+            WINDOW if sliding else grown for sliding in model.config.swa_layers]
 
     def reference(window):
         config = dataclasses.replace(model.config, sliding_window=window)
