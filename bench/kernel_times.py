@@ -73,6 +73,9 @@ def prefill(args) -> None:
     apply_settings(args.set)  # e.g. muser_mlx.ops.products.DEQUANT_KERNEL='dequant_rows'
 
     model, _ = load(path)
+    mx.eval(model.make_cache())
+    print(f"after load: active {mx.get_active_memory() / 1e9:.2f} GB, file {path.stat().st_size / 1e9:.2f} GB",
+          file=sys.stderr, flush=True)
     rng = np.random.default_rng(1)
     for label, settings in [("", [])] + [(v.split(":", 1)[0], v.split(":", 1)[1].split(","))
                                           for v in args.variant]:
@@ -85,6 +88,7 @@ def prefill(args) -> None:
             tic = time.perf_counter()
             mx.eval(model.logits(model.hidden(ids, cache)[:, -1:]))
             times.append(time.perf_counter() - tic)
+            del cache
         restore_settings(saved)
         print(f"{args.layers} layers {args.set} {label} {settings}: {[round(1e3 * t, 1) for t in times]} ms per "
               f"512-row chunk from context 0 ({512 / statistics.median(times[1:]):,.0f} tokens/s after the first); "

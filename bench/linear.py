@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--product-configs", default=[],
                         type=lambda s: [tuple(int(v) for v in c.split(":")) for c in s.split(",")],
                         help="--products: R:G:U (rows, SIMD groups, unroll) configurations, e.g. 2:8:1,2:8:2")
+    parser.add_argument("--cases", default="", help="--products: only these labels (comma-separated), e.g. attn_output,q+gate|k+v")
     parser.add_argument("--products", action="store_true",
                         help="GPU: the fused decode's q8x products on Muse Glimmer's shapes, over rows per "
                              "SIMD group x SIMD groups per threadgroup, then stop")
@@ -207,7 +208,7 @@ def sweep(rng, bandwidth, args) -> None:
 # the layer's projections (q+gate Q4_K with k+v Q8_0, one launch), attn_output, gate/up with
 # the SwiGLU epilogue, ffn_down (Q4_K or Q6_K), and the LM head with its softcap epilogue.
 PRODUCT_CASES = [
-    ("q+gate, k+v", (8192, 6656), GGMLType.Q4_K, (512, GGMLType.Q8_0)),
+    ("q+gate|k+v", (8192, 6656), GGMLType.Q4_K, (512, GGMLType.Q8_0)),
     ("attn_output", (6656, 4096), GGMLType.Q4_K, None),
     ("ffn gate/up GLU", (19968, 6656), GGMLType.Q4_K, "glu"),
     ("ffn_down", (6656, 19968), GGMLType.Q4_K, None),
@@ -224,9 +225,12 @@ def products(rng, bandwidth, args) -> None:
     configs = args.product_configs or [(r, g, 1) for r in (1, 2, 4, 8) for g in (2, 4, 8)]
     print("| product | shape out x in | weight | MB | " + " | ".join(f"R{r} G{g} U{u}" for r, g, u in configs) + " |")
     print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in configs) + " |")
-    saved = dict(ops.PRODUCT_CONFIG)
+    saved, saved_widths = dict(ops.PRODUCT_CONFIG), dict(ops.PRODUCT_CONFIG_BY_WIDTH)
+    ops.PRODUCT_CONFIG_BY_WIDTH.clear()  # each column's config for every width
     try:
         for label, (out_features, in_features), ggml_type, extra in PRODUCT_CASES:
+            if args.cases and label not in args.cases.split(","):
+                continue
             if args.types and ggml_type.name not in args.types.split(","):
                 continue
             row_bytes = formats.FORMATS[ggml_type].row_bytes(in_features)
@@ -269,6 +273,7 @@ def products(rng, bandwidth, args) -> None:
             del weights
     finally:
         ops.PRODUCT_CONFIG.update(saved)
+        ops.PRODUCT_CONFIG_BY_WIDTH.update(saved_widths)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,10 @@
 // CAPACITY is the caches' third dimension, read at run time (a growing cache does not make a
 // new kernel).
 // Template constants: HEADS, KV_HEADS, HEAD_DIM (a multiple of 64), ROTARY, TRADITIONAL,
-// QK_NORM, BIAS, SPLIT (a multiple of 32), HEAD_GROUP, Q_OFF, K_OFF, V_OFF.
+// QK_NORM, BIAS, SPLIT (a multiple of 32), HEAD_GROUP, Q_OFF, K_OFF, V_OFF, LATE_VALUES (1: a
+// block's value rows are loaded after its scores, not with its keys: fewer registers live at
+// once), SHARED_P (1: the probabilities reach the value pass through threadgroup memory, not
+// simd_shuffle).
 const int GROUP = HEADS / KV_HEADS;
 const int HEAD_GROUPS = GROUP / HEAD_GROUP;
 const int CHANNELS = HEAD_DIM / 32;  // value channels per lane
@@ -49,6 +52,7 @@ const uint CAPACITY = uint(k_cache_shape[2]);
 const uint SPLITS = (CAPACITY + uint(SPLIT) - 1u) / uint(SPLIT);
 threadgroup float4 q_tiles[4 * HEAD_GROUP * HEAD_DIM / 4];
 threadgroup float kv_tiles[4 * 2 * HEAD_DIM];
+threadgroup float p_tiles[4 * HEAD_GROUP * 32];
 uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
 uint index = threadgroup_position_in_grid.x * (threads_per_threadgroup.x / 32u) + warp;
@@ -62,6 +66,7 @@ uint first_head = kv_head * uint(GROUP) + head_group * uint(HEAD_GROUP);
 threadgroup float4* q_tile = q_tiles + warp * uint(HEAD_GROUP * HEAD_DIM / 4);
 threadgroup float* k_tile = kv_tiles + warp * uint(2 * HEAD_DIM);
 threadgroup float* v_tile = k_tile + HEAD_DIM;
+threadgroup float* p_tile = p_tiles + warp * uint(HEAD_GROUP * 32);
 int position = state[0];
 uint count = min(uint(position) + 1u, CAPACITY);
 uint write_slot = uint(position) % CAPACITY;
@@ -104,12 +109,8 @@ uint value_rows[32 * (CHANNELS / 2)];
   for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
     key_rows[chunk] = key[chunk];
   }
-  for (int k = 0; k < 32; ++k) {
-    uint key_slot = min(first + uint(k), last - 1u);
-    for (int c = 0; c < CHANNELS / 2; ++c) {
-      value_rows[k * (CHANNELS / 2) + c] =
-          *((const device uint*)(values + size_t(key_slot) * HEAD_DIM + 2u * lane + 64u * uint(c)));
-    }
+  if (!LATE_VALUES) {
+    muser_load_value_rows<HEAD_DIM>(values, first, last, lane, value_rows);
   }
 }
 float eps = params[0];
@@ -153,12 +154,8 @@ for (uint base = first; base < last; base += 32u) {
     for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
       key_rows[chunk] = key[chunk];
     }
-    for (int k = 0; k < 32; ++k) {
-      uint key_slot = min(base + uint(k), last - 1u);
-      for (int c = 0; c < CHANNELS / 2; ++c) {
-        value_rows[k * (CHANNELS / 2) + c] =
-            *((const device uint*)(values + size_t(key_slot) * HEAD_DIM + 2u * lane + 64u * uint(c)));
-      }
+    if (!LATE_VALUES) {
+      muser_load_value_rows<HEAD_DIM>(values, base, last, lane, value_rows);
     }
   }
   float score[HEAD_GROUP];
@@ -187,6 +184,9 @@ for (uint base = first; base < last; base += 32u) {
       }
     }
   }
+  if (LATE_VALUES) {  // issued now, they arrive while the softmax below reduces across lanes
+    muser_load_value_rows<HEAD_DIM>(values, base, last, lane, value_rows);
+  }
   for (int i = 0; i < HEAD_GROUP; ++i) {
     float top = max(m[i], simd_max(valid ? score[i] : -3.0e38f));
     float correction = exp(m[i] - top);
@@ -200,11 +200,17 @@ for (uint base = first; base < last; base += 32u) {
   // The values: each slot's probabilities broadcast from the lane that scored it; a slot past
   // the split's last adds 0 (its row, read from slot last - 1, is not used: that slot may be w,
   // whose stored row is stale); slot w's value is the new one, as the cache will hold it.
+  if (SHARED_P) {  // each lane's probabilities to threadgroup memory, read back 4 slots a load
+    for (int i = 0; i < HEAD_GROUP; ++i) {
+      p_tile[i * 32 + int(lane)] = score[i];
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+  }
   for (int k = 0; k < 32; ++k) {
     uint key_slot = base + uint(k);
     float p[HEAD_GROUP];
     for (int i = 0; i < HEAD_GROUP; ++i) {
-      p[i] = simd_shuffle(score[i], uint(k));
+      p[i] = SHARED_P ? p_tile[i * 32 + k] : simd_shuffle(score[i], uint(k));
     }
     for (int c = 0; c < CHANNELS / 2; ++c) {
       uint e = 2u * lane + 64u * uint(c);
@@ -220,6 +226,9 @@ for (uint base = first; base < last; base += 32u) {
         acc[i * CHANNELS + 2 * c + 1] += p[i] * v1;
       }
     }
+  }
+  if (SHARED_P) {
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // every lane has read p_tile before the next block writes it
   }
 }
 for (int i = 0; i < HEAD_GROUP; ++i) {

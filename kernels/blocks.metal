@@ -534,6 +534,19 @@ inline void muser_rows_dot(const device uint8_t* weight, uint first_row, const d
   }
 }
 
+// attention_decode's value rows of one block of 32 slots, base .. base + 31: lane l's channels
+// 2l, 2l+1, 2l+64, ... of each slot as packed half pairs, rows[k * (HEAD_DIM / 64) + c]; a slot
+// at or past `last` re-reads slot last - 1 (its probability is 0).
+template <int HEAD_DIM>
+inline void muser_load_value_rows(const device half* values, uint base, uint last, uint lane, thread uint* rows) {
+  for (int k = 0; k < 32; ++k) {
+    uint slot = min(base + uint(k), last - 1u);
+    for (int c = 0; c < HEAD_DIM / 64; ++c) {
+      rows[k * (HEAD_DIM / 64) + c] = *((const device uint*)(values + size_t(slot) * HEAD_DIM + 2u * lane + 64u * uint(c)));
+    }
+  }
+}
+
 // RoPE's pair i of a head: the channels (a, b) it rotates, (2i, 2i+1) when TRADITIONAL
 // (llama.cpp's NORM), (i, i + ROTARY/2) otherwise (NEOX); pairs past the rotary width keep
 // their channels and pass through (muser_rope_rotates says which).

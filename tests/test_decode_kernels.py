@@ -88,13 +88,13 @@ def test_product_of_one_or_two_weights_matches_numpy(backend, rng, formats_ab, t
     assert relative_error(out, expected) <= PRODUCT_BOUND
 
 
-@pytest.mark.parametrize("unroll", [1, 2])
+@pytest.mark.parametrize("unroll", [1, 2, 4])  # 4 with 3 tokens: 1 (at most 4 units x tokens)
 @pytest.mark.parametrize("formats_ab", FORMAT_PAIRS[:3], ids=lambda p: "+".join(t.name for t in p if t))
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, rng, monkeypatch, formats_ab,
                                                                          tokens, unroll):
-    """ProductConfig.unroll: 88 units a row, so lanes take 2 or 3 units and, two at a time, the
-    last batch of most lanes runs past the row (those units must add nothing)."""
+    """ProductConfig.unroll: 88 units a row, so lanes take 2 or 3 units and, two or four at a
+    time, the last batch of most lanes runs past the row (those units must add nothing)."""
     first, _ = formats_ab
     in_features, out = 2816, 37
     monkeypatch.setitem(ops.PRODUCT_CONFIG, first, ops.ProductConfig(2, 4, unroll))
@@ -114,8 +114,19 @@ def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, 
 def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
     monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 3))
     a, _ = weight(rng, GGMLType.Q4_K, 256, 8, "a")
-    with pytest.raises(ValueError, match="unroll must be 1 or 2"):
+    with pytest.raises(ValueError, match="unroll must be 1, 2 or 4"):
         ops.Product(a)
+
+
+def test_a_product_config_for_one_width_overrides_the_format_s(rng, monkeypatch):
+    monkeypatch.setitem(ops.PRODUCT_CONFIG_BY_WIDTH, (GGMLType.Q4_K, 512), ops.ProductConfig(4, 2, 4))
+    narrow, _ = weight(rng, GGMLType.Q4_K, 512, 8, "narrow")
+    wide, _ = weight(rng, GGMLType.Q4_K, 768, 8, "wide")
+    template = dict(ops.Product(narrow).template)
+    assert (template["ROWS"], template["UNROLL"], ops.Product(narrow).threadgroup) == (4, 4, (64, 1, 1))
+    assert dict(ops.Product(narrow, tokens=3).template)["UNROLL"] == 1  # 4 units x 3 tokens: too many registers
+    default = ops.PRODUCT_CONFIG[GGMLType.Q4_K]
+    assert dict(ops.Product(wide).template)["ROWS"] == default.rows
 
 
 @pytest.mark.parametrize("cap", [20.0, 0.0], ids=["softcap", "no-softcap"])
@@ -242,11 +253,17 @@ def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm
                          ids=["first", "second", "full-200", "ring-filling", "ring-wraps", "ring-29", "long"])
 @pytest.mark.parametrize("variant", ["muse", "llama", "qwen2", "gqa-3"])
 @pytest.mark.parametrize("splits", [64, 128], ids=["64-splits", "128-splits"])
+@pytest.mark.parametrize("loads", [(0, 0), (1, 1)], ids=["values-early", "values-late-shared-p"])
 def test_attention_decode_matches_numpy_and_writes_its_slot(backend, rng, monkeypatch, capacity, position, variant,
-                                                            splits):
+                                                            splits, loads):
     if splits != 64 and capacity < 4096:
         pytest.skip("only a long cache has more than 64 splits")
-    monkeypatch.setattr(importlib.import_module("muser_mlx.ops.attention"), "ATTENTION_SPLITS", splits)
+    if loads != (0, 0) and backend == "cpu":
+        pytest.skip("LATE_VALUES / SHARED_P are GPU kernel options")
+    attention_module = importlib.import_module("muser_mlx.ops.attention")
+    monkeypatch.setattr(attention_module, "ATTENTION_SPLITS", splits)
+    monkeypatch.setattr(attention_module, "ATTENTION_LATE_VALUES", loads[0])
+    monkeypatch.setattr(attention_module, "ATTENTION_SHARED_P", loads[1])
     heads, kv_heads, gate, bias, qk_norm, rope_spec = {
         "muse": (8, 2, True, False, True, (64, True)),
         "llama": (4, 2, False, False, False, (64, False)),

@@ -8,6 +8,7 @@ multiple of ROWS; inputs are fresh random values. Outputs start as NaN (poisoned
 """
 
 import dataclasses
+import importlib
 import sys
 from types import SimpleNamespace
 
@@ -254,7 +255,11 @@ def test_residual_norm_quant(rng, residual, branch_norm, hidden):
 
 @pytest.mark.parametrize("variant, capacity, position", [("muse", 8, 29), ("qwen2", 256, 200), ("llama", 4096, 3000)],
                          ids=["muse-ring", "qwen2-bias", "llama-long"])
-def test_attention_decode_and_combine(rng, variant, capacity, position):
+@pytest.mark.parametrize("loads", [(0, 0), (1, 0), (0, 1)], ids=["values-early", "values-late", "shared-p"])
+def test_attention_decode_and_combine(rng, monkeypatch, variant, capacity, position, loads):
+    attention_module = importlib.import_module("muser_mlx.ops.attention")
+    monkeypatch.setattr(attention_module, "ATTENTION_LATE_VALUES", loads[0])
+    monkeypatch.setattr(attention_module, "ATTENTION_SHARED_P", loads[1])
     # Its key and value go into the cache in place (the emulator writes them back, as a GPU does).
     heads, kv_heads, gate, bias, qk_norm, rope_spec = {
         "muse": (8, 2, True, False, True, (64, True)),

@@ -111,6 +111,10 @@ ATTENTION_SPLITS = 64  # splits of a cache the first pass aims for (enough SIMD 
 # Query heads one SIMD group of attention_decode takes (at most; a divisor of the group): more
 # heads share each key row's load, fewer spread q's preparation over more SIMD groups.
 ATTENTION_HEAD_GROUP = 2  # H200, session 8: 2 beat 4 by 0.3-0.4 ms a step (1: 0.9 ms slower)
+# attention_decode's value rows loaded after a block's scores (1) or with its keys (0), and its
+# probabilities passed through threadgroup memory (1) or simd_shuffle (0): bench/attention.py.
+ATTENTION_LATE_VALUES = 0
+ATTENTION_SHARED_P = 0
 
 
 def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, after: mx.array,
@@ -158,7 +162,8 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                 position, keys, values, kernels.parameters(eps, scale), after],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
-                  ("BIAS", int(bias is not None)), ("SPLIT", split), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],
+                  ("BIAS", int(bias is not None)), ("SPLIT", split), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off),
+                  ("LATE_VALUES", int(bool(ATTENTION_LATE_VALUES))), ("SHARED_P", int(bool(ATTENTION_SHARED_P)))],
         grid=(32 * kv_heads * (group // head_group) * splits, 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=[(heads, splits, head_dim), (heads, splits, 2)],

@@ -37,11 +37,19 @@ PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8), GGMLType.Q6_K: ProductConf
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
-def _config(ggml_type) -> ProductConfig:
-    config = PRODUCT_CONFIG[ggml_type]
-    if config.unroll not in (1, 2):  # 3 units of 3 tokens need more registers than a launch of 512 threads has (H200)
-        raise ValueError(f"PRODUCT_CONFIG[{ggml_type.name}]: unroll must be 1 or 2, got {config.unroll}")
-    return config
+# Overrides for one (format, input width): the short rows of a layer's projections (4096 and
+# 6656 values: 4-7 units a lane) may want other shapes than the long rows of ffn_down. Empty:
+# PRODUCT_CONFIG alone (bench/linear.py --products measures both).
+PRODUCT_CONFIG_BY_WIDTH: dict = {}
+
+
+def _config(ggml_type, in_features: int | None = None, tokens: int = 1) -> ProductConfig:
+    config = PRODUCT_CONFIG_BY_WIDTH.get((ggml_type, in_features), PRODUCT_CONFIG[ggml_type])
+    if config.unroll not in (1, 2, 4):
+        raise ValueError(f"product config for {ggml_type.name}: unroll must be 1, 2 or 4, got {config.unroll}")
+    # Units a lane loads together, times tokens, at most 4: 3 units of 3 tokens need more
+    # registers than a launch of 512 threads has (H200).
+    return config._replace(unroll=min(config.unroll, max(1, 4 // tokens)))
 
 
 class NoProductKernelError(ValueError):
@@ -92,7 +100,7 @@ class Product:
         self.in_features = weight.shape[0]
         out_a, out_b = weight.shape[1], second.shape[1] if second is not None else 0
         self.out_features = out_a + out_b
-        rows, simd_groups, unroll = _config(ggml_type)
+        rows, simd_groups, unroll = _config(ggml_type, self.in_features, tokens)
         self.groups = -(-(-(-out_a // rows) - (-out_b // rows)) // simd_groups)  # threadgroups
         self.template = (_weight_template("A", weight) + [("OUT_A", out_a)]
                          + _weight_template("B", second if second is not None else weight)
@@ -151,7 +159,7 @@ class GatedProduct:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.gate, self.up, self.activation, self.tokens = gate, up, activation, tokens
         self.in_features, self.ff = gate.shape
-        rows, _, unroll = _config(ggml_type)
+        rows, _, unroll = _config(ggml_type, gate.shape[0], tokens)
         self.template = (_weight_template("G", gate) + _weight_template("U", up)
                          + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", rows),
                             ("UNROLL", unroll), ("ACTIVATION", ACTIVATIONS[activation])])
