@@ -7,7 +7,7 @@ few-layer Muse Glimmer file (the shapes of the real one, with fewer layers) and 
 time per step; under ncu the same run records every kernel's duration, and `report` sums them
 per kernel and per step:
 
-    python bench/kernel_times.py run [--layers 4]          # wall ms per step, no profiler
+    python bench/kernel_times.py run [--layers 4] [--context 8192] [--set module.ATTR=value]  # wall ms per step
     ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \\
         --csv python bench/kernel_times.py run --steps 4 > times.csv
     python bench/kernel_times.py report times.csv --steps 4 --layers 4 --ceiling-gbs 3600
@@ -37,14 +37,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def run(args) -> None:
     import mlx.core as mx
 
-    from decode import fused_step, general_step, write_file
+    from decode import apply_settings, fused_step, general_step, write_file
     from muser_mlx.generate import load
 
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
     if not path.exists():
         write_file(path, np.random.default_rng(0), args.layers)
+    apply_settings(args.set)  # e.g. muser_mlx.ops.attention.ATTENTION_SPLITS=128
     model, _ = load(path)
     cache = model.make_cache()
+    if args.context:  # caches that hold --context positions (zeros: attention's time does not depend on them)
+        c = model.config
+        for layer_cache in cache:
+            layer_cache.reserve(1, c.kv_heads, c.head_dim, args.context + args.warmup + args.steps + 1)
+            layer_cache.offset = args.context
     step = general_step if args.general else fused_step
     token = mx.array([[7]], dtype=mx.int32)
     times = []
@@ -53,8 +59,8 @@ def run(args) -> None:
         token = step(model, token, cache)
         mx.eval(token)
         times.append(time.perf_counter() - tic)
-    print(f"{args.layers} layers: {1e3 * statistics.median(times[args.warmup:]):.2f} ms per step "
-          f"(median of {args.steps}, one evaluation each)", file=sys.stderr)
+    print(f"{args.layers} layers, context {args.context} {args.set}: {1e3 * statistics.median(times[args.warmup:]):.2f} "
+          f"ms per step (median of {args.steps}, one evaluation each)", file=sys.stderr)
 
 
 def prefill(args) -> None:
@@ -180,7 +186,8 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=6656, help="matvec: input features")
     parser.add_argument("--group-rows", type=int, default=0, help="matvec: rows per threadgroup")
     parser.add_argument("--threads", type=int, default=0, help="matvec: most threads per row")
-    parser.add_argument("--set", action="append", default=[], help="prefill: module.ATTR=value")
+    parser.add_argument("--set", action="append", default=[], help="run, prefill: module.ATTR=value")
+    parser.add_argument("--context", type=int, default=0, help="run: decode at this position (caches filled with zeros)")
     parser.add_argument("--variant", action="append", default=[], help="prefill: NAME:module.ATTR=value,...")
     parser.add_argument("--whole", action="store_true",
                         help="report: every launch summed per kernel name (prefill), no step detection")

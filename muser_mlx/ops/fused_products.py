@@ -44,7 +44,9 @@ PRODUCT_CONFIG_BY_WIDTH: dict = {}
 
 
 def _config(ggml_type, in_features: int | None = None, tokens: int = 1) -> ProductConfig:
-    config = PRODUCT_CONFIG_BY_WIDTH.get((ggml_type, in_features), PRODUCT_CONFIG[ggml_type])
+    """The configuration a launch takes, read when the launch is built (a traced step reads it
+    once; bench variants change it between traces)."""
+    config = ProductConfig(*PRODUCT_CONFIG_BY_WIDTH.get((ggml_type, in_features), PRODUCT_CONFIG[ggml_type]))
     if config.unroll not in (1, 2, 4):
         raise ValueError(f"product config for {ggml_type.name}: unroll must be 1, 2 or 4, got {config.unroll}")
     # Units a lane loads together, times tokens, at most 4: 3 units of 3 tokens need more
@@ -98,31 +100,48 @@ class Product:
             raise ValueError(f"product: {tokens} rows of x; the decode products take 1..{MATVEC_MAX_TOKENS}")
         self.weight, self.second, self.head, self.tokens = weight, second, head, tokens
         self.in_features = weight.shape[0]
-        out_a, out_b = weight.shape[1], second.shape[1] if second is not None else 0
-        self.out_features = out_a + out_b
-        rows, simd_groups, unroll = _config(ggml_type, self.in_features, tokens)
-        self.groups = -(-(-(-out_a // rows) - (-out_b // rows)) // simd_groups)  # threadgroups
-        self.template = (_weight_template("A", weight) + [("OUT_A", out_a)]
-                         + _weight_template("B", second if second is not None else weight)
-                         + [("OUT_B", out_b), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", rows),
-                            ("UNROLL", unroll), ("EPILOGUE", int(head is not None))])
-        self.threadgroup = (32 * simd_groups, 1, 1)
-        self.grid = (32 * simd_groups * self.groups, 1, 1)
+        self.ggml_type = ggml_type
+        self.out_a, self.out_b = weight.shape[1], second.shape[1] if second is not None else 0
+        self.out_features = self.out_a + self.out_b
+        self._launch = (None, None)  # (config, its launch arguments)
         self.parameters = kernels.parameters(*(head if head is not None else (1.0, 0.0)))
+        self.launch_arguments()  # a configuration that cannot launch is refused here
+
+    def launch_arguments(self):
+        """(template, grid, threadgroup, threadgroups) for the configuration in force now."""
+        config = _config(self.ggml_type, self.in_features, self.tokens)
+        if self._launch[0] != config:
+            rows, simd_groups, unroll = config
+            groups = -(-(-(-self.out_a // rows) - (-self.out_b // rows)) // simd_groups)  # threadgroups
+            template = (_weight_template("A", self.weight) + [("OUT_A", self.out_a)]
+                        + _weight_template("B", self.second if self.second is not None else self.weight)
+                        + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
+                           ("UNROLL", unroll), ("EPILOGUE", int(self.head is not None))])
+            self._launch = (config, (template, (32 * simd_groups * groups, 1, 1), (32 * simd_groups, 1, 1), groups))
+        return self._launch[1]
+
+    @property
+    def template(self) -> list:
+        return self.launch_arguments()[0]
+
+    @property
+    def threadgroup(self) -> tuple:
+        return self.launch_arguments()[2]
 
     def __call__(self, x: Q8X):
         _check_rows(x, self.in_features, self.tokens, "product")
         lead = tuple(x.shape[:-1])
         if kernels.backend() == "cpu":
             return self._mlx(x)
+        template, grid, threadgroup, groups = self.launch_arguments()
         y, best = kernels.launch(
             "product",
             inputs=[self.weight.data, (self.second if self.second is not None else self.weight).data, *x,
                     self.parameters],
-            template=self.template,
-            grid=self.grid,
-            threadgroup=self.threadgroup,
-            output_shapes=[(*lead, self.out_features), (self.tokens, self.groups, 2) if self.head else (1,)],
+            template=template,
+            grid=grid,
+            threadgroup=threadgroup,
+            output_shapes=[(*lead, self.out_features), (self.tokens, groups, 2) if self.head else (1,)],
             output_dtypes=[mx.float32, mx.float32],
         )
         return (y, best) if self.head is not None else y
@@ -159,12 +178,21 @@ class GatedProduct:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.gate, self.up, self.activation, self.tokens = gate, up, activation, tokens
         self.in_features, self.ff = gate.shape
-        rows, _, unroll = _config(ggml_type, gate.shape[0], tokens)
-        self.template = (_weight_template("G", gate) + _weight_template("U", up)
-                         + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", rows),
-                            ("UNROLL", unroll), ("ACTIVATION", ACTIVATIONS[activation])])
-        self.threadgroup = (32 * (32 // rows), 1, 1)  # a threadgroup per 32 rows
-        self.grid = (self.ff // 32 * self.threadgroup[0], 1, 1)
+        self.ggml_type = ggml_type
+        self._launch = (None, None)
+        self.launch_arguments()
+
+    def launch_arguments(self):
+        """(template, grid, threadgroup) for the configuration in force now."""
+        config = _config(self.ggml_type, self.in_features, self.tokens)
+        if self._launch[0] != config:
+            rows, _, unroll = config
+            template = (_weight_template("G", self.gate) + _weight_template("U", self.up)
+                        + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
+                           ("UNROLL", unroll), ("ACTIVATION", ACTIVATIONS[self.activation])])
+            threadgroup = (32 * (32 // rows), 1, 1)  # a threadgroup per 32 rows
+            self._launch = (config, (template, (self.ff // 32 * threadgroup[0], 1, 1), threadgroup))
+        return self._launch[1]
 
     def __call__(self, x: Q8X) -> Q8X:
         _check_rows(x, self.in_features, self.tokens, "product_glu")
@@ -174,12 +202,13 @@ class GatedProduct:
             g = linear(values, self.gate)
             g = g * mx.sigmoid(g) if self.activation == "silu" else gelu_tanh(g)
             return quantize_rows_mlx(g * linear(values, self.up))
+        template, grid, threadgroup = self.launch_arguments()
         codes, scales, sums = kernels.launch(
             "product_glu",
             inputs=[self.gate.data, self.up.data, *x],
-            template=self.template,
-            grid=self.grid,
-            threadgroup=self.threadgroup,
+            template=template,
+            grid=grid,
+            threadgroup=threadgroup,
             output_shapes=q8x_shapes(lead, self.ff),
             output_dtypes=Q8X_DTYPES,
         )
