@@ -210,3 +210,30 @@ def test_paced_products_keep_the_queued_temporaries_within_the_budget(monkeypatc
     # 300+500 fit; 100 waits for 300; 100 fits (700); 900 waits for all and is queued alone; 50 waits for it.
     assert [id(a) for a in waited] == [id(outs[i]) for i in (0, 1, 2, 3, 4)]
     assert getattr(products._PACING, "pacer", None) is None
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_gpu_prefill_products_in_pieces_match_the_whole(backend, rng, tmp_path, monkeypatch, ggml_type):
+    """A weight of 200 rows decoded and multiplied 64 rows at a time (the last piece 8 rows),
+    paced: the same result as at once, and the reference's."""
+    if backend == "cpu":
+        pytest.skip("the GPU prefill path")
+    from muser_mlx.ops import products
+
+    in_features, out_features, tokens = 512, 200, 16
+    path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)
+    x = mx.array(rng.standard_normal((1, tokens, in_features)).astype(np.float32))
+    with gguf.read(path) as model, kernels.poisoned_outputs():
+        whole = np.array(ops.linear(x, model.tensors["w"]))
+        launches = []
+        monkeypatch.setattr(products, "PREFILL_PIECE_BYTES", 2 * in_features * 64)
+        monkeypatch.setattr(products, "dequantize_weight",
+                            lambda *args, **kwargs: launches.append(args[3]) or ops.dequantize_weight(*args, **kwargs))
+        with ops.paced_products(budget=2 * in_features * 130):  # two pieces queued at once
+            pieces = np.array(ops.linear(x, model.tensors["w"]))
+    assert launches == [64, 64, 64, 8]
+    assert pieces.shape == (1, tokens, out_features) and np.isfinite(pieces).all()
+    # The same float16 operands; the matmul's float16 outputs may round apart (its algorithm
+    # may differ with the width), by 2^-11 relative at most.
+    assert relative_error(pieces, whole) <= 1e-3
+    assert relative_error(pieces[0], np.array(x[0]).astype(np.float64) @ reference.T) <= BOUND["gpu_dequant_matmul"]

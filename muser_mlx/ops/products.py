@@ -173,16 +173,34 @@ def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_f
 
 def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
     # Prefill: decode the weight once per call (its cost is shared by all T rows), then the
-    # backend's f16 matmul does the arithmetic.
-    weight = dequantize_weight(weight_bytes, fmt.ggml_type, in_features, out_features, mx.float16)
+    # backend's f16 matmul does the arithmetic. A large weight goes in pieces of output rows
+    # (PREFILL_PIECE_BYTES of float16 each), each decoded, multiplied and queued on its own, so
+    # that a small budget of temporaries still holds several pieces: the GPU has queued work
+    # while the host waits and builds the next.
     pacer = getattr(_PACING, "pacer", None)
-    temporary = weight.nbytes  # the float16 weight, alive until the GPU has run the matmul
-    if pacer is not None:  # before the weight's buffer exists: MLX allocates it when encoding
-        pacer.make_room(temporary)
-    out = (rows.astype(mx.float16) @ weight.T).astype(mx.float32)
-    if pacer is not None:
-        pacer.queue(out, temporary)
-    return out
+    x = rows.astype(mx.float16)
+    piece = max(PIECE_ROWS, PREFILL_PIECE_BYTES // (2 * in_features) // PIECE_ROWS * PIECE_ROWS)
+    table = weight_bytes.reshape(out_features, -1) if piece < out_features else weight_bytes
+    outs = []
+    for first in range(0, out_features, piece):
+        count = min(piece, out_features - first)
+        temporary = 2 * count * in_features  # the float16 piece, alive until the GPU has run its matmul
+        if pacer is not None:  # before the piece's buffer exists: MLX allocates it when encoding
+            pacer.make_room(temporary)
+        part = table if count == out_features else table[first:first + count]
+        weight = dequantize_weight(part, fmt.ggml_type, in_features, count, mx.float16)
+        out = x @ weight.T
+        if pacer is not None:
+            pacer.queue(out, temporary)
+        outs.append(out)
+    return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)).astype(mx.float32)
+
+
+# GPU prefill: a weight's float16 rows decoded at once, at most (bytes), in whole PIECE_ROWS.
+# H200, session 9: with whole weights (0.27 GB for ffn_gate alone) a 0.5 GB budget held two
+# products, and the GPU idled while the host waited for one to finish before queuing the next.
+PREFILL_PIECE_BYTES = 64 << 20
+PIECE_ROWS = 64
 
 
 # GPU prefill: the float16 weight temporaries queued on the GPU at once, at most (bytes). Each
