@@ -43,7 +43,8 @@
 // QK_NORM, BIAS, SPLIT (a multiple of 32), HEAD_GROUP, Q_OFF, K_OFF, V_OFF, LATE_VALUES (1: a
 // block's value rows are loaded after its scores, not with its keys: fewer registers live at
 // once), SHARED_P (1: the probabilities reach the value pass through threadgroup memory, not
-// simd_shuffle).
+// simd_shuffle), FAST_BLOCKS (1: blocks of 32 stored slots without w take a path without
+// per-slot clamps and tests).
 const int GROUP = HEADS / KV_HEADS;
 const int HEAD_GROUPS = GROUP / HEAD_GROUP;
 const int CHANNELS = HEAD_DIM / 32;  // value channels per lane
@@ -149,12 +150,17 @@ for (uint base = first; base < last; base += 32u) {
   uint slot = base + lane;
   bool valid = slot < last;
   bool stored = valid && slot != write_slot;
+  // A full block: 32 stored slots, none of them w (the same for every lane). Its value rows
+  // need no clamp and its value pass no test a slot.
+  bool full = FAST_BLOCKS && base + 32u <= last && write_slot - base >= 32u;
   if (base != first) {
     const device uint4* key = (const device uint4*)(keys + size_t(stored ? slot : first) * HEAD_DIM);
     for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
       key_rows[chunk] = key[chunk];
     }
-    if (!LATE_VALUES) {
+    if (!LATE_VALUES && full) {
+      muser_load_full_value_rows<HEAD_DIM>(values, base, lane, value_rows);
+    } else if (!LATE_VALUES) {
       muser_load_value_rows<HEAD_DIM>(values, base, last, lane, value_rows);
     }
   }
@@ -184,7 +190,9 @@ for (uint base = first; base < last; base += 32u) {
       }
     }
   }
-  if (LATE_VALUES) {  // issued now, they arrive while the softmax below reduces across lanes
+  if (LATE_VALUES && full) {  // issued now, they arrive while the softmax below reduces across lanes
+    muser_load_full_value_rows<HEAD_DIM>(values, base, lane, value_rows);
+  } else if (LATE_VALUES) {
     muser_load_value_rows<HEAD_DIM>(values, base, last, lane, value_rows);
   }
   for (int i = 0; i < HEAD_GROUP; ++i) {
@@ -206,7 +214,21 @@ for (uint base = first; base < last; base += 32u) {
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);
   }
-  for (int k = 0; k < 32; ++k) {
+  for (int k = 0; full && k < 32; ++k) {
+    float p[HEAD_GROUP];
+    for (int i = 0; i < HEAD_GROUP; ++i) {
+      p[i] = SHARED_P ? p_tile[i * 32 + k] : simd_shuffle(score[i], uint(k));
+    }
+    for (int c = 0; c < CHANNELS / 2; ++c) {
+      float v0 = muser_half_low(value_rows[k * (CHANNELS / 2) + c]);
+      float v1 = muser_half_high(value_rows[k * (CHANNELS / 2) + c]);
+      for (int i = 0; i < HEAD_GROUP; ++i) {
+        acc[i * CHANNELS + 2 * c] += p[i] * v0;
+        acc[i * CHANNELS + 2 * c + 1] += p[i] * v1;
+      }
+    }
+  }
+  for (int k = 0; !full && k < 32; ++k) {
     uint key_slot = base + uint(k);
     float p[HEAD_GROUP];
     for (int i = 0; i < HEAD_GROUP; ++i) {

@@ -547,6 +547,17 @@ inline void muser_load_value_rows(const device half* values, uint base, uint las
   }
 }
 
+// muser_load_value_rows for a block whose 32 slots are all stored: no clamp, one address.
+template <int HEAD_DIM>
+inline void muser_load_full_value_rows(const device half* values, uint base, uint lane, thread uint* rows) {
+  const device uint* row = (const device uint*)(values + size_t(base) * HEAD_DIM + 2u * lane);
+  for (int k = 0; k < 32; ++k) {
+    for (int c = 0; c < HEAD_DIM / 64; ++c) {
+      rows[k * (HEAD_DIM / 64) + c] = row[k * (HEAD_DIM / 2) + 32 * c];
+    }
+  }
+}
+
 // RoPE's pair i of a head: the channels (a, b) it rotates, (2i, 2i+1) when TRADITIONAL
 // (llama.cpp's NORM), (i, i + ROTARY/2) otherwise (NEOX); pairs past the rotary width keep
 // their channels and pass through (muser_rope_rotates says which).

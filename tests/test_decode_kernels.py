@@ -253,17 +253,19 @@ def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm
                          ids=["first", "second", "full-200", "ring-filling", "ring-wraps", "ring-29", "long"])
 @pytest.mark.parametrize("variant", ["muse", "llama", "qwen2", "gqa-3"])
 @pytest.mark.parametrize("splits", [64, 128], ids=["64-splits", "128-splits"])
-@pytest.mark.parametrize("loads", [(0, 0), (1, 1)], ids=["values-early", "values-late-shared-p"])
+@pytest.mark.parametrize("loads", [(0, 0, 1), (1, 1, 1), (0, 0, 0)],
+                         ids=["values-early", "values-late-shared-p", "no-fast-blocks"])
 def test_attention_decode_matches_numpy_and_writes_its_slot(backend, rng, monkeypatch, capacity, position, variant,
                                                             splits, loads):
     if splits != 64 and capacity < 4096:
         pytest.skip("only a long cache has more than 64 splits")
-    if loads != (0, 0) and backend == "cpu":
-        pytest.skip("LATE_VALUES / SHARED_P are GPU kernel options")
+    if loads != (0, 0, 1) and backend == "cpu":
+        pytest.skip("LATE_VALUES / SHARED_P / FAST_BLOCKS are GPU kernel options")
     attention_module = importlib.import_module("muser_mlx.ops.attention")
     monkeypatch.setattr(attention_module, "ATTENTION_SPLITS", splits)
     monkeypatch.setattr(attention_module, "ATTENTION_LATE_VALUES", loads[0])
     monkeypatch.setattr(attention_module, "ATTENTION_SHARED_P", loads[1])
+    monkeypatch.setattr(attention_module, "ATTENTION_FAST_BLOCKS", loads[2])
     heads, kv_heads, gate, bias, qk_norm, rope_spec = {
         "muse": (8, 2, True, False, True, (64, True)),
         "llama": (4, 2, False, False, False, (64, False)),

@@ -255,11 +255,13 @@ def test_residual_norm_quant(rng, residual, branch_norm, hidden):
 
 @pytest.mark.parametrize("variant, capacity, position", [("muse", 8, 29), ("qwen2", 256, 200), ("llama", 4096, 3000)],
                          ids=["muse-ring", "qwen2-bias", "llama-long"])
-@pytest.mark.parametrize("loads", [(0, 0), (1, 0), (0, 1)], ids=["values-early", "values-late", "shared-p"])
+@pytest.mark.parametrize("loads", [(0, 0, 1), (1, 0, 1), (0, 1, 1), (0, 0, 0)],
+                         ids=["values-early", "values-late", "shared-p", "no-fast-blocks"])
 def test_attention_decode_and_combine(rng, monkeypatch, variant, capacity, position, loads):
     attention_module = importlib.import_module("muser_mlx.ops.attention")
     monkeypatch.setattr(attention_module, "ATTENTION_LATE_VALUES", loads[0])
     monkeypatch.setattr(attention_module, "ATTENTION_SHARED_P", loads[1])
+    monkeypatch.setattr(attention_module, "ATTENTION_FAST_BLOCKS", loads[2])
     # Its key and value go into the cache in place (the emulator writes them back, as a GPU does).
     heads, kv_heads, gate, bias, qk_norm, rope_spec = {
         "muse": (8, 2, True, False, True, (64, True)),

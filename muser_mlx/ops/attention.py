@@ -115,6 +115,9 @@ ATTENTION_HEAD_GROUP = 2  # H200, session 8: 2 beat 4 by 0.3-0.4 ms a step (1: 0
 # probabilities passed through threadgroup memory (1) or simd_shuffle (0): bench/attention.py.
 ATTENTION_LATE_VALUES = 0
 ATTENTION_SHARED_P = 0
+# Full blocks of 32 stored slots through a path without per-slot clamps and tests (1) or the
+# general one (0).
+ATTENTION_FAST_BLOCKS = 1
 
 
 def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, after: mx.array,
@@ -163,7 +166,8 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
                   ("BIAS", int(bias is not None)), ("SPLIT", split), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off),
-                  ("LATE_VALUES", int(bool(ATTENTION_LATE_VALUES))), ("SHARED_P", int(bool(ATTENTION_SHARED_P)))],
+                  ("LATE_VALUES", int(bool(ATTENTION_LATE_VALUES))), ("SHARED_P", int(bool(ATTENTION_SHARED_P))),
+                  ("FAST_BLOCKS", int(bool(ATTENTION_FAST_BLOCKS)))],
         grid=(32 * kv_heads * (group // head_group) * splits, 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=[(heads, splits, head_dim), (heads, splits, 2)],
