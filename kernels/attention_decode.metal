@@ -182,12 +182,18 @@ for (uint base = first; base < last; base += 32u) {
                     qb.x * high.x + qb.y * high.y + qb.z * high.z + qb.w * high.w;
       }
     }
-  } else if (valid) {  // slot w: the new key, as the cache will hold it (f16)
-    for (int e = 0; e < HEAD_DIM; ++e) {
-      float key = float(half(k_tile[e]));
-      for (int i = 0; i < HEAD_GROUP; ++i) {
-        score[i] += ((threadgroup float*)q_tile)[i * HEAD_DIM + e] * key;
+  }
+  if (write_slot - base < 32u) {  // this block holds slot w (the same for every lane): the new
+    // key's score, as the cache will hold it (f16), by the whole SIMD group (lane l: channels
+    // l, l + 32, ...), for the lane of slot w
+    for (int i = 0; i < HEAD_GROUP; ++i) {
+      float part = 0.0f;
+      for (int c = 0; c < CHANNELS; ++c) {
+        uint e = lane + 32u * uint(c);
+        part += ((threadgroup float*)q_tile)[i * HEAD_DIM + int(e)] * float(half(k_tile[e]));
       }
+      float total = simd_sum(part);
+      score[i] = slot == write_slot ? total : score[i];
     }
   }
   if (LATE_VALUES && full) {  // issued now, they arrive while the softmax below reduces across lanes
@@ -228,7 +234,11 @@ for (uint base = first; base < last; base += 32u) {
       }
     }
   }
+  uint block_end = min(last - base, 32u);  // slots of this block attended (the same for every lane)
   for (int k = 0; !full && k < 32; ++k) {
+    if (uint(k) >= block_end) {
+      break;
+    }
     uint key_slot = base + uint(k);
     float p[HEAD_GROUP];
     for (int i = 0; i < HEAD_GROUP; ++i) {

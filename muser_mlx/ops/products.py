@@ -197,22 +197,21 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
 
 
 # GPU prefill: a weight's float16 rows decoded at once, at most (bytes), in whole PIECE_ROWS.
-# H200, session 9: with whole weights (0.27 GB for ffn_gate alone) a 0.5 GB budget held two
-# products, and the GPU idled while the host waited for one to finish before queuing the next.
+# With whole weights (0.27 GB each for Muse Glimmer's ffn_gate, ffn_up and ffn_down) a 0.5 GB
+# budget holds one of them: the host waits for it to finish before queuing the next, which
+# leaves the GPU little queued work (H200, session 9, whole weights: 3,636 tokens/s at a budget
+# of one product, 4,865 at 0.5 GB, 7,212 at 1.2 GB).
 PREFILL_PIECE_BYTES = 64 << 20
 PIECE_ROWS = 64
 
 
 # GPU prefill: the float16 weight temporaries queued on the GPU at once, at most (bytes). Each
-# queued product holds its weight decoded to float16 (Muse Glimmer: 0.53 GB for gate/up, 0.27
-# for ffn_down, 0.05-0.11 for the attention's), allocated when MLX encodes it, freed when the
-# GPU has run it; MLX encodes far ahead of the GPU, so unbounded, a chunk's temporaries added
-# up to 2x the file. Before a product is queued the host waits for the oldest ones until it
-# fits (one product is queued whatever its size). Waiting for a whole layer instead idled the
-# GPU while the host built each layer (H200, session 8: 185-191 ms a 512-row chunk). The budget
-# trades speed for memory (H200, session 8, Muse Glimmer, chunks from context 0): 0.55 GB ran
-# 87.5 ms a chunk at a peak of 18.36 GB (1.096x the file: the bound is 1.10x), 0.8 GB
-# 80 ms at 18.97 GB, 1.2 GB 70.4 ms (7,276 tokens/s) at 19.30 GB.
+# queued piece holds its rows decoded to float16 (at most PREFILL_PIECE_BYTES), allocated when
+# MLX encodes it, freed when the GPU has run it; MLX encodes far ahead of the GPU, so unbounded,
+# a chunk's temporaries added up to 2x the file. Before a piece is queued the host waits for the
+# oldest ones until it fits (one piece is queued whatever its size). Waiting for a whole layer
+# instead idled the GPU while the host built each layer (H200, session 8: 185-191 ms a 512-row
+# chunk). The budget trades speed for memory: bench/RESULTS.md, sessions 8 and 9.
 PREFILL_TEMPORARY_BYTES = 500_000_000
 _PACING = threading.local()
 
