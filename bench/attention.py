@@ -4,8 +4,9 @@ Glimmer's shapes: 32 query heads, 2 kv heads, head_dim 128, float16 caches; µs 
 A layer is a window layer (RoPE, a ring of at most 2,048 slots) or a full layer (NoPE, every
 position): each context c gets the caches decode_step would hold at position c (capacity c + 1
 rounded up to cache.STEP, at most the window for a window layer). `--layers` independent layers
-(each its own caches and projections) are one evaluation, as in a step, timed `--repeats` times
-after a warm-up; the figure is the median evaluation over the layers, launch gaps included.
+(each its own caches and projections) are one compiled graph, as in a step, timed `--repeats`
+times after a warm-up; the figure is the median evaluation over the layers, launch gaps
+included. (Session 9 ran it uncompiled: Python's ~20 µs a layer hid the kernels' differences.)
 Bytes: the keys and values read (positions seen x 2 kv heads x 128 x 2 bytes x 2).
 
     python bench/attention.py [--contexts 5,2048,8192] [--layers 26] [--repeats 20]
@@ -54,23 +55,30 @@ def layer_inputs(rng, context: int, window: bool) -> dict:
 
 
 def time_layers(layers: list[dict], repeats: int) -> float:
-    def run():
+    """Median seconds a layer: every layer's attention as one compiled graph (mx.compile: its
+    Python runs once, so the figure is the GPU's and the launches', as in a decode step)."""
+    names = ("y", "keys", "values", "position", "q_weight", "k_weight")
+
+    def graph(*arrays):
         outs = []
-        for inputs in layers:
+        for i, inputs in enumerate(layers):
+            y, keys, values, position, q_weight, k_weight = arrays[6 * i: 6 * i + 6]
             o, _, _ = ops.attention_decode(
-                inputs["y"], inputs["keys"], inputs["values"], inputs["position"], inputs["position"],
+                y, keys, values, position, position,
                 heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, offsets=(Q_OFF, K_OFF, V_OFF), gate=G_OFF,
-                q_weight=inputs["q_weight"], k_weight=inputs["k_weight"], bias=None, rope=inputs["rope"],
+                q_weight=q_weight, k_weight=k_weight, bias=None, rope=inputs["rope"],
                 eps=1e-5, scale=HEAD_DIM ** -0.5)
             outs.extend(o)
-        mx.eval(outs)
+        return outs
 
+    compiled = mx.compile(graph)
+    arrays = [inputs[name] for inputs in layers for name in names]
     for _ in range(3):
-        run()
+        mx.eval(compiled(*arrays))
     times = []
     for _ in range(repeats):
         tic = time.perf_counter()
-        run()
+        mx.eval(compiled(*arrays))
         times.append(time.perf_counter() - tic)
     return statistics.median(times) / len(layers)
 
