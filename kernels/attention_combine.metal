@@ -46,18 +46,20 @@ for (int k = 0; k < MAX_SPLITS / 32; ++k) {
   weight_sum += s < used ? weights[k] * stats[2u * s + 1u] : 0.0f;
 }
 weight_sum = simd_sum(weight_sum);
-// Each lane's channel over the used splits, 8 loads in flight at a time.
+// Each lane's channel over the used splits, 32 loads in flight at a time (one SIMD group per
+// SM or so: each round waits for memory once).
 float total = 0.0f;
 for (int k = 0; k < MAX_SPLITS / 32; ++k) {
-  for (uint s0 = 32u * uint(k); s0 < min(32u * uint(k) + 32u, used); s0 += 8u) {
-    float o[8];
-    for (int j = 0; j < 8; ++j) {
-      uint s = s0 + uint(j);
-      o[j] = s < used ? partial_o[(size_t(head) * SPLITS + s) * HEAD_DIM + channel] : 0.0f;
-    }
-    for (int j = 0; j < 8; ++j) {
-      total += simd_shuffle(weights[k], (s0 + uint(j)) % 32u) * o[j];
-    }
+  if (32u * uint(k) >= used) {
+    break;
+  }
+  float o[32];
+  for (int j = 0; j < 32; ++j) {
+    uint s = 32u * uint(k) + uint(j);
+    o[j] = s < used ? partial_o[(size_t(head) * SPLITS + s) * HEAD_DIM + channel] : 0.0f;
+  }
+  for (int j = 0; j < 32; ++j) {
+    total += simd_shuffle(weights[k], uint(j)) * o[j];
   }
 }
 float o = total / weight_sum;
