@@ -41,8 +41,9 @@
 // new kernel).
 // Template constants: HEADS, KV_HEADS, HEAD_DIM (a multiple of 64), ROTARY, TRADITIONAL,
 // QK_NORM, BIAS, SPLIT (a multiple of 32), HEAD_GROUP, Q_OFF, K_OFF, V_OFF, LATE_VALUES (1: a
-// block's value rows are loaded after its scores, not with its keys: fewer registers live at
-// once), SHARED_P (1: the probabilities reach the value pass through threadgroup memory, not
+// block's value rows are read in the value pass itself, not loaded with its keys into an array:
+// 128 registers a thread instead of 216 at HEAD_GROUP 2 (nvcc -Xptxas -v, sm_90), so 4
+// threadgroups an SM instead of 2, for one more wait on memory a block), SHARED_P (1: the probabilities reach the value pass through threadgroup memory, not
 // simd_shuffle), FAST_BLOCKS (1: blocks of 32 stored slots without w take a path without
 // per-slot clamps and tests).
 const int GROUP = HEADS / KV_HEADS;
@@ -196,11 +197,6 @@ for (uint base = first; base < last; base += 32u) {
       score[i] = slot == write_slot ? total : score[i];
     }
   }
-  if (LATE_VALUES && full) {  // issued now, they arrive while the softmax below reduces across lanes
-    muser_load_full_value_rows<HEAD_DIM>(values, base, lane, value_rows);
-  } else if (LATE_VALUES) {
-    muser_load_value_rows<HEAD_DIM>(values, base, last, lane, value_rows);
-  }
   for (int i = 0; i < HEAD_GROUP; ++i) {
     float top = max(m[i], simd_max(valid ? score[i] : -3.0e38f));
     float correction = exp(m[i] - top);
@@ -220,14 +216,16 @@ for (uint base = first; base < last; base += 32u) {
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);
   }
+  const device uint* value_row = (const device uint*)(values + size_t(base) * HEAD_DIM + 2u * lane);
   for (int k = 0; full && k < 32; ++k) {
     float p[HEAD_GROUP];
     for (int i = 0; i < HEAD_GROUP; ++i) {
       p[i] = SHARED_P ? p_tile[i * 32 + k] : simd_shuffle(score[i], uint(k));
     }
     for (int c = 0; c < CHANNELS / 2; ++c) {
-      float v0 = muser_half_low(value_rows[k * (CHANNELS / 2) + c]);
-      float v1 = muser_half_high(value_rows[k * (CHANNELS / 2) + c]);
+      uint packed = LATE_VALUES ? value_row[k * (HEAD_DIM / 2) + 32 * c] : value_rows[k * (CHANNELS / 2) + c];
+      float v0 = muser_half_low(packed);
+      float v1 = muser_half_high(packed);
       for (int i = 0; i < HEAD_GROUP; ++i) {
         acc[i * CHANNELS + 2 * c] += p[i] * v0;
         acc[i * CHANNELS + 2 * c + 1] += p[i] * v1;
@@ -247,8 +245,10 @@ for (uint base = first; base < last; base += 32u) {
     for (int c = 0; c < CHANNELS / 2; ++c) {
       uint e = 2u * lane + 64u * uint(c);
       bool stored_value = key_slot < last && key_slot != write_slot;
-      float v0 = stored_value ? muser_half_low(value_rows[k * (CHANNELS / 2) + c]) : 0.0f;
-      float v1 = stored_value ? muser_half_high(value_rows[k * (CHANNELS / 2) + c]) : 0.0f;
+      uint packed = LATE_VALUES ? *((const device uint*)(values + size_t(min(key_slot, last - 1u)) * HEAD_DIM + e))
+                                : value_rows[k * (CHANNELS / 2) + c];
+      float v0 = stored_value ? muser_half_low(packed) : 0.0f;
+      float v1 = stored_value ? muser_half_high(packed) : 0.0f;
       if (key_slot == write_slot) {
         v0 = float(half(v_tile[e]));
         v1 = float(half(v_tile[e + 1u]));

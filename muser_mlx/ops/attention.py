@@ -111,8 +111,9 @@ ATTENTION_SPLITS = 64  # splits of a cache the first pass aims for (enough SIMD 
 # Query heads one SIMD group of attention_decode takes (at most; a divisor of the group): more
 # heads share each key row's load, fewer spread q's preparation over more SIMD groups.
 ATTENTION_HEAD_GROUP = 2  # H200, session 8: 2 beat 4 by 0.3-0.4 ms a step (1: 0.9 ms slower)
-# attention_decode's value rows loaded after a block's scores (1) or with its keys (0), and its
-# probabilities passed through threadgroup memory (1) or simd_shuffle (0): bench/attention.py.
+# attention_decode's value rows read in its value pass (1: fewer registers, more SIMD groups an
+# SM) or loaded with a block's keys (0), and its probabilities passed through threadgroup memory
+# (1) or simd_shuffle (0): measured with bench/decode.py --variant (RESULTS.md, session 9).
 ATTENTION_LATE_VALUES = 0
 ATTENTION_SHARED_P = 0
 # Full blocks of 32 stored slots through a path without per-slot clamps and tests (1) or the
