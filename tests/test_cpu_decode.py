@@ -3,15 +3,17 @@ cpu_ext.attention_decode), against numpy and the float64 reference, on tiny file
 
 Unrounded, the step is the general step's float32 math in another order: ~1e-6 measured,
 STEP_BOUND 2e-5 (tests/test_cpu_ext.py's). Rounded (generate()'s), every product's input is
-rounded to int8 blocks of 32 (formats.quantize_activations): each value off by at most
-max|x| / 254 of its block, ~0.5 % of each product's output for normal activations, and through
-the four layers of these tiny random models 0.5-2.3 % of the logits (measured over the four
-architectures, two weight mixes, four seeds); ROUNDED_BOUND doubles the worst seen, as
-FUSED_BOUND does for the GPU's step. Against the reference that rounds the same values
-(Reference(decode_numerics=True, float16_cache=False): the CPU cache stays float32) what is left
-is float32 against float64 moving a code across a rounding boundary, and each moved code moving
-later ones through the cache: ~1e-3 after 6 steps, up to 1.2 % after 26 (measured over six
-seeds); bound 2.5e-2, the GPU step's FUSED_NUMERICS_BOUND.
+rounded to int8: per 32 values for the 32-value formats (formats.quantize_activations), per 256
+for the K-quants (formats.quantize_activations_super, llama.cpp's q8_K). Each value is off by at
+most max|x| / 254 of its block, ~0.5-0.7 % of each product's output for normal activations, and
+through the four layers of these tiny random models 0.5-3.6 % of the logits (measured over the
+four architectures, two weight mixes, 30 seeds; the Q4_K_M mix, all K-quants, at the top: with
+x per 32 it was 0.5-2.3 %); ROUNDED_BOUND doubles the worst seen, as FUSED_BOUND does for the
+GPU's step. Against the reference that rounds the same values (Reference(decode_numerics=True,
+float16_cache=False, q8_k=True): the CPU cache stays float32) what is left is float32 against
+float64 moving a code across a rounding boundary, and each moved code moving later ones through
+the cache: 0 to 1.8 % over the same 240 runs (a moved code of a 256-value block moves its value
+by a coarser step than one of 32); ROUNDED_NUMERICS_BOUND doubles that too.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ if not cpu_ext.available() and os.environ.get("MUSER_REQUIRE_CPU_EXT") != "1":
 ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2"]
 WINDOW = 8
 STEP_BOUND = 2e-5
-ROUNDED_BOUND = 5e-2
-ROUNDED_NUMERICS_BOUND = 2.5e-2
+ROUNDED_BOUND = 7.5e-2
+ROUNDED_NUMERICS_BOUND = 3.5e-2
 PRIMITIVE_BOUND = 2e-5
 
 
@@ -82,7 +84,7 @@ def test_rounded_steps_match_the_reference_within_the_bound(tiny, rng, architect
     ids = random_ids(rng, model, 3 * WINDOW + 2)
     logits = run_steps(CPUDecodeStep(model, rounded=True), ids, model.make_cache())
     exact = Reference(model.config, file.tensors).forward(ids)
-    rounded = Reference(model.config, file.tensors, decode_numerics=True, float16_cache=False).forward(ids)
+    rounded = Reference(model.config, file.tensors, decode_numerics=True, float16_cache=False, q8_k=True).forward(ids)
     assert relative_error(logits, exact) <= ROUNDED_BOUND
     assert relative_error(logits, rounded) <= ROUNDED_NUMERICS_BOUND
 
@@ -97,7 +99,7 @@ def test_rounded_steps_round(tiny, rng):
     ids = random_ids(rng, model, 1)
     logits = run_steps(CPUDecodeStep(model, rounded=True), ids, model.make_cache())
     exact = Reference(model.config, file.tensors).forward(ids)
-    rounded = Reference(model.config, file.tensors, decode_numerics=True, float16_cache=False).forward(ids)
+    rounded = Reference(model.config, file.tensors, decode_numerics=True, float16_cache=False, q8_k=True).forward(ids)
     assert relative_error(logits, exact) > relative_error(logits, rounded)
 
 
