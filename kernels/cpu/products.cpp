@@ -55,6 +55,10 @@ static_assert(DECODE_ROWS % PREFILL_ROWS == 0);
 constexpr int PANEL_MIN_TOKENS = 16;
 constexpr int PANEL_TOKENS = 32;
 constexpr int PANEL_ROWS = 8;
+// Each row slice is decoded once for this many tokens (it was once per PANEL_TOKENS: 20 % of
+// the 1.5B qwen2's prefill samples decoded rows), in slices of at most this many values.
+constexpr int PANEL_GROUP_TOKENS = 128;
+constexpr int64_t PANEL_SLICE = 2048;
 // Tiles of at most this many (row, token) pairs sum each scale group before scaling it (two
 // accumulators per pair); larger ones scale each decoded chunk (one per pair).
 constexpr int GROUP_ACCUMULATORS = 8;
@@ -462,10 +466,13 @@ struct Tiles {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Prefill panels: PANEL_ROWS weight rows decoded to floats once per PANEL_TOKENS tokens, then
-// multiplied as a matrix product: for each k, x[k] for the tokens (two vectors, from x laid
-// out [k][token] per chunk) times each row's value broadcast, into PANEL_ROWS x 2 vector
-// accumulators. Every instruction of the inner loop but two loads is a multiply-add.
+// Prefill panels: PANEL_ROWS weight rows decoded to floats, a slice of PANEL_SLICE values of
+// each at a time, once per group of PANEL_GROUP_TOKENS tokens, then multiplied as a matrix
+// product with each PANEL_TOKENS-token chunk of the group: for each k, x[k] for the chunk's
+// tokens (two vectors, from x laid out [k][token] per chunk) times each row's value
+// broadcast, into PANEL_ROWS x 2 vector accumulators, added to the output after the first
+// slice. Every instruction of the inner loop but two loads is a multiply-add. The group's x
+// slices (PANEL_GROUP_TOKENS x PANEL_SLICE floats, 1 MB) stay in L2 across its row blocks.
 // ---------------------------------------------------------------------------------------------
 
 // The row's values, d * code + m, into panel_row [in_features].
@@ -484,28 +491,29 @@ void decode_row(const uint8_t* row, int64_t in_features, float* panel_row) {
   }
 }
 
-// out[t * out_stride + r] for R rows of `panel` [R, in_features] and the chunk's
-// PANEL_TOKENS tokens of x_t [in_features, PANEL_TOKENS]; tokens >= `tokens` are padding.
+// out[t * out_stride + r] (+= if `add`) for R rows of `panel` [R, length] and the chunk's
+// PANEL_TOKENS tokens of x_t [length, PANEL_TOKENS]; tokens >= `tokens` are padding.
 template <int R>
-void panel_product(const float* panel, const float* x_t, int64_t in_features, int tokens,
-                   float* out, int64_t out_stride) {
+void panel_product(const float* panel, const float* x_t, int64_t length, int tokens, float* out,
+                   int64_t out_stride, bool add) {
   f32x16 acc[R][2] = {};
-  for (int64_t k = 0; k < in_features; ++k) {
+  for (int64_t k = 0; k < length; ++k) {
     f32x16 x0 = load<f32x16>(x_t + k * PANEL_TOKENS), x1 = load<f32x16>(x_t + k * PANEL_TOKENS + 16);
     for (int r = 0; r < R; ++r) {
-      float w = panel[r * in_features + k];
+      float w = panel[r * length + k];
       acc[r][0] += w * x0;
       acc[r][1] += w * x1;
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < tokens; ++t) {
-      out[t * out_stride + r] = acc[r][t / 16][t % 16];
+      float& o = out[t * out_stride + r];
+      o = add ? o + acc[r][t / 16][t % 16] : acc[r][t / 16][t % 16];
     }
   }
 }
 
-using PanelFn = void (*)(const float*, const float*, int64_t, int, float*, int64_t);
+using PanelFn = void (*)(const float*, const float*, int64_t, int, float*, int64_t, bool);
 
 template <int... R>
 constexpr std::array<PanelFn, sizeof...(R)> panel_products(std::integer_sequence<int, R...>) {
@@ -530,20 +538,28 @@ void linear_panels(const float* x, const uint8_t* weight, float* out, int64_t to
   }
   int64_t row_blocks = (out_features + PANEL_ROWS - 1) / PANEL_ROWS;
   int tasks = static_cast<int>(std::min<int64_t>(row_blocks, TASKS_PER_THREAD * threads));
+  constexpr int64_t GROUP_CHUNKS = PANEL_GROUP_TOKENS / PANEL_TOKENS;
+  const int64_t slice = std::min(in_features, PANEL_SLICE / F::VALUES * F::VALUES);
   ThreadPool::instance().run(tasks, threads, [&](int task) {
-    std::vector<float> panel(PANEL_ROWS * in_features);
+    std::vector<float> panel(PANEL_ROWS * slice);
     int64_t first = row_blocks * task / tasks, last = row_blocks * (task + 1) / tasks;
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      int count = static_cast<int>(std::min<int64_t>(PANEL_TOKENS, tokens - chunk * PANEL_TOKENS));
-      for (int64_t block = first; block < last; ++block) {
-        int64_t row0 = block * PANEL_ROWS;
-        int rows = static_cast<int>(std::min<int64_t>(PANEL_ROWS, out_features - row0));
-        for (int r = 0; r < rows; ++r) {
-          decode_row<F>(weight + (row0 + r) * row_bytes, in_features, panel.data() + r * in_features);
+    for (int64_t group = 0; group < chunks; group += GROUP_CHUNKS) {
+      for (int64_t k0 = 0; k0 < in_features; k0 += slice) {
+        int64_t length = std::min(slice, in_features - k0);
+        for (int64_t block = first; block < last; ++block) {
+          int64_t row0 = block * PANEL_ROWS;
+          int rows = static_cast<int>(std::min<int64_t>(PANEL_ROWS, out_features - row0));
+          for (int r = 0; r < rows; ++r) {
+            decode_row<F>(weight + (row0 + r) * row_bytes + k0 / F::VALUES * F::BYTES, length,
+                          panel.data() + r * length);
+          }
+          for (int64_t chunk = group; chunk < std::min(chunks, group + GROUP_CHUNKS); ++chunk) {
+            int count = static_cast<int>(std::min<int64_t>(PANEL_TOKENS, tokens - chunk * PANEL_TOKENS));
+            PANEL_FNS[rows - 1](panel.data(), x_t.data() + (chunk * in_features + k0) * PANEL_TOKENS,
+                                length, count, out + chunk * PANEL_TOKENS * out_features + row0,
+                                out_features, k0 > 0);
+          }
         }
-        PANEL_FNS[rows - 1](panel.data(), x_t.data() + chunk * in_features * PANEL_TOKENS,
-                            in_features, count, out + chunk * PANEL_TOKENS * out_features + row0,
-                            out_features);
       }
     }
   });
