@@ -1,7 +1,8 @@
 """The CPU products and attention as compiled MLX primitives: muser_mlx._cpu_kernels, built at
 install from kernels/cpu by setup.py for the installing machine's CPU.
 
-`linear` and `attention` are MLX ops (primitives GGUFLinear, Attention): lazy, evaluated by
+`linear`, `attention` and the glue between them (`residual_norm`, `attention_decode`,
+`gated_activation`) are MLX ops (primitives GGUFLinear, Attention, ...): lazy, evaluated by
 mx.eval on a CPU stream, in float32 on all cores with the CPU's vector instructions; `linear`
 reads the raw GGUF blocks.
 Where the extension was not built or does not load, `available()` is False, `unavailable()`
@@ -100,6 +101,16 @@ def residual_norm(residual: mx.array | None, branch: mx.array, branch_weight: mx
     total, normed = _cpu_kernels.residual_norm(residual, branch, branch_weight, next_weight,
                                                branch_eps, next_eps)
     return total, normed
+
+
+def gated_activation(gate: mx.array, up: mx.array, activation: str) -> mx.array:
+    """act(gate) * up as one primitive, 16 values at a time: activation "silu" (x sigmoid(x))
+    or "gelu_tanh" (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), computed as x sigmoid(2u)).
+    gate, up: float [..., n] of one shape (slices of one product's output are read in place).
+    MLX's CPU computes sigmoid and tanh one value at a time (~15 ns each). Returns float32."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"no compiled gated activation {activation!r} (silu, gelu_tanh)")
+    return _cpu_kernels.gated_activation(gate, up, activation == "gelu_tanh")
 
 
 def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, *,

@@ -205,6 +205,42 @@ def test_residual_norm_matches_numpy(rng, rows, with_residual, with_branch_weigh
     assert relative_error(np.array(normed), rms(expected_total, 1e-5) * next_weight) <= PRIMITIVE_BOUND
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("layout", ["halves of one output", "contiguous", "transposed", "3-d"])
+def test_gated_activation_matches_numpy(rng, activation, layout):
+    # n = 83: five whole vectors and a tail of 3. Values up to +-90 (exp of either sign past
+    # float32's range) and exact zeros.
+    rows, n = 7, 83
+    y = (rng.standard_normal((rows, 2 * n)) * rng.choice([0.1, 3.0, 30.0], size=(rows, 1))).astype(np.float32)
+    y[0, :6] = [-90.0, -40.0, 0.0, 40.0, 90.0, 1e-30]
+    if layout == "halves of one output":  # slices read where they lie
+        gate, up = mx.split(mx.array(y), 2, axis=-1)
+    elif layout == "contiguous":
+        gate, up = mx.array(y[:, :n]), mx.array(y[:, n:])
+    elif layout == "transposed":  # copied by the primitive
+        gate, up = (mx.array(np.ascontiguousarray(half.T)).T for half in (y[:, :n], y[:, n:]))
+    else:
+        gate, up = (mx.array(half.reshape(1, rows, n)) for half in (y[:, :n], y[:, n:]))
+    poison = mx.full((rows, n), float("nan"))
+    mx.eval(poison)
+    del poison
+    out = np.array(cpu_ext.gated_activation(gate, up, activation)).reshape(rows, n)
+    g, u = y[:, :n].astype(np.float64), y[:, n:].astype(np.float64)
+    if activation == "silu":
+        expected = g / (1.0 + np.exp(-g)) * u
+    else:
+        expected = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3))) * u
+    assert np.isfinite(out).all(), "a value left unwritten or overflowed"
+    assert relative_error(out, expected) <= PRIMITIVE_BOUND
+
+
+def test_gated_activation_refuses_unlike_shapes_and_unknown_activations():
+    with pytest.raises(ValueError, match="one non-empty shape"):
+        cpu_ext.gated_activation(mx.zeros((2, 8)), mx.zeros((2, 9)), "silu")
+    with pytest.raises(ValueError, match="no compiled gated activation 'relu'"):
+        cpu_ext.gated_activation(mx.zeros((2, 8)), mx.zeros((2, 8)), "relu")
+
+
 def rope(x, position, dims, base, traditional):
     """x [heads, head_dim] rotated by RoPE at `position` over its first `dims` channels."""
     half = dims // 2

@@ -94,6 +94,14 @@ written at slot position % capacity. Reuses the cache's memory when nothing else
 capacity) - 1 of keys and values [1, kv_heads, capacity, head_dim], the attention gate applied.
 Returns o [1, heads * head_dim].)");
 
+  using GatedActivationOp = mx::array (*)(const mx::array&, const mx::array&, bool,
+                                          mx::StreamOrDevice);
+  m.def("gated_activation", static_cast<GatedActivationOp>(&muser::cpu::gated_activation),
+        "gate"_a, "up"_a, "gelu"_a, nb::kw_only(), "stream"_a = nb::none(),
+        R"(act(gate) * up on the CPU, in float32, 16 values at a time: act is SiLU, x sigmoid(x),
+or (gelu=True) GELU's tanh form, x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)). gate and up
+[..., n] of one shape; slices of one product's output are read in place.)");
+
   m.def("has_product", &muser::cpu::has_product, "ggml_type"_a,
         "Whether ggml type `ggml_type` has a CPU product here.");
   m.attr("mlx_version") = MUSER_MLX_VERSION;  // the MLX it was compiled against

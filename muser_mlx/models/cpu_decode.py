@@ -113,7 +113,8 @@ class CPUDecodeStep:
             gate, up = mx.split(self._linear(h, gate_up.groups[0][0]), 2, axis=-1)
         else:
             gate, up = (self._linear(h, stacked) for stacked, _, _ in gate_up.groups)
-        f = self._linear(feed_forward.activation(gate) * up, feed_forward.down_proj.weight_tensor)
+        f = self._linear(cpu_ext.gated_activation(gate, up, feed_forward.activation_name),
+                         feed_forward.down_proj.weight_tensor)
         x, h = cpu_ext.residual_norm(x, f, block.post_ffw_norm if sandwich else None, next_norm,
                                      post_eps, c.eps)
         return x, h, keys, values
