@@ -273,6 +273,7 @@ def attention_reference(q, k, v, scale, mask):
     (7, 20, 4, 1, 256, None),  # a prefill chunk after 13 cached tokens, Gemma's head_dim
     (64, 64, 4, 2, 64, 8),  # a windowed prefill
     (33, 50, 6, 6, 16, None),  # no grouping; keys past a multiple of 16
+    (3, 19, 2, 1, 400, None),  # wider than the 256 channels summed in registers at a time
 ])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_attention_matches_reference(rng, tokens, keys, heads, kv_heads, head_dim, window, threads):
