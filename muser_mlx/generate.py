@@ -143,26 +143,32 @@ def _prompt_ids(tokenizer, prompt) -> list[int]:
 
 def prefill(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP):
     """Run `ids` through the model in chunks of `step`; the last id goes alone, as a decode
-    step. Returns that step's logits [vocab] and greedy token (int32 [1], or None)."""
+    step (decode(..., prompt=True)). Returns that step's logits [vocab] and greedy token
+    (int32 [1], or None)."""
     if step < 1:
         raise ValueError(f"prefill_step_size must be >= 1, got {step}")
     for start in range(0, len(ids) - 1, step):
         chunk = ids[start : min(start + step, len(ids) - 1)]
         with MODEL_LOCK:
             mx.eval(model.hidden(mx.array([chunk], dtype=mx.int32), cache))
-    return decode(model, mx.array([ids[-1:]], dtype=mx.int32), cache)
+    return decode(model, mx.array([ids[-1:]], dtype=mx.int32), cache, prompt=True)
 
 
-def decode(model, token: mx.array, cache):
+def decode(model, token: mx.array, cache, prompt: bool = False):
     """One token [1, 1] (int32, in range; may be lazy) -> (logits [vocab], greedy token int32
     [1] or None): the fused decode graph where the model has one on this device (its LM head
     picks the greedy token too), the compiled CPU step on the CPU (models/cpu_decode.py), else
-    the model's general step."""
+    the model's general step.
+    prompt: the prompt's last token. On the CPU its step keeps the exact products, so the first
+    token is chosen from exact logits, like the prompt's other tokens' states; the generated
+    tokens' steps round their products' inputs (cpu_decode.ROUNDED). The rounding moves
+    SmolLM2's logits by 2-5 %, which flipped a near tie (0.08 apart, std 3.4) between the two
+    likeliest first tokens of a chat answer."""
     if model.fused:
         logits, greedy = model.decode_step(token, cache)
         return logits[0, -1], greedy
     if cpu_decode.serves(model):
-        return model.cpu_step(token, cache), None
+        return (model.cpu_prompt_step if prompt else model.cpu_step)(token, cache), None
     return model.logits(model.hidden_unchecked(token, cache))[0, -1], None
 
 

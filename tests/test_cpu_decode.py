@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from muser_mlx import cpu_ext, ops
-from muser_mlx.generate import decode
+from muser_mlx.generate import decode, prefill
 from muser_mlx.models import cpu_decode
 from muser_mlx.models.cpu_decode import CPUDecodeStep
 from muser_mlx.reference import Reference
@@ -172,6 +172,28 @@ def test_generate_runs_the_rounded_compiled_step_on_the_cpu(tiny, rng, monkeypat
         ids.append(int(np.argmax(np.array(logits))))
     assert asked and all(asked)
     assert cache[0].offset == 5
+
+
+def test_the_prompts_last_token_takes_the_exact_step(tiny, rng, monkeypatch):
+    # prefill()'s last token runs the compiled step with exact products (the first token is
+    # chosen from exact logits); the generated tokens' steps round. Fails if either is swapped.
+    _, model = tiny("llama", "Q4_K_M")
+    asked = []
+    linear = ops.linear
+
+    def spy(x, weight, rounded=False):
+        asked.append((x.ndim, rounded))  # the step's x [1, hidden]; the chunk's [1, T, hidden]
+        return linear(x, weight, rounded=rounded)
+
+    monkeypatch.setattr(ops, "linear", spy)
+    cache = model.make_cache()
+    logits, _ = prefill(model, [int(i) for i in random_ids(rng, model, 5)], cache)
+    steps = [rounded for ndim, rounded in asked if ndim == 2]
+    assert steps and not any(steps)
+    asked.clear()
+    decode(model, mx.array([[int(np.argmax(np.array(logits)))]], dtype=mx.int32), cache)
+    assert asked and all(rounded for _, rounded in asked)
+    assert cache[0].offset == 6
 
 
 # --- the primitives ------------------------------------------------------------------------------

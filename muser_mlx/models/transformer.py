@@ -292,6 +292,7 @@ class Transformer(nn.Module):
                     and layer.feed_forward.decode_products is not None for layer in self.layers))
         self._compiled_decode = {}  # thread id -> decode_step's compiled graph
         self.cpu_step = CPUDecodeStep(self, rounded=cpu_decode.ROUNDED)  # generate()'s on the CPU
+        self.cpu_prompt_step = CPUDecodeStep(self, rounded=False)  # the prompt's last token's
         # The small arrays made here (norm weights, biases) are evaluated now: a lazy array
         # belongs to the stream of the thread that made it, and a model may step in another.
         mx.eval(self.parameters())
