@@ -210,13 +210,16 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
 
     def choose(logits, greedy, recent):
         """The graph from a step's logits to its token (lazy): penalty, log-softmax, sample.
-        Greedy sampling without a penalty takes the LM head's own argmax when it has one."""
+        Greedy sampling takes the argmax of the (penalised) logits, the LM head's own where it
+        has one and there is no penalty: the token does not wait for the log-softmax, which
+        stays lazy until a caller reads it (MLX's CPU computes exp one value at a time: 3.8 ms
+        over Gemma 3's 262,144 logits, 14 % of its step)."""
         nonlocal key
         key, draw = mx.random.split(key)
         logits = sampler.penalise(logits, recent)
         logprobs = logits - mx.logsumexp(logits)
-        if greedy is not None and sampler.temperature == 0 and not penalised:
-            return greedy[0], logprobs
+        if sampler.temperature == 0:
+            return (greedy[0] if greedy is not None and not penalised else mx.argmax(logits)), logprobs
         return sampler.sample(logprobs, draw), logprobs
 
     def step_after(token, recent):
@@ -232,7 +235,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
     prompt_time = None
     with MODEL_LOCK:
         token, logprobs = choose(*prefill(model, ids, cache, prefill_step_size), recent)
-        mx.async_eval(token, logprobs)
+        mx.async_eval(token)
     for n in range(1, max_tokens + 1):
         # Pipelined as mlx-lm's loop: the step after this token is built and queued before this
         # token is read, so building a step's graph overlaps the GPU's work on the one before.
@@ -241,7 +244,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
         with MODEL_LOCK:
             if n < max_tokens and start + len(ids) + n - 1 < context:
                 ahead = step_after(token, recent)
-                mx.async_eval(ahead)
+                mx.async_eval(ahead[0], ahead[2])  # the token and `recent`; logprobs stay lazy
             token = token.item()
         if prompt_time is None:
             prompt_time = time.perf_counter() - tic
