@@ -255,7 +255,7 @@ inline void k4_scales(const uint8_t* b, float* d, float* m) {
   std::memcpy(m, reinterpret_cast<const float*>(&values) + 8, 32);
 }
 
-// The super-block path (linear_super, below) reads a K-quant block as: its integer scales per
+// The super-block path (tile_super, below) reads a K-quant block as: its integer scales per
 // 16 values (scales16) and offset weights per 16 values (offsets16), with value = d * scale *
 // code + o * offset weight; and 64 codes at a time, values 64p .. 64p + 63 (codes64<p>).
 struct SuperScales {
@@ -635,7 +635,7 @@ void linear_format(const float* x, const uint8_t* weight, float* out, int64_t to
 //   q8_0; formats.quantize_activations); each block's dot product (AVX-512 VNNI dpbusd, AVX2
 //   maddubs + madd, or scalar code) into 8 int32 lanes, converted and scaled once: d_weight *
 //   d_x. The offsets m through the blocks' sums of the rounded x.
-// - K-quants (linear_super): x rounded to int8 blocks of 256 values with one scale each
+// - K-quants (tile_super): x rounded to int8 blocks of 256 values with one scale each
 //   (llama.cpp's q8_K; formats.quantize_activations_super), so that a whole super-block sums
 //   in integers: 64 values at a time, maddubs (code * x, pairs summed to int16) then madd (or
 //   VNNI dpwssd) with each 16 values' integer scale, into 16 int32 lanes; converted and scaled
