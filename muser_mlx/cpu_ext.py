@@ -78,8 +78,9 @@ def linear(rows: mx.array, weight_bytes: mx.array, ggml_type, out_features: int,
            threads: int = 0, rounded: bool = False) -> mx.array:
     """rows [T, in] float @ W.T for W = `out_features` rows of raw GGUF blocks (uint8, any
     shape holding [out, row_bytes]); returns float32 [T, out], multiplied in float32.
-    rounded: rows rounded to int8 blocks of 32 (one scale max|x|/127 each, half away from
-    zero, as formats.quantize_activations) and multiplied with integer dot products; T <= 8.
+    rounded: rows rounded to int8 blocks (one scale max|x|/127 each, half away from zero) of
+    32 values (formats.quantize_activations), or of 256 for Q4_K, Q5_K and Q6_K
+    (formats.quantize_activations_super), and multiplied with integer dot products; T <= 8.
     threads: 0 for all cores."""
     if weight_bytes.ndim != 2 or weight_bytes.shape[0] != out_features:
         weight_bytes = weight_bytes.reshape(out_features, -1)  # a graph node: only where needed

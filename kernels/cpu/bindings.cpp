@@ -26,8 +26,9 @@ Args:
     weight (array): uint8 [out_features, row_bytes], blocks of ggml type `ggml_type`.
     ggml_type (int): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K.
     threads (int): threads inside the product; 0 for all of the machine's cores.
-    rounded (bool): x rounded to int8 blocks of 32 values (one scale max|x|/127 each, half
-        away from zero) and multiplied with integer dot products; at most 8 tokens.
+    rounded (bool): x rounded to int8 blocks (one scale max|x|/127 each, half away from
+        zero) of 32 values, or of 256 for Q4_K, Q5_K and Q6_K, and multiplied with integer
+        dot products; at most 8 tokens.
 
 Returns:
     array: float32 [tokens, out_features].)");
