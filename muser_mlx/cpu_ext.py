@@ -1,7 +1,8 @@
 """The CPU products and attention as compiled MLX primitives: muser_mlx._cpu_kernels, built at
 install from kernels/cpu by setup.py for the installing machine's CPU.
 
-`linear` and `attention` are MLX ops (primitives GGUFLinear, Attention): lazy, evaluated by
+`linear`, `attention` and the glue between them (`residual_norm`, `attention_decode`,
+`gated_activation`) are MLX ops (primitives GGUFLinear, Attention, ...): lazy, evaluated by
 mx.eval on a CPU stream, in float32 on all cores with the CPU's vector instructions; `linear`
 reads the raw GGUF blocks.
 Where the extension was not built or does not load, `available()` is False, `unavailable()`
@@ -77,8 +78,9 @@ def linear(rows: mx.array, weight_bytes: mx.array, ggml_type, out_features: int,
            threads: int = 0, rounded: bool = False) -> mx.array:
     """rows [T, in] float @ W.T for W = `out_features` rows of raw GGUF blocks (uint8, any
     shape holding [out, row_bytes]); returns float32 [T, out], multiplied in float32.
-    rounded: rows rounded to int8 blocks of 32 (one scale max|x|/127 each, half away from
-    zero, as formats.quantize_activations) and multiplied with integer dot products; T <= 8.
+    rounded: rows rounded to int8 blocks (one scale max|x|/127 each, half away from zero) of
+    32 values (formats.quantize_activations), or of 256 for Q4_K, Q5_K and Q6_K
+    (formats.quantize_activations_super), and multiplied with integer dot products; T <= 8.
     threads: 0 for all cores."""
     if weight_bytes.ndim != 2 or weight_bytes.shape[0] != out_features:
         weight_bytes = weight_bytes.reshape(out_features, -1)  # a graph node: only where needed
@@ -100,6 +102,16 @@ def residual_norm(residual: mx.array | None, branch: mx.array, branch_weight: mx
     total, normed = _cpu_kernels.residual_norm(residual, branch, branch_weight, next_weight,
                                                branch_eps, next_eps)
     return total, normed
+
+
+def gated_activation(gate: mx.array, up: mx.array, activation: str) -> mx.array:
+    """act(gate) * up as one primitive, 16 values at a time: activation "silu" (x sigmoid(x))
+    or "gelu_tanh" (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), computed as x sigmoid(2u)).
+    gate, up: float [..., n] of one shape (slices of one product's output are read in place).
+    MLX's CPU computes sigmoid and tanh one value at a time (~15 ns each). Returns float32."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"no compiled gated activation {activation!r} (silu, gelu_tanh)")
+    return _cpu_kernels.gated_activation(gate, up, activation == "gelu_tanh")
 
 
 def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, *,

@@ -642,21 +642,38 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     scales f32 [..., n/32]: d = max |x| / 127 over each 32 values;
     sums f32 [..., n/8]: d * (the sum of each 8 codes).
     Each code is off by at most d/2, so a value's error is at most max|x| / 254 of its block."""
+    codes, scales = _round_blocks(x, Q8X_BLOCK)
+    sums = codes.reshape(*codes.shape[:-1], -1, Q8X_SUM).sum(axis=-1, dtype=np.int32).astype(np.float32)
+    sums = (sums.reshape(*scales.shape, -1) * scales[..., None]).reshape(*codes.shape[:-1], -1)
+    return codes, scales, sums.astype(np.float32)
+
+
+Q8K_BLOCK = 256  # values per scale of the CPU's K-quant products' x (llama.cpp's q8_K)
+
+
+def quantize_activations_super(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., n] (n a multiple of 256) as the CPU decode step's K-quant products round it
+    (q8_K): codes int8 [..., n] = round(x / d), half away from zero (0 where d is 0), scales
+    f32 [..., n/256]: d = max |x| / 127 over each 256 values. As quantize_activations but over
+    8 times as many values: each value is off by at most max|x| / 254 of its 256."""
+    return _round_blocks(x, Q8K_BLOCK)
+
+
+def _round_blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Codes int8 [..., n] and scales f32 [..., n/block] of x rounded per `block` values."""
     x = np.asarray(x, dtype=np.float32)
-    if x.shape[-1] % Q8X_BLOCK:
-        raise ValueError(f"activations of {x.shape[-1]} values are not whole {Q8X_BLOCK}-value blocks")
-    blocks = x.reshape(*x.shape[:-1], -1, Q8X_BLOCK)
+    if x.shape[-1] % block:
+        raise ValueError(f"activations of {x.shape[-1]} values are not whole {block}-value blocks")
+    blocks = x.reshape(*x.shape[:-1], -1, block)
     scales = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = (blocks / scales[..., None]).astype(np.float32)
     codes = np.where(scales[..., None] > 0, np.sign(ratio) * np.floor(np.abs(ratio) + np.float32(0.5)), 0)
-    codes = codes.astype(np.int8)
-    sums = codes.reshape(*x.shape[:-1], -1, Q8X_SUM).sum(axis=-1, dtype=np.int32).astype(np.float32)
-    sums = (sums.reshape(*scales.shape, -1) * scales[..., None]).reshape(*x.shape[:-1], -1)
-    return codes.reshape(x.shape), scales, sums.astype(np.float32)
+    return codes.astype(np.int8).reshape(x.shape), scales
 
 
 def dequantize_activations(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """codes int8 [..., n], scales [..., n/32] -> float32 [..., n]: code * d."""
-    blocks = codes.astype(np.float32).reshape(*codes.shape[:-1], -1, Q8X_BLOCK)
+    """codes int8 [..., n], scales [..., n/block] (either function above) -> float32 [..., n]:
+    code * d."""
+    blocks = codes.astype(np.float32).reshape(*scales.shape, -1)
     return (blocks * np.asarray(scales, np.float32)[..., None]).reshape(codes.shape)

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from muser_mlx.formats import dequantize, dequantize_activations, quantize_activations
+from muser_mlx.formats import (GGMLType, dequantize, dequantize_activations, quantize_activations,
+                               quantize_activations_super)
 from muser_mlx.models.config import ModelConfig
+
+
+K_QUANTS = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
 
 
 def rms(x: np.ndarray, eps: float) -> np.ndarray:
@@ -50,21 +54,31 @@ class Reference:
     exact function: every product's input rounded to q8x (formats.quantize_activations) and
     keys and values rounded to float16 as the cache stores them. The rest stays float64.
     float16_cache=False: keys and values kept as computed, as the CPU decode step's float32
-    cache keeps them (models/cpu_decode.py)."""
+    cache keeps them (models/cpu_decode.py).
+    q8_k: products of K-quant weights (Q4_K, Q5_K, Q6_K) read x rounded per 256 values instead
+    (formats.quantize_activations_super), as the CPU decode step's do."""
 
     def __init__(self, config: ModelConfig, tensors: dict, decode_numerics: bool = False,
-                 float16_cache: bool = True):
+                 float16_cache: bool = True, q8_k: bool = False):
         self.config = config
         self.tensors = tensors
         self.decode_numerics = decode_numerics
         self.float16_cache = float16_cache
+        self.q8_k = q8_k
         self._cache = {}
 
-    def product_input(self, x: np.ndarray) -> np.ndarray:
-        """x [T, n] as a product reads it."""
+    def product(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x [T, n] @ W.T for the matrix `name`, x as that product reads it."""
+        return self.product_input(x, self.tensors[name].ggml_type) @ self.weight(name).T
+
+    def product_input(self, x: np.ndarray, ggml_type) -> np.ndarray:
+        """x [T, n] as a product of `ggml_type` weights reads it."""
         if not self.decode_numerics:
             return x
-        codes, scales, _ = quantize_activations(x.astype(np.float32))
+        if self.q8_k and ggml_type in K_QUANTS:
+            codes, scales = quantize_activations_super(x.astype(np.float32))
+        else:
+            codes, scales, _ = quantize_activations(x.astype(np.float32))
         return dequantize_activations(codes, scales).astype(np.float64)
 
     def cached(self, x: np.ndarray) -> np.ndarray:
@@ -89,9 +103,8 @@ class Reference:
         x = x * c.embed_scale
         for layer in range(c.layers):
             x = self.block(layer, x, positions)
-        y = self.product_input(rms(x, c.eps) * self.weight("output_norm.weight"))
         head = "token_embd.weight" if c.tied_embeddings else "output.weight"
-        logits = y @ self.weight(head).T * c.logit_scale
+        logits = self.product(rms(x, c.eps) * self.weight("output_norm.weight"), head) * c.logit_scale
         if c.softcap is not None:
             logits = c.softcap * np.tanh(logits / c.softcap)
         return logits
@@ -99,14 +112,15 @@ class Reference:
     def block(self, layer: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         c = self.config
         w = lambda name: self.weight(f"blk.{layer}.{name}")  # noqa: E731
+        product = lambda x, name: self.product(x, f"blk.{layer}.{name}.weight")  # noqa: E731
         post_eps = c.eps if c.post_norm_eps is None else c.post_norm_eps
         a = self.attention(layer, rms(x, c.eps) * w("attn_norm.weight"), positions)
         if c.sandwich_norms:
             a = rms(a, post_eps) * w("post_attention_norm.weight")
         x = x + a
-        h = self.product_input(rms(x, c.eps) * w("ffn_norm.weight"))
+        h = rms(x, c.eps) * w("ffn_norm.weight")
         act = silu if c.activation == "silu" else gelu_tanh
-        f = self.product_input(act(h @ w("ffn_gate.weight").T) * (h @ w("ffn_up.weight").T)) @ w("ffn_down.weight").T
+        f = product(act(product(h, "ffn_gate")) * product(h, "ffn_up"), "ffn_down")
         if c.sandwich_norms:
             f = rms(f, post_eps) * w("post_ffw_norm.weight")
         return x + f
@@ -115,9 +129,9 @@ class Reference:
         """h: [T, hidden] -> [T, hidden]; a loop over query heads, the mask spelled out."""
         c = self.config
         w = lambda name: self.weight(f"blk.{layer}.{name}")  # noqa: E731
+        product = lambda x, name: self.product(x, f"blk.{layer}.{name}.weight")  # noqa: E731
         T = h.shape[0]
-        h = self.product_input(h)
-        q, k, v = h @ w("attn_q.weight").T, h @ w("attn_k.weight").T, h @ w("attn_v.weight").T
+        q, k, v = product(h, "attn_q"), product(h, "attn_k"), product(h, "attn_v")
         if c.qkv_bias:
             q, k, v = q + w("attn_q.bias"), k + w("attn_k.bias"), v + w("attn_v.bias")
         q = q.reshape(T, c.heads, c.head_dim)
@@ -147,5 +161,5 @@ class Reference:
             out[:, head] = probs @ v[:, kv]
         o = out.reshape(T, c.heads * c.head_dim)
         if c.attn_gate:
-            o = o / (1.0 + np.exp(-(h @ w("attn_gate.weight").T)))
-        return self.product_input(o) @ w("attn_output.weight").T
+            o = o / (1.0 + np.exp(-product(h, "attn_gate")))
+        return product(o, "attn_output")

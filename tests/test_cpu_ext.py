@@ -7,11 +7,13 @@ The product multiplies in float32 with x as given (no int8 rounding of x), so on
 rounding of the weights and of a sum in another order separates it from the reference: a
 relative error ~1e-7 measured, bound 2e-5 as for every other product (tests/test_linear.py).
 
-The rounded product (rounded=True: the CPU decode step's) rounds x to int8 blocks first. Against
-the reference fed the same rounded x (formats.quantize_activations) only float32 scaling and
-summation separate them: the same 2e-5. Against the exact reference its error is the rounding's:
-each value off by at most max|x| / 254 of its block, ~0.5 % of the output for normal x
-(max|x| ~2.5 sigma over 32 values: 2.5 / 127 / sqrt(12) = 0.57 %); ROUNDED_BOUND is 2 %.
+The rounded product (rounded=True: the CPU decode step's) rounds x to int8 blocks first: of 32
+values for the 32-value formats (formats.quantize_activations), of 256 for the K-quants
+(formats.quantize_activations_super). Against the reference fed the same rounded x only float32
+scaling and summation separate them: the same 2e-5. Against the exact reference its error is
+the rounding's: each value off by at most max|x| / 254 of its block, an RMS of max|x| / (127
+sqrt(12)): for normal x, max|x| ~2.5 sigma over 32 values (0.57 % of the output), ~3 sigma over
+256 (0.7 %); ROUNDED_BOUND is 2 %.
 """
 
 import os
@@ -64,9 +66,13 @@ def product(x, raw, ggml_type, out_features, threads, rounded=False):
     return np.array(out)
 
 
-def rounded(x: np.ndarray) -> np.ndarray:
-    """x as the rounded product reads it (formats.quantize_activations), float64."""
-    codes, scales, _ = formats.quantize_activations(x)
+def rounded(x: np.ndarray, ggml_type) -> np.ndarray:
+    """x as the rounded product of `ggml_type` weights reads it, float64: rounded per 256
+    values for K-quants (formats.quantize_activations_super), else per 32."""
+    if BLOCK[ggml_type] == 256:
+        codes, scales = formats.quantize_activations_super(x)
+    else:
+        codes, scales, _ = formats.quantize_activations(x)
     return formats.dequantize_activations(codes, scales).astype(np.float64)
 
 
@@ -141,7 +147,7 @@ def test_rounded_product_matches_the_reference_on_rounded_x(rng, ggml_type, toke
     out = product(x, raw, ggml_type, out_features, threads, rounded=True)
     assert out.shape == (tokens, out_features)
     assert np.isfinite(out).all(), "an output left unwritten"
-    assert relative_error(out, rounded(x) @ weight.T) <= BOUND
+    assert relative_error(out, rounded(x, ggml_type) @ weight.T) <= BOUND
 
 
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
@@ -156,7 +162,7 @@ def test_rounded_product_of_random_bytes_matches_the_reference(rng, ggml_type):
     x[1, :32] = np.arange(32) - 15.5
     x[1, 0] = 127.0  # scale 1: the other values are halves, rounded away from zero
     out = product(x, raw, ggml_type, out_features, 2, rounded=True)
-    assert relative_error(out, rounded(x) @ weight.T) <= BOUND
+    assert relative_error(out, rounded(x, ggml_type) @ weight.T) <= BOUND
 
 
 def test_the_rounded_product_rounds(rng):
@@ -169,8 +175,29 @@ def test_the_rounded_product_rounds(rng):
     x = rng.standard_normal((1, in_features)).astype(np.float32)
     out = product(x, raw, ggml_type, out_features, 2, rounded=True)
     exact = x.astype(np.float64) @ weight.T
-    assert relative_error(out, rounded(x) @ weight.T) <= BOUND
-    assert 20 * relative_error(rounded(x) @ weight.T, out) < relative_error(out, exact) <= ROUNDED_BOUND
+    assert relative_error(out, rounded(x, ggml_type) @ weight.T) <= BOUND
+    assert 20 * relative_error(rounded(x, ggml_type) @ weight.T, out) < relative_error(out, exact) <= ROUNDED_BOUND
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_k_quant_products_round_x_per_256_values(rng, ggml_type):
+    # Fails if a K-quant product rounded x per 32 values (or per row): one large value in each
+    # 256 coarsens the step of all 256, only of its own 32 under q8_0 and of every 256 under one
+    # scale a row, so the three roundings give measurably different products.
+    in_features, out_features = 1024, 64
+    raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)
+    x = rng.standard_normal((1, in_features)).astype(np.float32)
+    x[0, ::256] = 40.0 * np.arange(1, 5)
+    out = product(x, raw, ggml_type, out_features, 2, rounded=True)
+    per_256 = relative_error(out, rounded(x, ggml_type) @ weight.T)
+    codes, scales, _ = formats.quantize_activations(x)
+    per_32 = formats.dequantize_activations(codes, scales).astype(np.float64) @ weight.T
+    step = np.abs(x).max() / 127
+    per_row = np.sign(x) * np.floor(np.abs(x) / step + 0.5) * step
+    assert per_256 <= BOUND
+    assert relative_error(out, per_32) > 100 * per_256
+    assert relative_error(out, per_row.astype(np.float64) @ weight.T) > 100 * per_256
 
 
 @pytest.mark.parametrize("tokens, in_features, message", [
@@ -193,7 +220,7 @@ def test_a_strided_x_is_read_in_its_strides(rng, rounded_x):
     for x, values in ((mx.array(wide)[:, 1 : in_features + 1], wide[:, 1 : in_features + 1]),
                       (mx.array(np.ascontiguousarray(wide[:, :in_features].T)).T, wide[:, :in_features])):
         out = np.array(cpu_ext.linear(x, mx.array(raw), ggml_type, out_features, 2, rounded=rounded_x))
-        expected = (rounded(values) if rounded_x else values.astype(np.float64)) @ weight.T
+        expected = (rounded(values, ggml_type) if rounded_x else values.astype(np.float64)) @ weight.T
         assert relative_error(out, expected) <= BOUND
 
 
@@ -246,6 +273,7 @@ def attention_reference(q, k, v, scale, mask):
     (7, 20, 4, 1, 256, None),  # a prefill chunk after 13 cached tokens, Gemma's head_dim
     (64, 64, 4, 2, 64, 8),  # a windowed prefill
     (33, 50, 6, 6, 16, None),  # no grouping; keys past a multiple of 16
+    (3, 19, 2, 1, 400, None),  # wider than the 256 channels summed in registers at a time
 ])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_attention_matches_reference(rng, tokens, keys, heads, kv_heads, head_dim, window, threads):

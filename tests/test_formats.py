@@ -130,3 +130,23 @@ def test_row_not_whole_blocks_and_wrong_byte_count_are_errors():
         formats.quantize(np.ones((1, 100), np.float32), GGMLType.Q4_K)
     with pytest.raises(ValueError, match="needs 144 bytes, got 143"):
         formats.dequantize(np.zeros(143, np.uint8), GGMLType.Q4_K, [256])
+
+
+def test_activations_rounded_per_256_values_lie_within_half_a_step(rng):
+    # q8_K, the CPU decode step's x for K-quant products: one scale per 256 values.
+    x = (rng.standard_normal((3, 768)) * rng.choice([1e-3, 1.0, 50.0], size=(3, 1))).astype(np.float32)
+    x[1, 256:512] = 0
+    codes, scales = formats.quantize_activations_super(x)
+    assert codes.dtype == np.int8 and codes.shape == x.shape and scales.shape == (3, 3)
+    blocks = x.reshape(3, 3, 256)
+    np.testing.assert_array_equal(scales, np.abs(blocks).max(axis=-1) / np.float32(127))
+    assert np.abs(codes).max() <= 127
+    assert (np.abs(codes.reshape(3, 3, 256)).max(axis=-1)[scales > 0] == 127).all()
+    assert not codes[1, 256:512].any()
+    error = np.abs(formats.dequantize_activations(codes, scales) - x).reshape(3, 3, 256)
+    assert (error <= scales[..., None] / 2 * (1 + 1e-5)).all()
+
+
+def test_activations_of_a_partial_256_value_block_are_refused():
+    with pytest.raises(ValueError, match="not whole 256-value blocks"):
+        formats.quantize_activations_super(np.zeros((1, 288), np.float32))

@@ -51,9 +51,11 @@ def test_responses_carry_the_mlx_lm_fields(tiny):
     assert last.finish_reason == "length" and all(r.finish_reason is None for r in responses[:-1])
     assert last.prompt_tokens == len(tokenizer.encode(PROMPT))
     assert last.prompt_tps > 0 and last.generation_tps > 0 and last.peak_memory > 0
-    assert last.logprobs.shape == (model.config.vocab,)
-    assert abs(mx.logsumexp(last.logprobs).item()) < 1e-4
-    assert last.token == int(mx.argmax(last.logprobs).item())  # greedy picks the top logprob
+    # Each response's log-softmax, read after generation went on (it stays lazy until read).
+    for r in responses:
+        assert r.logprobs.shape == (model.config.vocab,)
+        assert abs(mx.logsumexp(r.logprobs).item()) < 1e-4
+        assert r.token == int(mx.argmax(r.logprobs).item())  # greedy picks the top logprob
 
 
 def test_the_streamed_text_is_the_generated_text(tiny):
@@ -290,7 +292,8 @@ def test_an_early_stop_leaves_the_last_token_unfed(tiny):
     fresh = model.make_cache()
     ids = tokenizer.encode(PROMPT)
     model(mx.array([ids[:-1]]), fresh)
-    for token in ids[-1:] + tokens[: stopped_at - 1]:
+    mx.eval(decode(model, mx.array([ids[-1:]]), fresh, prompt=True)[0])  # as prefill() runs it
+    for token in tokens[: stopped_at - 1]:
         mx.eval(decode(model, mx.array([[token]]), fresh)[0])
     expected = decode(model, mx.array([[tokens[stopped_at - 1]]]), fresh)[0]
     assert relative_error(np.array(follow), np.array(expected)) <= 1e-5

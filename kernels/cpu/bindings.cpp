@@ -26,8 +26,9 @@ Args:
     weight (array): uint8 [out_features, row_bytes], blocks of ggml type `ggml_type`.
     ggml_type (int): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K.
     threads (int): threads inside the product; 0 for all of the machine's cores.
-    rounded (bool): x rounded to int8 blocks of 32 values (one scale max|x|/127 each, half
-        away from zero) and multiplied with integer dot products; at most 8 tokens.
+    rounded (bool): x rounded to int8 blocks (one scale max|x|/127 each, half away from
+        zero) of 32 values, or of 256 for Q4_K, Q5_K and Q6_K, and multiplied with integer
+        dot products; at most 8 tokens.
 
 Returns:
     array: float32 [tokens, out_features].)");
@@ -93,6 +94,14 @@ written at slot position % capacity. Reuses the cache's memory when nothing else
 (plus bias, per-head norm, RoPE at `position`, int32 [1]) over slots 0 .. min(position + 1,
 capacity) - 1 of keys and values [1, kv_heads, capacity, head_dim], the attention gate applied.
 Returns o [1, heads * head_dim].)");
+
+  using GatedActivationOp = mx::array (*)(const mx::array&, const mx::array&, bool,
+                                          mx::StreamOrDevice);
+  m.def("gated_activation", static_cast<GatedActivationOp>(&muser::cpu::gated_activation),
+        "gate"_a, "up"_a, "gelu"_a, nb::kw_only(), "stream"_a = nb::none(),
+        R"(act(gate) * up on the CPU, in float32, 16 values at a time: act is SiLU, x sigmoid(x),
+or (gelu=True) GELU's tanh form, x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)). gate and up
+[..., n] of one shape; slices of one product's output are read in place.)");
 
   m.def("has_product", &muser::cpu::has_product, "ggml_type"_a,
         "Whether ggml type `ggml_type` has a CPU product here.");

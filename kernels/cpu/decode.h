@@ -18,6 +18,14 @@ void residual_norm(const float* residual, const float* branch, const float* bran
                    const float* next_weight, float* sum, float* normed, int64_t rows,
                    int64_t hidden, float branch_eps, float next_eps);
 
+// The gated activation between a feed-forward's products, for `rows` rows of n values:
+//   out = act(gate) * up, act(x) = x sigmoid(x) (SiLU) or, gelu, x sigmoid(2 sqrt(2/pi) (x +
+//   0.044715 x^3)) (GELU's tanh form: 0.5 (1 + tanh u) = sigmoid(2u)).
+// gate and up rows are gate_stride / up_stride floats apart (slices of one product's output),
+// out's n apart.
+void gated_activation(const float* gate, const float* up, float* out, int64_t rows, int64_t n,
+                      int64_t gate_stride, int64_t up_stride, bool gelu);
+
 // One decode token's attention, from its projections to the output projection's input.
 struct DecodeHeads {
   int64_t heads, kv_heads, head_dim;  // heads a multiple of kv_heads, head_dim of 16

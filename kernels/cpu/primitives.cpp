@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/utils.h"
@@ -292,6 +293,64 @@ bool ResidualNorm::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const ResidualNorm&>(other);
   return residual_ == o.residual_ && branch_weight_ == o.branch_weight_ &&
          branch_eps_ == o.branch_eps_ && next_eps_ == o.next_eps_;
+}
+
+namespace {
+
+// The rows of `a` [..., n] (float32) as (first value, floats from one row to the next): its
+// own memory when its last axis is contiguous and the others collapse into one stride (a
+// slice of a wider product output), else a row-major copy made first.
+std::pair<const float*, int64_t> rows_of(const mx::array& a, mx::cpu::CommandEncoder& encoder) {
+  const int last = static_cast<int>(a.ndim()) - 1;
+  bool in_place = last < 0 || a.strides()[last] == 1 || a.shape(last) == 1;
+  for (int d = 0; d + 1 < last && in_place; ++d) {
+    in_place = a.shape(d) == 1 || a.strides()[d] == a.strides()[d + 1] * a.shape(d + 1);
+  }
+  if (in_place && last >= 1) {
+    return {a.data<float>(), a.strides()[last - 1]};
+  }
+  return {row_major<float>(a, encoder), last >= 0 ? a.shape(last) : 1};
+}
+
+} // namespace
+
+mx::array gated_activation(const mx::array& gate, const mx::array& up, bool gelu,
+                           mx::StreamOrDevice s) {
+  if (gate.shape() != up.shape() || gate.ndim() < 1 || gate.size() == 0) {
+    std::ostringstream message;
+    message << "[gated_activation] gate and up must be of one non-empty shape [..., n], got "
+            << gate.shape() << " and " << up.shape();
+    throw std::invalid_argument(message.str());
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  return mx::array(gate.shape(), mx::float32, std::make_shared<GatedActivation>(stream, gelu),
+                   {as_f32(gate, stream), as_f32(up, stream)});
+}
+
+void GatedActivation::eval_cpu(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& input : inputs) {
+    encoder.set_input_array(input);
+  }
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  encoder.set_output_array(out);
+  auto [gate, gate_stride] = rows_of(inputs[0], encoder);
+  auto [up, up_stride] = rows_of(inputs[1], encoder);
+  const int64_t n = out.shape(-1);
+  encoder.dispatch([=, out_data = out.data<float>(), rows = static_cast<int64_t>(out.size()) / n,
+                    gelu = gelu_]() {
+    gated_activation(gate, up, out_data, rows, n, gate_stride, up_stride, gelu);
+  });
+}
+
+void GatedActivation::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[gated_activation] runs on the CPU only");
+}
+
+bool GatedActivation::is_equivalent(const mx::Primitive& other) const {
+  return gelu_ == static_cast<const GatedActivation&>(other).gelu_;
 }
 
 namespace {

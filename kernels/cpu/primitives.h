@@ -2,7 +2,7 @@
 // (axpby): an op that builds the graph node, a primitive whose eval_cpu runs the kernel.
 //   linear:    x @ W.T with W as raw GGUF blocks (products.cpp)
 //   attention: softmax(q k^T * scale, masked) v (attention.cpp)
-//   residual_norm, attention_decode: the glue of a one-token decode step (decode.h)
+//   residual_norm, attention_decode, gated_activation: the glue between products (decode.h)
 
 #pragma once
 
@@ -90,6 +90,25 @@ class ResidualNorm : public mx::Primitive {
  private:
   bool residual_, branch_weight_;
   float branch_eps_, next_eps_;
+};
+
+// act(gate) * up of decode.h's gated_activation: gate, up float [..., n] of one shape (slices
+// of one product's output are read where they lie). Returns float32 of that shape.
+mx::array gated_activation(const mx::array& gate, const mx::array& up, bool gelu,
+                           mx::StreamOrDevice s = {});
+
+class GatedActivation : public mx::Primitive {
+ public:
+  GatedActivation(mx::Stream stream, bool gelu) : mx::Primitive(stream), gelu_(gelu) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "GatedActivation"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  bool gelu_;
 };
 
 // The cache `cache` float32 [1, kv_heads, capacity, head_dim] with this token's keys (key) or

@@ -29,6 +29,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -54,6 +55,10 @@ static_assert(DECODE_ROWS % PREFILL_ROWS == 0);
 constexpr int PANEL_MIN_TOKENS = 16;
 constexpr int PANEL_TOKENS = 32;
 constexpr int PANEL_ROWS = 8;
+// Each row slice is decoded once for this many tokens (it was once per PANEL_TOKENS: 20 % of
+// the 1.5B qwen2's prefill samples decoded rows), in slices of at most this many values.
+constexpr int PANEL_GROUP_TOKENS = 128;
+constexpr int64_t PANEL_SLICE = 2048;
 // Tiles of at most this many (row, token) pairs sum each scale group before scaling it (two
 // accumulators per pair); larger ones scale each decoded chunk (one per pair).
 constexpr int GROUP_ACCUMULATORS = 8;
@@ -140,8 +145,8 @@ inline f32x16 with_fifth_bits(u8x16 low, uint32_t qh, int chunk) {
   return __builtin_convertvector(__builtin_convertvector(low, i32x16) | high, f32x16);
 }
 
-// The int8 path (linear_rounded_from_blocks) reads 32 codes at a time, unit u of a block
-// (values 32u .. 32u + 31), as bytes: codes32(block, u).
+// The q8_0 path (linear_rounded_from_blocks, 32-value formats) reads a block's 32 codes as
+// bytes: codes32(block).
 // Byte i of 16 low nibbles then 16 high nibbles: a 32-value block's codes in value order.
 inline u8x32 nibbles32(const uint8_t* qs) {
   u8x16 q = load<u8x16>(qs);
@@ -175,7 +180,7 @@ struct Q4_0Format {
     m[0] = -8 * d[0];
   }
   static f32x16 codes(const uint8_t* b, int j) { return to_float(nibbles(b + 2, j)); }
-  static u8x32 codes32(const uint8_t* b, int) { return nibbles32(b + 2); }
+  static u8x32 codes32(const uint8_t* b) { return nibbles32(b + 2); }
 };
 
 struct Q4_1Format {
@@ -186,13 +191,13 @@ struct Q4_1Format {
     m[0] = f16(b + 2);
   }
   static f32x16 codes(const uint8_t* b, int j) { return to_float(nibbles(b + 4, j)); }
-  static u8x32 codes32(const uint8_t* b, int) { return nibbles32(b + 4); }
+  static u8x32 codes32(const uint8_t* b) { return nibbles32(b + 4); }
 };
 
 struct Q5_0Format {
   static constexpr int VALUES = 32, BYTES = 22, GROUP = 32;
   static constexpr bool OFFSET = true, SIGNED = false;
-  static u8x32 codes32(const uint8_t* b, int) { return nibbles32(b + 6) | fifth_bits32(b + 2); }
+  static u8x32 codes32(const uint8_t* b) { return nibbles32(b + 6) | fifth_bits32(b + 2); }
   static void scales(const uint8_t* b, float* d, float* m) {
     d[0] = f16(b);
     m[0] = -16 * d[0];
@@ -205,7 +210,7 @@ struct Q5_0Format {
 struct Q5_1Format {
   static constexpr int VALUES = 32, BYTES = 24, GROUP = 32;
   static constexpr bool OFFSET = true, SIGNED = false;
-  static u8x32 codes32(const uint8_t* b, int) { return nibbles32(b + 8) | fifth_bits32(b + 4); }
+  static u8x32 codes32(const uint8_t* b) { return nibbles32(b + 8) | fifth_bits32(b + 4); }
   static void scales(const uint8_t* b, float* d, float* m) {
     d[0] = f16(b);
     m[0] = f16(b + 2);
@@ -218,33 +223,69 @@ struct Q5_1Format {
 struct Q8_0Format {
   static constexpr int VALUES = 32, BYTES = 34, GROUP = 32;
   static constexpr bool OFFSET = false, SIGNED = true;  // codes32: int8 codes as bytes
-  static u8x32 codes32(const uint8_t* b, int) { return load<u8x32>(b + 2); }
+  static u8x32 codes32(const uint8_t* b) { return load<u8x32>(b + 2); }
   static void scales(const uint8_t* b, float* d, float*) { d[0] = f16(b); }
   static f32x16 codes(const uint8_t* b, int j) { return int8_to_float(b + 2 + 16 * j); }
 };
 
 // Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins in 12 bytes (sub-blocks 0-3 in
 // the low 6 bits of bytes 0-3 / 4-7, sub-blocks 4-7 in the nibbles of bytes 8-11 plus the top
-// 2 bits of bytes 0-7); value = d * scale * q - dmin * min. The 12 bytes are rearranged as
-// four u32 words into 8 scale bytes then 8 min bytes, converted in one vector.
+// 2 bits of bytes 0-7); value = d * scale * q - dmin * min. The 12 bytes, as u32 words w0-w2,
+// are rearranged in one vector into 8 scale bytes then 8 min bytes: (w0 & 0x3f.., w2's low
+// nibbles | w0's top bits, w1 & 0x3f.., w2's high nibbles | w1's top bits). In registers: four
+// u32 stores read back as one vector would miss store forwarding (~30 % of a Q4_K product's
+// time, perf).
+inline u8x16 k4_scale_bytes(const uint8_t* b) {
+  u32x4 w = load<u32x4>(b + 4);  // w0-w2, then the first 4 code bytes (unused)
+  const u32x4 shifts = {0, 0, 0, 4};
+  const u32x4 low_masks = {0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f};
+  const u32x4 top_masks = {0, 0x30303030, 0, 0x30303030};
+  u32x4 low = (__builtin_shufflevector(w, w, 0, 2, 1, 2) >> shifts) & low_masks;
+  u32x4 top = (__builtin_shufflevector(w, w, 0, 0, 1, 1) >> 2) & top_masks;
+  return (u8x16)(low | top);
+}
+
 inline void k4_scales(const uint8_t* b, float* d, float* m) {
-  constexpr uint32_t LOW6 = 0x3f3f3f3f, LOW4 = 0x0f0f0f0f, LOW2 = 0x03030303;
-  uint32_t w[4];
-  std::memcpy(w, b + 4, 12);
-  w[3] = ((w[2] >> 4) & LOW4) | (((w[1] >> 6) & LOW2) << 4);  // mins 4-7
-  uint32_t mins_low = w[1] & LOW6;  // mins 0-3
-  w[1] = (w[2] & LOW4) | (((w[0] >> 6) & LOW2) << 4);  // scales 4-7
-  w[2] = mins_low;
-  w[0] &= LOW6;  // scales 0-3
-  u8x16 packed;
-  std::memcpy(&packed, w, 16);
   float super_d = f16(b), super_min = -f16(b + 2);
   f32x16 factor = {super_d, super_d, super_d, super_d, super_d, super_d, super_d, super_d,
                    super_min, super_min, super_min, super_min, super_min, super_min, super_min,
                    super_min};
-  f32x16 values = to_float(packed) * factor;
+  f32x16 values = to_float(k4_scale_bytes(b)) * factor;
   std::memcpy(d, &values, 32);
   std::memcpy(m, reinterpret_cast<const float*>(&values) + 8, 32);
+}
+
+// The super-block path (tile_super, below) reads a K-quant block as: its integer scales per
+// 16 values (scales16) and offset weights per 16 values (offsets16), with value = d * scale *
+// code + o * offset weight; and 64 codes at a time, values 64p .. 64p + 63 (codes64<p>).
+struct SuperScales {
+  i16x16 scales16, offsets16;
+  float d, o;
+};
+
+inline SuperScales k4_super_scales(const uint8_t* b) {
+  u8x16 packed = k4_scale_bytes(b);
+  u8x16 scales = __builtin_shufflevector(packed, packed, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  u8x16 mins = __builtin_shufflevector(packed, packed, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13,
+                                       14, 14, 15, 15);
+  return {__builtin_convertvector(scales, i16x16), __builtin_convertvector(mins, i16x16), f16(b),
+          -f16(b + 2)};
+}
+
+// q's 32 bytes twice, the first time shifted right by LOW bits, the second by HIGH: q in both
+// halves, each half's 16-bit words shifted (one variable shift, no lane-crossing shuffle).
+// Bits of a word's upper byte enter its lower byte from the top: mask the result to at most
+// 8 - max(LOW, HIGH) low bits.
+template <int LOW, int HIGH>
+inline u8x64 shifted_halves(u8x32 q) {
+  u8x64 both = __builtin_shufflevector(q, q, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                       16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
+                                       31, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                                       17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+  const u16x32 shifts = {LOW, LOW, LOW, LOW, LOW, LOW, LOW, LOW, LOW, LOW, LOW,
+                         LOW, LOW, LOW, LOW, LOW, HIGH, HIGH, HIGH, HIGH, HIGH, HIGH,
+                         HIGH, HIGH, HIGH, HIGH, HIGH, HIGH, HIGH, HIGH, HIGH, HIGH};
+  return (u8x64)((u16x32)both >> shifts);
 }
 
 // Sub-blocks 2i and 2i+1: the low and high nibbles of bytes 32i..32i+31; chunk j is half j % 2
@@ -255,31 +296,33 @@ inline u8x16 k4_nibbles(const uint8_t* qs, int j) {
   return sub_block % 2 ? q >> 4 : q & 15;
 }
 
-// Sub-block s of a Q4_K / Q5_K: the low (s even) or high nibbles of bytes 32(s/2) .. +31.
-inline u8x32 k4_nibbles32(const uint8_t* qs, int s) {
-  u8x32 q = load<u8x32>(qs + 32 * (s / 2));
-  return s % 2 ? q >> 4 : q & 15;
-}
-
 struct Q4_KFormat {
   static constexpr int VALUES = 256, BYTES = 144, GROUP = 32;
   static constexpr bool OFFSET = true, SIGNED = false;
-  static u8x32 codes32(const uint8_t* b, int u) { return k4_nibbles32(b + 16, u); }
   static void scales(const uint8_t* b, float* d, float* m) { k4_scales(b, d, m); }
   static f32x16 codes(const uint8_t* b, int j) { return to_float(k4_nibbles(b + 16, j)); }
+  static SuperScales super_scales(const uint8_t* b) { return k4_super_scales(b); }
+  // Sub-blocks 2p and 2p + 1: the low and high nibbles of qs[32p .. 32p + 31].
+  template <int P>
+  static u8x64 codes64(const uint8_t* b) {
+    return shifted_halves<0, 4>(load<u8x32>(b + 16 + 32 * P)) & 15;
+  }
 };
 
 struct Q5_KFormat {
   static constexpr int VALUES = 256, BYTES = 176, GROUP = 32;
   static constexpr bool OFFSET = true, SIGNED = false;
-  static u8x32 codes32(const uint8_t* b, int u) {
-    return k4_nibbles32(b + 48, u) | (((load<u8x32>(b + 16) >> u) & 1) << 4);
-  }
   static void scales(const uint8_t* b, float* d, float* m) { k4_scales(b, d, m); }
   static f32x16 codes(const uint8_t* b, int j) {
     // Bit s of qh[l] is bit 4 of value l of sub-block s.
     u8x16 fifth = (load<u8x16>(b + 16 + 16 * (j % 2)) >> (j / 2)) & 1;
     return to_float(k4_nibbles(b + 48, j) | (fifth << 4));
+  }
+  static SuperScales super_scales(const uint8_t* b) { return k4_super_scales(b); }
+  template <int P>
+  static u8x64 codes64(const uint8_t* b) {
+    u8x64 low = shifted_halves<0, 4>(load<u8x32>(b + 48 + 32 * P)) & 15;
+    return low | ((shifted_halves<2 * P, 2 * P + 1>(load<u8x32>(b + 16)) & 1) << 4);
   }
 };
 
@@ -290,13 +333,6 @@ struct Q5_KFormat {
 struct Q6_KFormat {
   static constexpr int VALUES = 256, BYTES = 210, GROUP = 16;
   static constexpr bool OFFSET = true, SIGNED = false;
-  static u8x32 codes32(const uint8_t* b, int u) {
-    int half = u / 4, group = u % 4;
-    u8x32 ql = load<u8x32>(b + 64 * half + 32 * (group % 2));
-    u8x32 qh = load<u8x32>(b + 128 + 32 * half);
-    u8x32 low = group < 2 ? ql & 15 : ql >> 4;
-    return low | (((qh >> (2 * group)) & 3) << 4);
-  }
   static void scales(const uint8_t* b, float* d, float* m) {
     f32x16 scale = int8_to_float(b + 192) * f16(b + 208);
     f32x16 offset = scale * -32.0f;
@@ -309,6 +345,20 @@ struct Q6_KFormat {
     u8x16 qh = load<u8x16>(b + 128 + 32 * half + 16 * part);
     u8x16 low = group < 2 ? ql & 15 : ql >> 4;
     return to_float(low | (((qh >> (2 * group)) & 3) << 4));
+  }
+  static SuperScales super_scales(const uint8_t* b) {
+    i16x16 scales = __builtin_convertvector(load<i8x16>(b + 192), i16x16);
+    float d = f16(b + 208);
+    return {scales, scales, d, -32 * d};
+  }
+  // Groups 2k and 2k + 1 of half p / 2 (k = p % 2): the low (k = 0) or high nibbles of
+  // ql[0:64] of the half, bits 4k .. 4k + 3 of its qh[0:32] on top.
+  template <int P>
+  static u8x64 codes64(const uint8_t* b) {
+    constexpr int half = P / 2, k = P % 2;
+    u8x64 ql = load<u8x64>(b + 64 * half);
+    u8x64 low = k ? ql >> 4 : ql & 15;
+    return low | ((shifted_halves<4 * k, 4 * k + 2>(load<u8x32>(b + 128 + 32 * half)) & 3) << 4);
   }
 };
 
@@ -416,10 +466,13 @@ struct Tiles {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Prefill panels: PANEL_ROWS weight rows decoded to floats once per PANEL_TOKENS tokens, then
-// multiplied as a matrix product: for each k, x[k] for the tokens (two vectors, from x laid
-// out [k][token] per chunk) times each row's value broadcast, into PANEL_ROWS x 2 vector
-// accumulators. Every instruction of the inner loop but two loads is a multiply-add.
+// Prefill panels: PANEL_ROWS weight rows decoded to floats, a slice of PANEL_SLICE values of
+// each at a time, once per group of PANEL_GROUP_TOKENS tokens, then multiplied as a matrix
+// product with each PANEL_TOKENS-token chunk of the group: for each k, x[k] for the chunk's
+// tokens (two vectors, from x laid out [k][token] per chunk) times each row's value
+// broadcast, into PANEL_ROWS x 2 vector accumulators, added to the output after the first
+// slice. Every instruction of the inner loop but two loads is a multiply-add. The group's x
+// slices (PANEL_GROUP_TOKENS x PANEL_SLICE floats, 1 MB) stay in L2 across its row blocks.
 // ---------------------------------------------------------------------------------------------
 
 // The row's values, d * code + m, into panel_row [in_features].
@@ -438,28 +491,29 @@ void decode_row(const uint8_t* row, int64_t in_features, float* panel_row) {
   }
 }
 
-// out[t * out_stride + r] for R rows of `panel` [R, in_features] and the chunk's
-// PANEL_TOKENS tokens of x_t [in_features, PANEL_TOKENS]; tokens >= `tokens` are padding.
+// out[t * out_stride + r] (+= if `add`) for R rows of `panel` [R, length] and the chunk's
+// PANEL_TOKENS tokens of x_t [length, PANEL_TOKENS]; tokens >= `tokens` are padding.
 template <int R>
-void panel_product(const float* panel, const float* x_t, int64_t in_features, int tokens,
-                   float* out, int64_t out_stride) {
+void panel_product(const float* panel, const float* x_t, int64_t length, int tokens, float* out,
+                   int64_t out_stride, bool add) {
   f32x16 acc[R][2] = {};
-  for (int64_t k = 0; k < in_features; ++k) {
+  for (int64_t k = 0; k < length; ++k) {
     f32x16 x0 = load<f32x16>(x_t + k * PANEL_TOKENS), x1 = load<f32x16>(x_t + k * PANEL_TOKENS + 16);
     for (int r = 0; r < R; ++r) {
-      float w = panel[r * in_features + k];
+      float w = panel[r * length + k];
       acc[r][0] += w * x0;
       acc[r][1] += w * x1;
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < tokens; ++t) {
-      out[t * out_stride + r] = acc[r][t / 16][t % 16];
+      float& o = out[t * out_stride + r];
+      o = add ? o + acc[r][t / 16][t % 16] : acc[r][t / 16][t % 16];
     }
   }
 }
 
-using PanelFn = void (*)(const float*, const float*, int64_t, int, float*, int64_t);
+using PanelFn = void (*)(const float*, const float*, int64_t, int, float*, int64_t, bool);
 
 template <int... R>
 constexpr std::array<PanelFn, sizeof...(R)> panel_products(std::integer_sequence<int, R...>) {
@@ -484,20 +538,28 @@ void linear_panels(const float* x, const uint8_t* weight, float* out, int64_t to
   }
   int64_t row_blocks = (out_features + PANEL_ROWS - 1) / PANEL_ROWS;
   int tasks = static_cast<int>(std::min<int64_t>(row_blocks, TASKS_PER_THREAD * threads));
+  constexpr int64_t GROUP_CHUNKS = PANEL_GROUP_TOKENS / PANEL_TOKENS;
+  const int64_t slice = std::min(in_features, PANEL_SLICE / F::VALUES * F::VALUES);
   ThreadPool::instance().run(tasks, threads, [&](int task) {
-    std::vector<float> panel(PANEL_ROWS * in_features);
+    std::vector<float> panel(PANEL_ROWS * slice);
     int64_t first = row_blocks * task / tasks, last = row_blocks * (task + 1) / tasks;
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      int count = static_cast<int>(std::min<int64_t>(PANEL_TOKENS, tokens - chunk * PANEL_TOKENS));
-      for (int64_t block = first; block < last; ++block) {
-        int64_t row0 = block * PANEL_ROWS;
-        int rows = static_cast<int>(std::min<int64_t>(PANEL_ROWS, out_features - row0));
-        for (int r = 0; r < rows; ++r) {
-          decode_row<F>(weight + (row0 + r) * row_bytes, in_features, panel.data() + r * in_features);
+    for (int64_t group = 0; group < chunks; group += GROUP_CHUNKS) {
+      for (int64_t k0 = 0; k0 < in_features; k0 += slice) {
+        int64_t length = std::min(slice, in_features - k0);
+        for (int64_t block = first; block < last; ++block) {
+          int64_t row0 = block * PANEL_ROWS;
+          int rows = static_cast<int>(std::min<int64_t>(PANEL_ROWS, out_features - row0));
+          for (int r = 0; r < rows; ++r) {
+            decode_row<F>(weight + (row0 + r) * row_bytes + k0 / F::VALUES * F::BYTES, length,
+                          panel.data() + r * length);
+          }
+          for (int64_t chunk = group; chunk < std::min(chunks, group + GROUP_CHUNKS); ++chunk) {
+            int count = static_cast<int>(std::min<int64_t>(PANEL_TOKENS, tokens - chunk * PANEL_TOKENS));
+            PANEL_FNS[rows - 1](panel.data(), x_t.data() + (chunk * in_features + k0) * PANEL_TOKENS,
+                                length, count, out + chunk * PANEL_TOKENS * out_features + row0,
+                                out_features, k0 > 0);
+          }
         }
-        PANEL_FNS[rows - 1](panel.data(), x_t.data() + chunk * in_features * PANEL_TOKENS,
-                            in_features, count, out + chunk * PANEL_TOKENS * out_features + row0,
-                            out_features);
       }
     }
   });
@@ -567,12 +629,18 @@ void linear_format(const float* x, const uint8_t* weight, float* out, int64_t to
 }
 
 // ---------------------------------------------------------------------------------------------
-// The rounded path (decode, T <= 8): x rounded to int8 blocks of 32 values with one scale each
-// (llama.cpp's q8_0; formats.quantize_activations), weights read as unsigned byte codes
-// (value = d * code + m; Q8_0's signed), and each 32-value unit multiplied with an integer dot
-// product (AVX-512 VNNI dpbusd, or AVX2 maddubs + madd, or scalar code) into 8 int32 lanes,
-// converted and scaled once per unit: d_weight * d_x (per 16 values for Q6_K's scales). The
-// offsets m through per-16 sums of the rounded x.
+// The rounded paths (decode, T <= 8). Weights are read as unsigned byte codes (value = d *
+// code + m; Q8_0's signed) and multiplied by x's int8 codes with integer dot products.
+// - 32-value formats: x rounded to int8 blocks of 32 values with one scale each (llama.cpp's
+//   q8_0; formats.quantize_activations); each block's dot product (AVX-512 VNNI dpbusd, AVX2
+//   maddubs + madd, or scalar code) into 8 int32 lanes, converted and scaled once: d_weight *
+//   d_x. The offsets m through the blocks' sums of the rounded x.
+// - K-quants (tile_super): x rounded to int8 blocks of 256 values with one scale each
+//   (llama.cpp's q8_K; formats.quantize_activations_super), so that a whole super-block sums
+//   in integers: 64 values at a time, maddubs (code * x, pairs summed to int16) then madd (or
+//   VNNI dpwssd) with each 16 values' integer scale, into 16 int32 lanes; converted and scaled
+//   once per super-block, d_weight * d_x. The offsets (Q4_K/Q5_K's mins, Q6_K's -32) through
+//   per-16 integer sums of x's codes, one 16-lane madd per super-block.
 // ---------------------------------------------------------------------------------------------
 
 // Lane k: the sum over values 4k .. 4k + 3 of w * x (w unsigned, at most 128 with x's sign
@@ -607,116 +675,275 @@ inline i32x8 dot_signed(u8x32 w, i8x32 x) {
 #endif
 }
 
-// x rounded: codes [tokens, in], scales [tokens, in / 32] (max |x| / 127 of each 32 values),
-// sums16 [tokens, in / 16] (scale * the sum of each 16 codes: the rounded x's sums).
+// acc + lane k: the sum over values 4k .. 4k + 3 of scales[value / 2] * w * x. w unsigned, at
+// most 63 (a 6-bit code), so the int16 pair sums of maddubs, at most 2 * 63 * 127, cannot
+// saturate; |scales| <= 128, so a lane gains at most 4 * 63 * 127 * 128 < 2^23 a call.
+inline i32x16 dot_scaled(i32x16 acc, u8x64 w, i8x64 x, i16x32 scales) {
+#if defined(__AVX512BW__)
+  __m512i pairs = _mm512_maddubs_epi16((__m512i)w, (__m512i)x);
+#if defined(__AVX512VNNI__)
+  return (i32x16)_mm512_dpwssd_epi32((__m512i)acc, pairs, (__m512i)scales);
+#else
+  return acc + (i32x16)_mm512_madd_epi16(pairs, (__m512i)scales);
+#endif
+#elif defined(__AVX2__)
+  __m256i w2[2], x2[2], s2[2], a2[2];
+  std::memcpy(w2, &w, 64);
+  std::memcpy(x2, &x, 64);
+  std::memcpy(s2, &scales, 64);
+  std::memcpy(a2, &acc, 64);
+  for (int h = 0; h < 2; ++h) {
+    a2[h] = _mm256_add_epi32(a2[h], _mm256_madd_epi16(_mm256_maddubs_epi16(w2[h], x2[h]), s2[h]));
+  }
+  std::memcpy(&acc, a2, 64);
+  return acc;
+#else
+  for (int i = 0; i < 64; ++i) {
+    acc[i / 4] += static_cast<int32_t>(scales[i / 2]) * static_cast<int32_t>(w[i]) *
+                  static_cast<int32_t>(x[i]);
+  }
+  return acc;
+#endif
+}
+
+// Lane k: a[2k] * b[2k] + a[2k + 1] * b[2k + 1].
+inline i32x8 madd16(i16x16 a, i16x16 b) {
+#if defined(__AVX2__)
+  return (i32x8)_mm256_madd_epi16((__m256i)a, (__m256i)b);
+#else
+  i32x8 sum = {};
+  for (int i = 0; i < 16; ++i) {
+    sum[i / 2] += static_cast<int32_t>(a[i]) * static_cast<int32_t>(b[i]);
+  }
+  return sum;
+#endif
+}
+
+// Rounds `values` [count] to codes round(x / d), half away from zero, with d = max |x| / 127
+// (0 where d is 0), as formats.quantize_activations (x / d, not x * (1 / d)); returns d.
+inline float round_block(const float* values, int count, int8_t* codes) {
+  float top = 0;
+  for (int i = 0; i < count; ++i) {
+    top = std::max(top, std::fabs(values[i]));
+  }
+  float d = top / 127.0f;
+  for (int i = 0; i < count; ++i) {
+    float code = d > 0 ? std::copysign(std::floor(std::fabs(values[i] / d) + 0.5f), values[i]) : 0.0f;
+    codes[i] = static_cast<int8_t>(code);
+  }
+  return d;
+}
+
+// x rounded per 32 (q8_0): codes [tokens, in], scales [tokens, in / 32] (max |x| / 127 of each
+// 32 values), sums [tokens, in / 32] (scale * the sum of each 32 codes: the rounded x's sums).
 struct RoundedRows {
   std::vector<int8_t> codes;
-  std::vector<float> scales, sums16;
+  std::vector<float> scales, sums;
   int64_t in_features;
 
   RoundedRows(const float* x, int64_t tokens, int64_t in) :
-      codes(tokens * in), scales(tokens * in / 32), sums16(tokens * in / 16), in_features(in) {
+      codes(tokens * in), scales(tokens * in / 32), sums(tokens * in / 32), in_features(in) {
     for (int64_t block = 0; block < tokens * in / 32; ++block) {
-      const float* values = x + 32 * block;
-      float top = 0;
+      int8_t* block_codes = codes.data() + 32 * block;
+      float d = round_block(x + 32 * block, 32, block_codes);
+      int32_t sum = 0;
       for (int i = 0; i < 32; ++i) {
-        top = std::max(top, std::fabs(values[i]));
+        sum += block_codes[i];
       }
-      float d = top / 127.0f;
       scales[block] = d;
-      int32_t sums[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
-        // Half away from zero, as formats.quantize_activations (x / d, not x * (1 / d)).
-        float code = d > 0 ? std::copysign(std::floor(std::fabs(values[i] / d) + 0.5f), values[i]) : 0.0f;
-        codes[32 * block + i] = static_cast<int8_t>(code);
-        sums[i / 16] += static_cast<int32_t>(code);
-      }
-      sums16[2 * block] = d * static_cast<float>(sums[0]);
-      sums16[2 * block + 1] = d * static_cast<float>(sums[1]);
+      sums[block] = d * static_cast<float>(sum);
     }
   }
 };
 
-// out[c * out_stride + r] = x[t0 + c] (rounded) . W[r] for R rows and C tokens.
-template <class F, int R, int C>
-void tile_rounded(const uint8_t* weight, int64_t row_bytes, const RoundedRows& x, int64_t t0,
-                  float* out, int64_t out_stride) {
-  constexpr int UNITS = F::VALUES / 32, GROUPS = F::VALUES / F::GROUP;
-  const int64_t in = x.in_features;
-  f32x8 acc[R][C] = {};
-  float group_offsets[R][C][GROUPS] = {};
-  for (int64_t block = 0; block < in / F::VALUES; ++block) {
-    float d[R][GROUPS], m[R][GROUPS];
-    const uint8_t* blocks[R];
-    for (int r = 0; r < R; ++r) {
-      blocks[r] = weight + r * row_bytes + block * F::BYTES;
-      prefetch_block<F>(blocks[r] + PREFETCH_BYTES);
-      F::scales(blocks[r], d[r], m[r]);
+// x rounded per 256 (q8_K): codes [tokens, in], scales [tokens, in / 256], sums16 [tokens,
+// in / 16] (the sum of each 16 codes, at most 16 * 127).
+struct SuperRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scales;
+  std::vector<int16_t> sums16;
+  int64_t in_features;
+
+  SuperRows(const float* x, int64_t tokens, int64_t in) :
+      codes(tokens * in), scales(tokens * in / 256), sums16(tokens * in / 16), in_features(in) {
+    for (int64_t block = 0; block < tokens * in / 256; ++block) {
+      scales[block] = round_block(x + 256 * block, 256, codes.data() + 256 * block);
     }
-    if constexpr (F::OFFSET) {
-      // Per group, so that a K-quant's 8-16 groups are one vector multiply-add a row.
-      for (int c = 0; c < C; ++c) {
-        const float* sums16 = x.sums16.data() + (t0 + c) * (in / 16) + block * (F::VALUES / 16);
-        float sums[GROUPS];
-        for (int g = 0; g < GROUPS; ++g) {
-          sums[g] = F::GROUP == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
-        }
-        for (int r = 0; r < R; ++r) {
-          for (int g = 0; g < GROUPS; ++g) {
-            group_offsets[r][c][g] += m[r][g] * sums[g];
-          }
-        }
+    for (int64_t group = 0; group < tokens * in / 16; ++group) {
+      int32_t sum = 0;
+      for (int i = 0; i < 16; ++i) {
+        sum += codes[16 * group + i];
       }
-    }
-#pragma GCC unroll 8
-    for (int u = 0; u < UNITS; ++u) {
-      i8x32 xv[C];
-      float xd[C];
-      for (int c = 0; c < C; ++c) {
-        int64_t x_block = (t0 + c) * (in / 32) + block * UNITS + u;
-        std::memcpy(&xv[c], x.codes.data() + 32 * x_block, 32);
-        xd[c] = x.scales[x_block];
-      }
-      for (int r = 0; r < R; ++r) {
-        u8x32 w = F::codes32(blocks[r], u);
-        f32x8 scale;
-        if constexpr (F::GROUP == 16) {  // lanes 0-3: group 2u, lanes 4-7: group 2u + 1
-          float a = d[r][2 * u], b = d[r][2 * u + 1];
-          scale = f32x8{a, a, a, a, b, b, b, b};
-        } else {
-          scale = f32x8{} + d[r][u];
-        }
-        for (int c = 0; c < C; ++c) {
-          i32x8 dot = F::SIGNED ? dot_signed(w, xv[c]) : dot_unsigned(w, xv[c]);
-          acc[r][c] += __builtin_convertvector(dot, f32x8) * (scale * xd[c]);
-        }
-      }
+      sums16[group] = static_cast<int16_t>(sum);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
+};
+
+inline f32x4 fold(f32x8 v) {
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+}
+
+// out[r] = the sum of rows[r]'s lanes for r < R. Four rows are summed as one transposition of
+// adds and stored together (a decode tile's rows are adjacent outputs): for rows of a few
+// blocks (the 1.5B qwen2's 1536-value rows: 6 super-blocks), lane by lane sums cost as much as
+// a block.
+template <int R>
+inline void store_sums(const f32x8 (&rows)[R], float* out) {
+  if constexpr (R == 4) {
+    f32x4 a = fold(rows[0]), b = fold(rows[1]), c = fold(rows[2]), d = fold(rows[3]);
+    f32x4 ab = __builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7);
+    f32x4 cd = __builtin_shufflevector(c, d, 0, 2, 4, 6) + __builtin_shufflevector(c, d, 1, 3, 5, 7);
+    store(out, __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7));
+  } else {
+    for (int r = 0; r < R; ++r) {
       float sum = 0;
-      for (int g = 0; g < GROUPS; ++g) {
-        sum += group_offsets[r][c][g];
-      }
       for (int lane = 0; lane < 8; ++lane) {
-        sum += acc[r][c][lane];
+        sum += rows[r][lane];
       }
-      out[c * out_stride + r] = sum;
+      out[r] = sum;
     }
   }
 }
 
-using RoundedTileFn = void (*)(const uint8_t*, int64_t, const RoundedRows&, int64_t, float*,
-                               int64_t);
+// out[c * out_stride + r] = x[c] (rounded) . W[r] for R rows and C tokens (32-value formats).
+template <class F, int R, int C>
+void tile_rounded(const uint8_t* weight, int64_t row_bytes, const RoundedRows& x, float* out,
+                  int64_t out_stride) {
+  static_assert(F::VALUES == 32 && F::GROUP == 32);
+  const int64_t in = x.in_features, blocks = in / 32;
+  f32x8 acc[R][C] = {};
+  float offsets[R][C] = {};
+  for (int64_t block = 0; block < blocks; ++block) {
+    float d[R], m[R];
+    const uint8_t* b[R];
+    for (int r = 0; r < R; ++r) {
+      b[r] = weight + r * row_bytes + block * F::BYTES;
+      prefetch_block<F>(b[r] + PREFETCH_BYTES);
+      F::scales(b[r], &d[r], &m[r]);
+    }
+    i8x32 xv[C];
+    float xd[C];
+    for (int c = 0; c < C; ++c) {
+      int64_t x_block = c * blocks + block;
+      xv[c] = load<i8x32>(x.codes.data() + 32 * x_block);
+      xd[c] = x.scales[x_block];
+      if constexpr (F::OFFSET) {
+        for (int r = 0; r < R; ++r) {
+          offsets[r][c] += m[r] * x.sums[x_block];
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      u8x32 w = F::codes32(b[r]);
+      for (int c = 0; c < C; ++c) {
+        i32x8 dot = F::SIGNED ? dot_signed(w, xv[c]) : dot_unsigned(w, xv[c]);
+        acc[r][c] += __builtin_convertvector(dot, f32x8) * (d[r] * xd[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    f32x8 rows[R];
+    for (int r = 0; r < R; ++r) {
+      rows[r] = acc[r][c];
+      rows[r][0] += offsets[r][c];
+    }
+    store_sums<R>(rows, out + c * out_stride);
+  }
+}
 
-// Tiles of DECODE_ROWS rows (or 1, for a short last block) by 1..ROUNDED_MAX_TOKENS tokens.
+// Word w of the result: scales16[4p + w / 8] (the scale of each 16 of values 64p .. 64p + 63).
+template <int P>
+inline i16x32 pair_scales(i16x16 s) {
+  return __builtin_shufflevector(s, s, 4 * P, 4 * P, 4 * P, 4 * P, 4 * P, 4 * P, 4 * P, 4 * P,
+                                 4 * P + 1, 4 * P + 1, 4 * P + 1, 4 * P + 1, 4 * P + 1, 4 * P + 1,
+                                 4 * P + 1, 4 * P + 1, 4 * P + 2, 4 * P + 2, 4 * P + 2, 4 * P + 2,
+                                 4 * P + 2, 4 * P + 2, 4 * P + 2, 4 * P + 2, 4 * P + 3, 4 * P + 3,
+                                 4 * P + 3, 4 * P + 3, 4 * P + 3, 4 * P + 3, 4 * P + 3, 4 * P + 3);
+}
+
+template <class Fn, int... P>
+inline void each_quarter(Fn&& fn, std::integer_sequence<int, P...>) {
+  (fn(std::integral_constant<int, P>{}), ...);
+}
+
+// out[c * out_stride + r] = x[c] (rounded per 256) . W[r] for R rows and C tokens (K-quants).
+template <class F, int R, int C>
+void tile_super(const uint8_t* weight, int64_t row_bytes, const SuperRows& x, float* out,
+                int64_t out_stride) {
+  static_assert(F::VALUES == 256);
+  const int64_t in = x.in_features, blocks = in / 256;
+  f32x16 acc[R][C] = {};
+  f32x8 offsets[R][C] = {};
+  for (int64_t block = 0; block < blocks; ++block) {
+    const uint8_t* b[R];
+    SuperScales s[R];
+    for (int r = 0; r < R; ++r) {
+      b[r] = weight + r * row_bytes + block * F::BYTES;
+      prefetch_block<F>(b[r] + PREFETCH_BYTES);
+      s[r] = F::super_scales(b[r]);
+    }
+    const int8_t* xc[C];
+    float xd[C];
+    for (int c = 0; c < C; ++c) {
+      xc[c] = x.codes.data() + c * in + 256 * block;
+      xd[c] = x.scales[c * blocks + block];
+      i16x16 sums = load<i16x16>(x.sums16.data() + c * (in / 16) + 16 * block);
+      for (int r = 0; r < R; ++r) {
+        offsets[r][c] += __builtin_convertvector(madd16(s[r].offsets16, sums), f32x8) * (s[r].o * xd[c]);
+      }
+    }
+    i32x16 dots[R][C] = {};
+    each_quarter([&](auto p) {
+      constexpr int P = decltype(p)::value;
+      i8x64 xv[C];
+      for (int c = 0; c < C; ++c) {
+        xv[c] = load<i8x64>(xc[c] + 64 * P);
+      }
+      for (int r = 0; r < R; ++r) {
+        u8x64 w = F::template codes64<P>(b[r]);
+        i16x32 scales = pair_scales<P>(s[r].scales16);
+        for (int c = 0; c < C; ++c) {
+          dots[r][c] = dot_scaled(dots[r][c], w, xv[c], scales);
+        }
+      }
+    }, std::make_integer_sequence<int, 4>{});
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] += __builtin_convertvector(dots[r][c], f32x16) * (s[r].d * xd[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    f32x8 rows[R];
+    for (int r = 0; r < R; ++r) {
+      rows[r] = offsets[r][c] + __builtin_shufflevector(acc[r][c], acc[r][c], 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(acc[r][c], acc[r][c], 8, 9, 10, 11, 12, 13, 14, 15);
+    }
+    store_sums<R>(rows, out + c * out_stride);
+  }
+}
+
+template <class Rows>
+using RoundedTileFn = void (*)(const uint8_t*, int64_t, const Rows&, float*, int64_t);
+
+// Tiles of DECODE_ROWS rows (or 1, for a short last block) by 1..ROUNDED_MAX_TOKENS tokens:
+// tile_super for K-quants (x as SuperRows), tile_rounded for the rest (x as RoundedRows).
 template <class F>
 struct RoundedTiles {
-  RoundedTileFn tiles[2][ROUNDED_MAX_TOKENS];
+  static constexpr bool SUPER = F::VALUES == 256;
+  using Rows = std::conditional_t<SUPER, SuperRows, RoundedRows>;
+  RoundedTileFn<Rows> tiles[2][ROUNDED_MAX_TOKENS];
+  template <int R, int C>
+  static constexpr RoundedTileFn<Rows> tile() {
+    if constexpr (SUPER) {
+      return tile_super<F, R, C>;
+    } else {
+      return tile_rounded<F, R, C>;
+    }
+  }
   template <int... C>
   constexpr RoundedTiles(std::integer_sequence<int, C...>)
-      : tiles{{tile_rounded<F, 1, C + 1>...}, {tile_rounded<F, DECODE_ROWS, C + 1>...}} {}
+      : tiles{{tile<1, C + 1>()...}, {tile<DECODE_ROWS, C + 1>()...}} {}
   constexpr RoundedTiles() : RoundedTiles(std::make_integer_sequence<int, ROUNDED_MAX_TOKENS>{}) {}
 };
 
@@ -724,7 +951,7 @@ template <class F>
 void linear_rounded_format(const float* x, const uint8_t* weight, float* out, int64_t tokens,
                            int64_t in_features, int64_t out_features, int threads) {
   static constexpr RoundedTiles<F> tiles;
-  RoundedRows rounded(x, tokens, in_features);
+  typename RoundedTiles<F>::Rows rounded(x, tokens, in_features);
   int64_t row_bytes = in_features / F::VALUES * F::BYTES;
   int64_t row_blocks = (out_features + DECODE_ROWS - 1) / DECODE_ROWS;
   bool parallel = tokens * in_features * out_features >= SMALL_PRODUCT;
@@ -734,11 +961,11 @@ void linear_rounded_format(const float* x, const uint8_t* weight, float* out, in
     for (int64_t block = first; block < last; ++block) {
       int64_t row0 = block * DECODE_ROWS;
       if (row0 + DECODE_ROWS <= out_features) {
-        tiles.tiles[1][tokens - 1](weight + row0 * row_bytes, row_bytes, rounded, 0, out + row0,
+        tiles.tiles[1][tokens - 1](weight + row0 * row_bytes, row_bytes, rounded, out + row0,
                                    out_features);
       } else {
         for (int64_t r = row0; r < out_features; ++r) {
-          tiles.tiles[0][tokens - 1](weight + r * row_bytes, row_bytes, rounded, 0, out + r,
+          tiles.tiles[0][tokens - 1](weight + r * row_bytes, row_bytes, rounded, out + r,
                                      out_features);
         }
       }

@@ -9,11 +9,13 @@ cache shape, and a layer is about ten graph nodes: its products, the two residua
 written into the cache at the position *array*, in the cache's own memory, then attention
 over the slots written so far).
 
-`rounded` (ROUNDED for generate()): every product's input is rounded to int8 blocks of 32
-values with one scale (q8_0, as llama.cpp's CPU products do; formats.quantize_activations)
-inside the compiled product, which then multiplies with integer dot products. Each value is
-off by at most max|x| / 254 of its block: ~0.5 % of each product's output for normal
-activations, 0.5-2.3 % of the logits of the tiny test models (README "The CPU decode step",
+`rounded` (ROUNDED for generate()): every product's input is rounded to int8 inside the
+compiled product, which then multiplies with integer dot products, as llama.cpp's CPU products
+do: blocks of 32 values with one scale for the 32-value formats (q8_0,
+formats.quantize_activations), of 256 for the K-quants (q8_K,
+formats.quantize_activations_super: a super-block then sums in integers). Each value is off by
+at most max|x| / 254 of its block: ~0.5-0.7 % of each product's output for normal activations,
+0.5-3.6 % of the logits of the tiny test models (README "The CPU decode step",
 tests/test_cpu_decode.py). The cache stays float32. `model(...)` keeps the exact products.
 """
 
@@ -25,8 +27,8 @@ import mlx.core as mx
 
 from muser_mlx import cpu_ext, kernels, ops
 
-# generate()'s CPU steps round every product's input to q8_0 (module docstring): 10-20 %
-# faster products (bench/RESULTS.md, issue 13, session 8).
+# generate()'s CPU steps round every product's input to int8 (module docstring): faster
+# products (bench/RESULTS.md, issue 13, sessions 8 and 9).
 ROUNDED = True
 
 
@@ -111,7 +113,8 @@ class CPUDecodeStep:
             gate, up = mx.split(self._linear(h, gate_up.groups[0][0]), 2, axis=-1)
         else:
             gate, up = (self._linear(h, stacked) for stacked, _, _ in gate_up.groups)
-        f = self._linear(feed_forward.activation(gate) * up, feed_forward.down_proj.weight_tensor)
+        f = self._linear(cpu_ext.gated_activation(gate, up, feed_forward.activation_name),
+                         feed_forward.down_proj.weight_tensor)
         x, h = cpu_ext.residual_norm(x, f, block.post_ffw_norm if sandwich else None, next_norm,
                                      post_eps, c.eps)
         return x, h, keys, values
