@@ -84,10 +84,11 @@ def linear(x, weight, rounded: bool = False) -> mx.array:
 
     x: [..., in] float (f32, f16 or bf16); weight: GGUF tensor of GGUF shape [in, out]
     returns float32 [..., out].
-    rounded: multiply x rounded to int8 blocks of 32 values with one scale each (q8_0, as
-    formats.quantize_activations rounds): the CPU's one-token decode step
-    (models/cpu_decode.py). The compiled CPU product rounds x itself and multiplies with
-    integer dot products; any other path multiplies the rounded values.
+    rounded: multiply x rounded to int8: the CPU's one-token decode step
+    (models/cpu_decode.py). The compiled CPU product rounds x itself, per 32 values for the
+    32-value formats (q8_0, formats.quantize_activations) and per 256 for the K-quants (q8_K,
+    formats.quantize_activations_super), and multiplies with integer dot products; any other
+    path (no extension) rounds per 32 values and multiplies the rounded values.
     """
     if len(weight.shape) != 2:
         raise ValueError(f"weight {weight.name!r} must be 2-D, has shape {list(weight.shape)}")
