@@ -973,6 +973,23 @@ void linear_rounded_format(const float* x, const uint8_t* weight, float* out, in
   });
 }
 
+// Calls f with a value of the format type of ggml_type (Q4_0Format{}, ...) and returns what it
+// returns; `none` for a type without a product.
+template <class F, class R>
+R with_format(int ggml_type, F&& f, R none) {
+  switch (ggml_type) {
+    case Q4_0: return f(Q4_0Format{});
+    case Q4_1: return f(Q4_1Format{});
+    case Q5_0: return f(Q5_0Format{});
+    case Q5_1: return f(Q5_1Format{});
+    case Q8_0: return f(Q8_0Format{});
+    case Q4_K: return f(Q4_KFormat{});
+    case Q5_K: return f(Q5_KFormat{});
+    case Q6_K: return f(Q6_KFormat{});
+    default: return none;
+  }
+}
+
 } // namespace
 
 bool has_product(int ggml_type) {
@@ -980,31 +997,11 @@ bool has_product(int ggml_type) {
 }
 
 int block_values(int ggml_type) {
-  switch (ggml_type) {
-    case Q4_0: return Q4_0Format::VALUES;
-    case Q4_1: return Q4_1Format::VALUES;
-    case Q5_0: return Q5_0Format::VALUES;
-    case Q5_1: return Q5_1Format::VALUES;
-    case Q8_0: return Q8_0Format::VALUES;
-    case Q4_K: return Q4_KFormat::VALUES;
-    case Q5_K: return Q5_KFormat::VALUES;
-    case Q6_K: return Q6_KFormat::VALUES;
-    default: return 0;
-  }
+  return with_format(ggml_type, [](auto format) { return int(decltype(format)::VALUES); }, 0);
 }
 
 int block_bytes(int ggml_type) {
-  switch (ggml_type) {
-    case Q4_0: return Q4_0Format::BYTES;
-    case Q4_1: return Q4_1Format::BYTES;
-    case Q5_0: return Q5_0Format::BYTES;
-    case Q5_1: return Q5_1Format::BYTES;
-    case Q8_0: return Q8_0Format::BYTES;
-    case Q4_K: return Q4_KFormat::BYTES;
-    case Q5_K: return Q5_KFormat::BYTES;
-    case Q6_K: return Q6_KFormat::BYTES;
-    default: return 0;
-  }
+  return with_format(ggml_type, [](auto format) { return int(decltype(format)::BYTES); }, 0);
 }
 
 const char* instruction_set() {
@@ -1022,38 +1019,20 @@ const char* instruction_set() {
 void linear_rounded_from_blocks(const float* x, const uint8_t* weight, float* out,
                                 int ggml_type, int64_t tokens, int64_t in_features,
                                 int64_t out_features, int threads) {
-  auto run = [&](auto format) {
+  with_format(ggml_type, [&](auto format) {
     linear_rounded_format<decltype(format)>(x, weight, out, tokens, in_features, out_features,
                                             threads);
-  };
-  switch (ggml_type) {
-    case Q4_0: return run(Q4_0Format{});
-    case Q4_1: return run(Q4_1Format{});
-    case Q5_0: return run(Q5_0Format{});
-    case Q5_1: return run(Q5_1Format{});
-    case Q8_0: return run(Q8_0Format{});
-    case Q4_K: return run(Q4_KFormat{});
-    case Q5_K: return run(Q5_KFormat{});
-    case Q6_K: return run(Q6_KFormat{});
-  }
+    return 0;
+  }, 0);
 }
 
 void linear_from_blocks(const float* x, const uint8_t* weight, float* out, int ggml_type,
                         int64_t tokens, int64_t in_features, int64_t out_features,
                         int threads) {
-  auto run = [&](auto format) {
+  with_format(ggml_type, [&](auto format) {
     linear_format<decltype(format)>(x, weight, out, tokens, in_features, out_features, threads);
-  };
-  switch (ggml_type) {
-    case Q4_0: return run(Q4_0Format{});
-    case Q4_1: return run(Q4_1Format{});
-    case Q5_0: return run(Q5_0Format{});
-    case Q5_1: return run(Q5_1Format{});
-    case Q8_0: return run(Q8_0Format{});
-    case Q4_K: return run(Q4_KFormat{});
-    case Q5_K: return run(Q5_KFormat{});
-    case Q6_K: return run(Q6_KFormat{});
-  }
+    return 0;
+  }, 0);
 }
 
 } // namespace muser::cpu
