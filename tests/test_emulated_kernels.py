@@ -23,8 +23,7 @@ from muser_mlx.models import build_model
 from muser_mlx.reference import Reference, rms
 from tests.conftest import gpu_available, relative_error
 from tests.emulate import EmulationError, emulated_gpu, run
-from tests.test_decode_kernels import (ATTENTION_VARIANTS, PRODUCT_BOUND, assert_within_half_a_code, attention_case,
-                                      q8x, weight)
+from tests.test_decode_kernels import PRODUCT_BOUND, assert_within_half_a_code, attention_case, q8x, weight
 from tests.test_models import FUSED_NUMERICS_BOUND, decode_one_by_one
 from tests.test_qk_norm_rope import reference as rope_reference
 
@@ -42,7 +41,7 @@ F16_MATMUL = 3e-3
 ALL_FORMATS = list(formats.FORMATS)
 DEDICATED = list(ops.MATVEC_KERNELS)
 KERNELS_TESTED = {"embedding", "dequant_rows", "dequant_spans", "matvec", "qk_norm_rope", "quantize_rows", "product", "argmax",
-                  "product_glu", "residual_norm_quant", "attention_decode", "attention_combine", "attention_gqa",
+                  "product_glu", "residual_norm_quant", "attention_decode", "attention_combine",
                   *(kernel.name for kernel in ops.MATVEC_KERNELS.values())}
 
 
@@ -260,7 +259,6 @@ def test_residual_norm_quant(rng, residual, branch_norm, hidden):
                          ids=["values-early", "values-late", "shared-p", "no-fast-blocks"])
 def test_attention_decode_and_combine(rng, monkeypatch, variant, capacity, position, loads):
     attention_module = importlib.import_module("muser_mlx.ops.attention")
-    monkeypatch.setattr(attention_module, "ATTENTION_KERNEL", "split")
     monkeypatch.setattr(attention_module, "ATTENTION_LATE_VALUES", loads[0])
     monkeypatch.setattr(attention_module, "ATTENTION_SHARED_P", loads[1])
     monkeypatch.setattr(attention_module, "ATTENTION_FAST_BLOCKS", loads[2])
@@ -281,30 +279,6 @@ def test_attention_decode_and_combine(rng, monkeypatch, variant, capacity, posit
     np.testing.assert_allclose(written_values[0, :, slot].astype(np.float64), new_v, atol=2e-3, rtol=2e-3)
     others = np.arange(capacity) != slot
     np.testing.assert_array_equal(written_keys[:, :, others], keys[:, :, others])
-
-
-@pytest.mark.parametrize("variant, capacity, position", [("muse", 8, 29), ("qwen2", 256, 200), ("group-16", 288, 270)],
-                         ids=["muse-ring", "qwen2-bias", "group-16-grown"])
-@pytest.mark.parametrize("final_slots", [256, 0], ids=["one-launch", "with-combine"])
-def test_attention_gqa(rng, monkeypatch, variant, capacity, position, final_slots):
-    attention_module = importlib.import_module("muser_mlx.ops.attention")
-    monkeypatch.setattr(attention_module, "ATTENTION_KERNEL", "gqa")
-    monkeypatch.setattr(attention_module, "ATTENTION_GQA_HEAD_GROUP", 2)  # several SIMD groups of heads
-    monkeypatch.setattr(attention_module, "ATTENTION_FINAL_SLOTS", final_slots)
-    heads, kv_heads, gate, bias, qk_norm, rope_spec = ATTENTION_VARIANTS[variant]
-    inputs, expected, (slot, new_k, new_v, keys, values) = attention_case(
-        rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec)
-    with emulated_gpu() as launches, kernels.poisoned_outputs():
-        out, cache_keys, cache_values = ops.attention_decode(**inputs)
-    one_launch = capacity <= final_slots
-    assert kernel_names(launches) == ["attention_gqa"] + ([] if one_launch else ["attention_combine"])
-    assert_within_half_a_code(out, expected, slack=2e-3)
-    written_keys, written_values = np.array(cache_keys), np.array(cache_values)
-    np.testing.assert_allclose(written_keys[0, :, slot].astype(np.float64), new_k, atol=2e-3, rtol=2e-3)
-    np.testing.assert_allclose(written_values[0, :, slot].astype(np.float64), new_v, atol=2e-3, rtol=2e-3)
-    others = np.arange(capacity) != slot
-    np.testing.assert_array_equal(written_keys[:, :, others], keys[:, :, others])
-    np.testing.assert_array_equal(written_values[:, :, others], values[:, :, others])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,6 +460,6 @@ def test_a_tiny_model_decodes_on_the_emulated_gpu(tmp_path, rng):
         logits, greedy = decode_one_by_one(model, ids, model.make_cache())
         rounded = Reference(model.config, file.tensors, decode_numerics=True).forward(ids)
     assert {launch[0] for launch in launches} == {"embedding", "residual_norm_quant", "product", "product_glu",
-                                                  "attention_gqa", "argmax"}
+                                                  "attention_decode", "attention_combine", "argmax"}
     assert relative_error(logits, rounded) <= FUSED_NUMERICS_BOUND
     np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))

@@ -132,17 +132,6 @@ LAUNCHES = {
          ("BIAS", 0), ("SPLIT", 32), ("HEAD_GROUP", 4), ("Q_OFF", 0),
          ("K_OFF", 8192), ("V_OFF", 8448), ("LATE_VALUES", 1), ("SHARED_P", 1), ("FAST_BLOCKS", 1)],
     ),
-    "attention_gqa": (
-        "attention_gqa",
-        [InputSpec(mx.float32, 1, 8192 + 4096 + 512), InputSpec(mx.float32, 1, 128), InputSpec(mx.float32, 1, 128),
-         InputSpec(mx.float32, 1, 1), InputSpec(mx.float32, 1, 64), InputSpec(mx.int32, 1, 1),
-         InputSpec(mx.float16, 4, 2 * 2048 * 128), InputSpec(mx.float16, 4, 2 * 2048 * 128),
-         InputSpec(mx.float32, 1, 2), InputSpec(mx.int32, 1, 1)],
-        [mx.float32, mx.float32, mx.int8, mx.float32, mx.float32],
-        [("HEADS", 32), ("KV_HEADS", 2), ("HEAD_DIM", 128), ("ROTARY", 128), ("TRADITIONAL", 1), ("QK_NORM", 1),
-         ("BIAS", 0), ("Q_OFF", 0), ("K_OFF", 8192), ("V_OFF", 8448), ("SPLIT", 128), ("HEAD_GROUP", 8),
-         ("KEY_WARPS", 4), ("FINAL", 0), ("GATE", 1), ("G_OFF", 4096)],
-    ),
     "attention_combine": (
         "attention_combine",
         [InputSpec(mx.float32, 3, 32 * 64 * 128), InputSpec(mx.float32, 3, 32 * 64 * 2),

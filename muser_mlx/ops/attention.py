@@ -119,17 +119,6 @@ ATTENTION_SHARED_P = 0
 # Full blocks of 32 stored slots through a path without per-slot clamps and tests (1) or the
 # general one (0).
 ATTENTION_FAST_BLOCKS = 1
-# Which first pass a decode step runs: "gqa" (kernel attention_gqa: a threadgroup per kv head and
-# split, the group's query heads shared) or "split" (attention_decode: a SIMD group per
-# HEAD_GROUP query heads and split). attention_gqa's shape: query heads per SIMD group, SIMD
-# groups splitting a split's blocks, splits aimed for, and the largest cache it covers with one
-# split and its own epilogue (no attention_combine launch).
-ATTENTION_KERNEL = "gqa"
-ATTENTION_GQA_HEAD_GROUP = 8
-ATTENTION_GQA_KEY_WARPS = 4
-ATTENTION_GQA_SPLITS = 128
-ATTENTION_FINAL_SLOTS = 256
-GQA_THREADGROUP_BYTES = 32768  # Apple GPUs' threadgroup memory (CUDA's static limit is 48 KB)
 
 
 def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, after: mx.array,
@@ -149,12 +138,9 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     keys, values: the layer's cache [1, kv_heads, capacity, head_dim] float16: slot p % capacity
     receives this token's key and value, slots 0 .. min(p + 1, capacity) - 1 are attended (a full
     cache: capacity > p; a sliding-window ring: capacity = window).
-    Returns (o as q8x [1, heads * head_dim], keys, values): on a GPU, kernel attention_gqa
-    (ATTENTION_KERNEL "gqa": norm, RoPE, cache write in place, split attention with a
-    threadgroup per kv head and split; a cache of at most ATTENTION_FINAL_SLOTS slots in one
-    launch, its gate and quantization included) or attention_decode ("split", or a group too
-    large for attention_gqa's threadgroup memory), then attention_combine (splits merged, gate,
-    quantized); the caches returned as given. On the CPU, MLX ops and new cache arrays."""
+    Returns (o as q8x [1, heads * head_dim], keys, values): on a GPU, kernels attention_decode
+    (norm, RoPE, cache write in place, split attention) and attention_combine (splits merged,
+    gate, quantized), the caches returned as given; on the CPU, MLX ops and new cache arrays."""
     batch, capacity = keys.shape[0], keys.shape[2]
     if batch != 1 or y.shape[0] != 1 or keys.dtype != mx.float16 or head_dim % 64 or heads % kv_heads:
         raise ValueError(f"attention_decode takes one token of batch 1, a float16 cache and head_dim a "
@@ -165,14 +151,6 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
         return _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, offsets, gate,
                                      q_weight, k_weight, bias, rope, eps, scale)
     group = heads // kv_heads
-    if ATTENTION_KERNEL == "gqa" and 4 * (group * head_dim + 2 * head_dim + 2 * 8 * group) <= GQA_THREADGROUP_BYTES:
-        done = _attention_gqa(y, keys, values, position, after, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                              offsets=offsets, q_weight=q_weight, k_weight=k_weight, bias=bias, rope=rope, eps=eps,
-                              scale=scale, gate=gate)
-        if done is not None:
-            return done
-    if ATTENTION_KERNEL not in ("gqa", "split"):
-        raise ValueError(f"ATTENTION_KERNEL must be 'gqa' or 'split', got {ATTENTION_KERNEL!r}")
     head_group = max(g for g in range(1, min(group, ATTENTION_HEAD_GROUP) + 1) if group % g == 0)
     # Keys per split, from a few sizes (each a kernel): ATTENTION_SPLITS splits or more.
     if not 1 <= ATTENTION_SPLITS <= 128:
@@ -202,67 +180,6 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
         template=[("HEADS", heads), ("HEAD_DIM", head_dim), ("GATE", int(gate is not None)),
                   ("G_OFF", gate or 0)],
         grid=(heads * head_dim, 1, 1),  # a SIMD group per 32 channels
-        threadgroup=(256, 1, 1),
-        output_shapes=q8x_shapes((1,), heads * head_dim),
-        output_dtypes=Q8X_DTYPES,
-    )
-    return Q8X(codes, scales, sums), keys, values
-
-
-def _attention_gqa(y, keys, values, position, after, *, heads, kv_heads, head_dim, offsets, gate, q_weight,
-                   k_weight, bias, rope, eps, scale):
-    """attention_decode through kernel attention_gqa: one launch when the cache holds at most
-    ATTENTION_FINAL_SLOTS slots (one split, the kernel's own epilogue), else attention_gqa's
-    splits merged by attention_combine."""
-    capacity = keys.shape[2]
-    group = heads // kv_heads
-    head_group = max(g for g in range(1, min(group, ATTENTION_GQA_HEAD_GROUP) + 1) if group % g == 0)
-    head_warps = group // head_group
-    if not 1 <= ATTENTION_GQA_KEY_WARPS <= 32 or not 1 <= ATTENTION_GQA_SPLITS <= 128:
-        raise ValueError(f"ATTENTION_GQA_KEY_WARPS must be 1..32 and ATTENTION_GQA_SPLITS 1..128 (attention_combine's "
-                         f"lanes hold 4 each), got {ATTENTION_GQA_KEY_WARPS} and {ATTENTION_GQA_SPLITS}")
-    # At most 256 threads a threadgroup: the kernel may take 255 registers a thread, and a
-    # threadgroup's must fit in an SM's 64K.
-    key_warps = max(1, min(ATTENTION_GQA_KEY_WARPS, 8 // head_warps))
-    if head_warps > 8:
-        return None
-    unit = 32 * key_warps  # slots the threadgroup's SIMD groups take at once
-    final = capacity <= ATTENTION_FINAL_SLOTS
-    if final:
-        split = -(-capacity // unit) * unit
-    else:
-        split = unit * 2 ** max(0, math.ceil(math.log2(capacity / (unit * ATTENTION_GQA_SPLITS))))
-    splits = -(-capacity // split)
-    dims = rope["dims"] if rope is not None else 0
-    unused = kernels.parameters(0.0)
-    q_off, k_off, v_off = offsets
-    if final:
-        shapes = [(1,), (1,), *q8x_shapes((1,), heads * head_dim)]
-    else:
-        shapes = [(heads, splits, head_dim), (heads, splits, 2), (1,), (1,), (1,)]
-    partial_o, partial_stats, codes, scales, sums = kernels.launch(
-        "attention_gqa",
-        inputs=[y, q_weight if q_weight is not None else unused, k_weight if k_weight is not None else unused,
-                bias if bias is not None else unused, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
-                position, keys, values, kernels.parameters(eps, scale), after],
-        template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
-                  ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
-                  ("BIAS", int(bias is not None)), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off),
-                  ("SPLIT", split), ("HEAD_GROUP", head_group), ("KEY_WARPS", key_warps), ("FINAL", int(final)),
-                  ("GATE", int(gate is not None)), ("G_OFF", gate or 0)],
-        grid=(32 * head_warps * key_warps * kv_heads * splits, 1, 1),
-        threadgroup=(32 * head_warps * key_warps, 1, 1),
-        output_shapes=shapes,
-        output_dtypes=[mx.float32, mx.float32, *Q8X_DTYPES],
-    )
-    if final:
-        return Q8X(codes, scales, sums), keys, values
-    codes, scales, sums = kernels.launch(
-        "attention_combine",
-        inputs=[partial_o, partial_stats, y],
-        template=[("HEADS", heads), ("HEAD_DIM", head_dim), ("GATE", int(gate is not None)),
-                  ("G_OFF", gate or 0)],
-        grid=(heads * head_dim, 1, 1),
         threadgroup=(256, 1, 1),
         output_shapes=q8x_shapes((1,), heads * head_dim),
         output_dtypes=Q8X_DTYPES,
