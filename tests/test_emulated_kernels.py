@@ -234,11 +234,14 @@ def test_product_glu(rng, activation, tokens):
     assert_within_half_a_code(out, act * u)
 
 
-@pytest.mark.parametrize("residual, branch_norm, hidden", [(True, True, 256), (False, True, 6656)],
-                         ids=["sandwich-256", "embedding-6656"])
-def test_residual_norm_quant(rng, residual, branch_norm, hidden):
-    x = rng.standard_normal((2, hidden)).astype(np.float32) * 3
-    branch = rng.standard_normal((2, hidden)).astype(np.float32) * 40
+# A threadgroup writes a slice of ops.norm.SEAM_SLICE_BLOCKS blocks: 416 = 13 blocks (one partial
+# slice), 2880 = 90 blocks (a partial last slice, a whole-row pass that leaves the row early).
+@pytest.mark.parametrize("residual, branch_norm, hidden, tokens",
+                         [(True, True, 256, 2), (False, True, 6656, 2), (True, False, 416, 3), (True, True, 2880, 3)],
+                         ids=["sandwich-256", "embedding-6656", "plain-416x3", "sandwich-2880x3"])
+def test_residual_norm_quant(rng, residual, branch_norm, hidden, tokens):
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32) * 3
+    branch = rng.standard_normal((tokens, hidden)).astype(np.float32) * 40
     branch_weight, next_weight = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         total, normed = ops.residual_norm_quant(mx.array(x) if residual else None, mx.array(branch),

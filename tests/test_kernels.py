@@ -119,7 +119,7 @@ LAUNCHES = {
         [InputSpec(mx.float32, 2, 2 * 6656), InputSpec(mx.float32, 2, 2 * 6656), InputSpec(mx.float32, 1, 6656),
          InputSpec(mx.float32, 1, 6656), InputSpec(mx.float32, 1, 3)],
         [mx.float32, mx.int8, mx.float32, mx.float32],
-        [("HIDDEN", 6656), ("RESIDUAL", 1), ("BRANCH_NORM", 1)],
+        [("HIDDEN", 6656), ("RESIDUAL", 1), ("BRANCH_NORM", 1), ("SLICE_BLOCKS", 16), ("THREADS", 256)],
     ),
     "attention_decode": (
         "attention_decode",

@@ -10,6 +10,15 @@ from muser_mlx import kernels
 from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx
 
 
+# residual_norm_quant's launch: a token's row is cut into slices of SEAM_SLICE_BLOCKS 32-value
+# blocks, one threadgroup of SEAM_THREADS threads each (on its own SM; each one sums the whole
+# row itself). 16 blocks make 13 threadgroups for a hidden size of 6656. The kernel needs
+# SEAM_SLICE_BLOCKS * 8 <= SEAM_THREADS (a thread holds 4 values of its slice).
+SEAM_SLICE_BLOCKS = 16
+SEAM_THREADS = 256
+assert SEAM_SLICE_BLOCKS * 8 <= SEAM_THREADS and SEAM_THREADS % 32 == 0
+
+
 def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weight: mx.array,
                   branch_eps: float, next_eps: float) -> tuple[mx.array, mx.array]:
     """The seam between two branches of a decoder layer:
@@ -51,7 +60,7 @@ def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weig
             b = mx.fast.rms_norm(b, branch_weight, branch_eps)
         total = b * branch_scale if residual is None else residual + b * branch_scale
         return total, quantize_rows_mlx(mx.fast.rms_norm(total, next_weight, next_eps))
-    blocks = hidden // 32
+    slices = -(-(hidden // 32) // SEAM_SLICE_BLOCKS)
     lead = tuple(branch.shape[:-1])
     total, codes, scales, sums = kernels.launch(
         "residual_norm_quant",
@@ -59,9 +68,10 @@ def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weig
                 next_weight if branch_weight is None else branch_weight, next_weight,
                 kernels.parameters(branch_eps, next_eps, branch_scale)],
         template=[("HIDDEN", hidden), ("RESIDUAL", int(residual is not None)),
-                  ("BRANCH_NORM", int(branch_weight is not None))],
-        grid=(math.prod(lead) * 32 * min(blocks, 32), 1, 1),
-        threadgroup=(32 * min(blocks, 32), 1, 1),
+                  ("BRANCH_NORM", int(branch_weight is not None)),
+                  ("SLICE_BLOCKS", SEAM_SLICE_BLOCKS), ("THREADS", SEAM_THREADS)],
+        grid=(math.prod(lead) * slices * SEAM_THREADS, 1, 1),
+        threadgroup=(SEAM_THREADS, 1, 1),
         output_shapes=[(*lead, hidden)] + q8x_shapes(lead, hidden),
         output_dtypes=[mx.float32] + Q8X_DTYPES,
     )
