@@ -206,3 +206,13 @@ def test_cuda_translation_is_the_same_source():
 def test_kernel_sources_declare_their_interface():
     kernel = kernels.source("embedding")
     assert kernel.inputs == ("table", "token_ids") and kernel.outputs == ("hidden",)
+
+
+def test_arrays_kernels_read_every_step_stay_out_of_mlx_small_managed_pool():
+    # MLX's CUDA allocator keeps arrays of at most 8 bytes in one pool of managed memory, which
+    # page-faults whenever the host touches any of them (kernels.MIN_ARRAY_VALUES).
+    for array in (kernels.parameters(1e-5), kernels.parameters(1e-5, 0.5), kernels.padded_array([7], mx.int32)):
+        assert array.nbytes >= 16
+    assert kernels.padded_array([7], mx.int32)[0].item() == 7
+    assert np.array(kernels.parameters(1e-5, 0.5))[:2].tolist() == np.array([1e-5, 0.5], np.float32).tolist()
+

@@ -339,7 +339,7 @@ class Transformer(nn.Module):
             if thread not in self._compiled_decode:
                 self._compiled_decode[thread] = mx.compile(self._decode_graph)
             graph = self._compiled_decode[thread]
-        position_array = mx.array([position], dtype=mx.int32)
+        position_array = kernels.padded_array([position], mx.int32)  # int32 [1] or longer: kernels read [0]
         # On a GPU the kernels write the caches in place, which MLX cannot see: this step's
         # attention launches take the last such step's token as an input, so they follow it
         # even when this step's token came from the host (the general step evaluates it first).

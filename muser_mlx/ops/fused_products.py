@@ -239,10 +239,10 @@ def greedy(best: mx.array) -> mx.array:
         template=[("GROUPS", groups)],
         grid=(1024 * tokens, 1, 1),
         threadgroup=(1024, 1, 1),
-        output_shapes=[(tokens,)],
+        output_shapes=[(max(tokens, kernels.MIN_ARRAY_VALUES),)],  # not MLX's managed pool (kernels.MIN_ARRAY_VALUES)
         output_dtypes=[mx.int32],
     )
-    return token
+    return token[:tokens]
 
 
 def gelu_tanh(x: mx.array) -> mx.array:
