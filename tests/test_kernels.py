@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from muser_mlx import kernels
