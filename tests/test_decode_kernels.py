@@ -177,9 +177,10 @@ def test_product_refuses_a_format_it_has_no_kernel_for(rng):
 
 @pytest.mark.parametrize("residual, branch_norm", [(True, True), (True, False), (False, True)],
                          ids=["sandwich", "plain", "embedding"])
-@pytest.mark.parametrize("hidden", [256, 6656])
-def test_residual_norm_quant_matches_numpy(backend, rng, residual, branch_norm, hidden):
-    tokens = 2
+# The kernel cuts a row into slices of ops.norm.SEAM_SLICE_BLOCKS 32-value blocks, one
+# threadgroup each: 416 (13 blocks) is one partial slice, 2880 (90 blocks) ends in one.
+@pytest.mark.parametrize("hidden, tokens", [(256, 2), (6656, 2), (416, 3), (2880, 3)])
+def test_residual_norm_quant_matches_numpy(backend, rng, residual, branch_norm, hidden, tokens):
     x = rng.standard_normal((tokens, hidden)).astype(np.float32) * 3
     branch = rng.standard_normal((tokens, hidden)).astype(np.float32) * 40
     branch_weight, next_weight = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
