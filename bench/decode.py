@@ -13,11 +13,15 @@ Floor = weight bytes one decode step reads / copy bandwidth measured in the same
 (an elementwise device copy of 4 GiB, read + write bytes counted).
 
     python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep] [--general] [--no-compile]
-                           [--variant NAME:module.ATTR=value,...]
+                           [--repeats 1] [--variant NAME:module.ATTR=value,...]
 
 --variant (repeatable) also times the fused step pipelined with module constants changed, e.g.
 `--variant hg1:muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1` (the step is recompiled; a
 constant read at load, such as PRODUCT_CONFIG, needs a fresh load and is not for this).
+
+--repeats N measures every pipelined figure N times, the default and the variants in turn, and
+prints the median with each run (identical code measured twice in one process has differed by
+up to 2 ms on a lent H200: RESULTS.md, session 10).
 
 --general also times the general step (model(...): MLX ops around float32-x matvec kernels) the
 fused one replaces; --no-compile runs the fused step without mx.compile.
@@ -220,6 +224,11 @@ def fill_context(model, cache, tokens: int, rng, chunk: int = 512) -> None:
         mx.eval(model.hidden(mx.array(rng.integers(0, 1000, size=(1, n)), dtype=mx.int32), cache))
 
 
+def spread(runs: list[float]) -> str:
+    """'' for one run; else each run's ms, for the median printed before it."""
+    return "" if len(runs) < 2 else f" (median of {len(runs)} runs: {', '.join(f'{r:.2f}' for r in runs)})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
@@ -228,6 +237,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS, help="fewer layers: a quick smoke run")
     parser.add_argument("--contexts", default="0,2048,8192")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="pipelined figures: rounds of the default and every variant in turn (median)")
     parser.add_argument("--general", action="store_true",
                         help="also time the general step the fused one replaces")
     parser.add_argument("--no-compile", action="store_true", help="the fused step without mx.compile")
@@ -272,17 +283,28 @@ def main() -> None:
                   f"({ms / floor_ms:.2f}x the floor {floor_ms:.2f} ms; {build_ms:.2f} ms of it building "
                   f"the step; KV cache {kv / 1e6:.0f} MB; filling it: {filled}; decoding: {peak_gb()})",
                   flush=True)
-            pipelined = pipelined_decode_ms(step, model, cache, args.steps)
+        # Pipelined: the default and each variant in turn, --repeats rounds (each recompiled,
+        # so that the rounds' order and recompiles weigh on every row alike); median and range.
+        runs = {label: [] for label, _ in variants} | {variant: [] for variant in args.variant}
+        for _ in range(args.repeats):
+            for label, step in variants:
+                model._compiled_decode = {}
+                runs[label].append(pipelined_decode_ms(step, model, cache, args.steps))
+            for variant in args.variant:
+                saved = apply_settings(variant.split(":", 1)[1].split(","))
+                model._compiled_decode = {}
+                runs[variant].append(pipelined_decode_ms(fused_step, model, cache, args.steps))
+                restore_settings(saved)
+            model._compiled_decode = {}
+        for label, _ in variants:
+            pipelined = statistics.median(runs[label])
             print(f"  {label} pipelined (generate's loop): {pipelined:7.2f} ms/token "
-                  f"({pipelined / floor_ms:.2f}x the floor; {1e3 / pipelined:.1f} tokens/s)", flush=True)
+                  f"({pipelined / floor_ms:.2f}x the floor; {1e3 / pipelined:.1f} tokens/s){spread(runs[label])}",
+                  flush=True)
         for variant in args.variant:
             name, settings = variant.split(":", 1)
-            saved = apply_settings(settings.split(","))
-            model._compiled_decode = {}
-            pipelined = pipelined_decode_ms(fused_step, model, cache, args.steps)
-            restore_settings(saved)
-            model._compiled_decode = {}
-            print(f"  variant {name} ({settings}) pipelined: {pipelined:7.2f} ms/token", flush=True)
+            print(f"  variant {name} ({settings}) pipelined: {statistics.median(runs[variant]):7.2f} ms/token"
+                  f"{spread(runs[variant])}", flush=True)
 
     cache = model.make_cache()
     chunk = 512
