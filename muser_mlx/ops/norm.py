@@ -16,7 +16,6 @@ from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows
 # SEAM_SLICE_BLOCKS * 8 <= SEAM_THREADS (a thread holds 4 values of its slice).
 SEAM_SLICE_BLOCKS = 16
 SEAM_THREADS = 256
-assert SEAM_SLICE_BLOCKS * 8 <= SEAM_THREADS and SEAM_THREADS % 32 == 0
 
 
 def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weight: mx.array,
@@ -60,6 +59,9 @@ def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weig
             b = mx.fast.rms_norm(b, branch_weight, branch_eps)
         total = b * branch_scale if residual is None else residual + b * branch_scale
         return total, quantize_rows_mlx(mx.fast.rms_norm(total, next_weight, next_eps))
+    if SEAM_SLICE_BLOCKS * 8 > SEAM_THREADS or SEAM_THREADS % 32:
+        raise ValueError(f"residual_norm_quant: {SEAM_THREADS} threads cannot hold a slice of "
+                         f"{SEAM_SLICE_BLOCKS} blocks (8 threads a block, whole SIMD groups)")
     slices = -(-(hidden // 32) // SEAM_SLICE_BLOCKS)
     lead = tuple(branch.shape[:-1])
     total, codes, scales, sums = kernels.launch(
