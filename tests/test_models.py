@@ -322,6 +322,23 @@ def test_fused_decode_follows_a_prefill_chunk_and_a_trimmed_step(tiny, rng, arch
     assert relative_error(logits, expected) <= FUSED_BOUND
 
 
+def test_decode_steps_take_the_position_the_last_step_computed(tiny, rng, monkeypatch):
+    # Only the first step's position comes from the host (transformer.DEVICE_POSITION); the
+    # trimmed-cache case is the test above.
+    from muser_mlx import kernels
+    from muser_mlx.models import transformer
+
+    file, model = tiny("muse-glimmer", "Q4_K_M")
+    made, real = [], kernels.padded_array
+    monkeypatch.setattr(kernels, "padded_array", lambda values, dtype: (
+        made.append(list(values)) if dtype == mx.int32 else None) or real(values, dtype))
+    assert transformer.DEVICE_POSITION
+    ids = random_ids(rng, model, WINDOW + 3)
+    logits, _ = decode_one_by_one(model, ids, model.make_cache(mx.float16))
+    assert made == [[0]]
+    assert relative_error(logits, Reference(model.config, file.tensors).forward(ids)) <= FUSED_BOUND
+
+
 def test_decode_step_refuses_a_float32_cache(tiny):
     _, model = tiny("llama", "Q8_0")
     with pytest.raises(ValueError, match="float16"):

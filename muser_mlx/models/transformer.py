@@ -29,6 +29,9 @@ from muser_mlx.models.cpu_decode import CPUDecodeStep
 
 # decode_step compiles its graph on a GPU (bench/decode.py --no-compile measures without).
 COMPILE_DECODE = True
+# decode_step takes the position from the last step's graph (a device array) when it has one for
+# this offset, instead of a new host array every step (see decode_step).
+DEVICE_POSITION = True
 
 
 def vector(tensor) -> mx.array:
@@ -291,6 +294,7 @@ class Transformer(nn.Module):
                     and layer.attention.decode_output is not None
                     and layer.feed_forward.decode_products is not None for layer in self.layers))
         self._compiled_decode = {}  # thread id -> decode_step's compiled graph
+        self._next_position = {}  # id(cache[0]) -> (offset, the position array the last step computed)
         self.cpu_step = CPUDecodeStep(self, rounded=cpu_decode.ROUNDED)  # generate()'s on the CPU
         self.cpu_prompt_step = CPUDecodeStep(self, rounded=False)  # the prompt's last token's
         # The small arrays made here (norm weights, biases) are evaluated now: a lazy array
@@ -339,14 +343,23 @@ class Transformer(nn.Module):
             if thread not in self._compiled_decode:
                 self._compiled_decode[thread] = mx.compile(self._decode_graph)
             graph = self._compiled_decode[thread]
-        position_array = kernels.padded_array([position], mx.int32)  # int32 [1] or longer: kernels read [0]
+        # The position as a device array: the last step's graph computed it (DEVICE_POSITION),
+        # so the host writes none (a host-written array moves its managed page to the host, and
+        # the step's first kernel to touch that page waits for it: kernels.MIN_ARRAY_VALUES);
+        # the host makes one when there is none for this offset (the first step, a trimmed cache).
+        made = self._next_position.get(id(cache[0]))
+        if DEVICE_POSITION and made is not None and made[0] == position:
+            position_array = made[1]
+        else:
+            position_array = kernels.padded_array([position], mx.int32)  # int32 [1] or longer: kernels read [0]
         # On a GPU the kernels write the caches in place, which MLX cannot see: this step's
         # attention launches take the last such step's token as an input, so they follow it
         # even when this step's token came from the host (the general step evaluates it first).
         after = cache[0].written_by if cache[0].written_by is not None else position_array
-        logits, greedy, keys, values = graph(token.reshape(1, 1).astype(mx.int32), position_array, after,
-                                             [layer_cache.keys for layer_cache in cache],
-                                             [layer_cache.values for layer_cache in cache])
+        logits, greedy, keys, values, next_position = graph(
+            token.reshape(1, 1).astype(mx.int32), position_array, after,
+            [layer_cache.keys for layer_cache in cache], [layer_cache.values for layer_cache in cache])
+        self._next_position = {id(cache[0]): (position + 1, next_position)}
         for layer_cache, layer_keys, layer_values in zip(cache, keys, values):
             layer_cache.keys, layer_cache.values = layer_keys, layer_values
             layer_cache.advance(1)
@@ -356,9 +369,10 @@ class Transformer(nn.Module):
     def _decode_graph(self, token: mx.array, position: mx.array, after: mx.array, keys: list,
                       values: list):
         """decode_step's graph, a function of arrays alone (so that mx.compile can trace it):
-        token int32 [1, 1], position int32 [1], the array the cache writes must follow, every
-        layer's cache arrays. On a GPU the caches are written in place and returned as given;
-        on the CPU new arrays are returned."""
+        token int32 [1, 1], position int32 [1] (or padded), the array the cache writes must
+        follow, every layer's cache arrays. On a GPU the caches are written in place and returned
+        as given; on the CPU new arrays are returned. The last output is the next step's
+        position, computed on the device."""
         c = self.config
         x = ops.embedding_unchecked(self.token_embd.data, token, self.token_embd.ggml_type,
                                     c.hidden, c.vocab).reshape(1, c.hidden)
@@ -369,7 +383,7 @@ class Transformer(nn.Module):
         for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             x, h, keys[i], values[i] = layer.decode(x, h, keys[i], values[i], position, after, next_norm)
         logits, best = self.decode_head(h)
-        return logits.reshape(1, 1, c.vocab), ops.greedy(best), keys, values
+        return logits.reshape(1, 1, c.vocab), ops.greedy(best), keys, values, position + 1
 
     def embed(self, ids: mx.array) -> mx.array:
         """ids: validated int32 [B, T] -> float32 [B, T, hidden]."""
