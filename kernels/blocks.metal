@@ -619,3 +619,64 @@ inline void muser_heads_prepare(const device float* source, const device float* 
     }
   }
 }
+
+// Values 8 lane .. 8 lane + 7 of 256-value span `span` of row `row` (ROW_BYTES bytes a row) of
+// a GGUF matrix in format FORMAT, into v: kernels dequant_spans and dequant_into. Q4_K, Q6_K
+// and Q8_0 decode from two word loads (the same expression for each value as muser_value,
+// so the same bits); other formats element by element.
+template <int FORMAT, int ROW_BYTES>
+inline void muser_span8(const device uint8_t* weight, uint row, uint span, uint lane, thread float* v) {
+  const device uint8_t* row_bytes = weight + size_t(row) * size_t(ROW_BYTES);
+  if (FORMAT == MUSER_Q4_K) {
+    // Values 64g + 32h + j0 .. + 7 (g = l / 8, h = (l % 8) / 4, j0 = 8 (l % 4)): nibble h of
+    // quant bytes 32g + j0 .. + 7, sub-block 2g + h.
+    const device uint8_t* block = row_bytes + span * 144;
+    uint group = lane / 8u;
+    uint h = (lane % 8u) / 4u;
+    uint4 head = *((const device uint4*)block);
+    uint2 quants = *((const device uint2*)(block + 16u + 32u * group + 8u * (lane % 4u)));
+    float d = 16.0f * muser_half_low(head.x);  // the 16 of 1 + q/16
+    float dmin = muser_half_high(head.x);
+    uint2 scale_min = muser_scale_min_words(head.y, head.z, head.w, 2u * group + h);
+    for (int i = 0; i < 8; ++i) {
+      uint word = i < 4 ? quants.x : quants.y;
+      float code = muser_unit_float((word >> (8u * uint(i % 4) + 4u * h) << 19) & 0x00780000u);
+      v[i] = d * float(scale_min.x) * (code - 1.0f) - dmin * float(scale_min.y);
+    }
+  } else if (FORMAT == MUSER_Q6_K) {
+    // Values 128hh + 32q + l0 .. + 7 (hh = l / 16, q = (l % 16) / 4, l0 = 8 (l % 4)): nibble q / 2
+    // of ql[64hh + 32 (q % 2) + l0 ..], bits 2q, 2q+1 of qh[32hh + l0 ..], scale 8hh + 2q + l0 / 16.
+    size_t block = size_t(row) * size_t(ROW_BYTES) + size_t(span) * 210u;
+    uint hh = lane / 16u;
+    uint q = (lane % 16u) / 4u;
+    uint l0 = 8u * (lane % 4u);
+    uint2 low = muser_words2(weight, block + 64u * hh + 32u * (q % 2u) + l0);
+    uint2 high = muser_words2(weight, block + 128u + 32u * hh + l0);
+    float d = 64.0f * muser_f16(weight + block + 208u);  // the 64 of 1 + q6/64
+    float scale = float(int8_t(weight[block + 192u + 8u * hh + 2u * q + l0 / 16u]));
+    for (int i = 0; i < 8; ++i) {
+      uint low_word = i < 4 ? low.x : low.y;
+      uint high_word = i < 4 ? high.x : high.y;
+      uint shift = 8u * uint(i % 4);
+      float code = muser_unit_float(((low_word >> (shift + 4u * (q / 2u)) << 17) & 0x001E0000u) |
+                                    ((high_word >> (shift + 2u * q) << 21) & 0x00600000u));
+      v[i] = d * scale * (code - 1.5f);
+    }
+  } else if (FORMAT == MUSER_Q8_0) {
+    // Values 32k + j0 .. + 7 of the span (k = l / 4, j0 = 8 (l % 4)): quants j0 .. of block 8 span + k.
+    size_t block = size_t(row) * size_t(ROW_BYTES) + size_t(span * 8u + lane / 4u) * 34u;
+    // Four 2-byte loads (a block is 2-byte aligned; three words could read past the last block).
+    const device ushort* pairs = (const device ushort*)(weight + block + 2u + 8u * (lane % 4u));
+    uint2 quants = uint2(uint(pairs[0]) | (uint(pairs[1]) << 16), uint(pairs[2]) | (uint(pairs[3]) << 16));
+    float d = 256.0f * muser_f16(weight + block);
+    for (int i = 0; i < 8; ++i) {
+      uint word = i < 4 ? quants.x : quants.y;
+      float code = muser_unit_float((((word >> (8u * uint(i % 4))) & 255u) ^ 128u) << 15);
+      v[i] = d * (code - 1.5f);
+    }
+  } else {
+    for (int i = 0; i < 8; ++i) {
+      v[i] = muser_value<FORMAT>(row_bytes, span * 256u + 8u * lane + uint(i));
+    }
+  }
+}

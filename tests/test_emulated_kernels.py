@@ -40,7 +40,7 @@ F16_MATMUL = 3e-3
 
 ALL_FORMATS = list(formats.FORMATS)
 DEDICATED = list(ops.MATVEC_KERNELS)
-KERNELS_TESTED = {"embedding", "dequant_rows", "dequant_spans", "matvec", "qk_norm_rope", "quantize_rows", "product", "argmax",
+KERNELS_TESTED = {"embedding", "dequant_rows", "dequant_spans", "dequant_into", "matvec", "qk_norm_rope", "quantize_rows", "product", "argmax",
                   "product_glu", "residual_norm_quant", "attention_decode", "attention_combine",
                   *(kernel.name for kernel in ops.MATVEC_KERNELS.values())}
 
@@ -112,6 +112,41 @@ def test_dequant_rows_and_spans(tmp_path, rng, monkeypatch, kernel, ggml_type, i
             assert relative_error(out, expected) <= 1e-7
         else:
             assert relative_error(out, expected) <= F16_VALUES
+
+
+@pytest.mark.parametrize("ggml_type, in_features", [(GGMLType.Q4_K, 512), (GGMLType.Q6_K, 256),
+                                                   (GGMLType.Q8_0, 96), (GGMLType.Q5_K, 256)],
+                         ids=lambda v: getattr(v, "name", v))
+def test_dequant_into_writes_dequant_spans_bits_in_place(rng, ggml_type, in_features):
+    """dequant_into: the first OUT * IN values of a longer float16 target become dequant_spans'
+    values (bit for bit); the rest of the target stays as it was; `done` is written."""
+    from muser_mlx.ops import products
+
+    out_features = 11  # surplus SIMD groups in the last threadgroup
+    raw = mx.array(testing.random_blocks(rng, ggml_type, out_features, in_features))
+    before = rng.standard_normal(out_features * in_features + 37).astype(np.float16)
+    target = mx.array(before)
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        spans = np.array(ops.dequantize_weight(raw, ggml_type, in_features, out_features, mx.float16))
+        view = np.array(products.dequantize_into(raw, ggml_type, in_features, out_features, target, target))
+    assert [launch[0] for launch in launches] == ["dequant_spans", "dequant_into"]
+    after = np.array(target)
+    np.testing.assert_array_equal(view.view(np.uint16), spans.view(np.uint16))
+    np.testing.assert_array_equal(after[: spans.size].view(np.uint16), spans.reshape(-1).view(np.uint16))
+    np.testing.assert_array_equal(after[spans.size:].view(np.uint16), before[spans.size:].view(np.uint16))
+
+
+def test_dequant_into_refuses_a_target_it_does_not_fit(rng):
+    from muser_mlx.ops import products
+
+    raw = mx.array(testing.random_blocks(rng, GGMLType.Q8_0, 4, 64))
+    with emulated_gpu():
+        for target, message in ((mx.zeros((255,), mx.float16), "float16"), (mx.zeros((256,), mx.float32), "float16"),
+                                (mx.zeros((16, 16), mx.float16), "flat")):
+            with pytest.raises(ValueError, match=message):
+                products.dequantize_into(raw, GGMLType.Q8_0, 64, 4, target, target)
+        with pytest.raises(ValueError, match="32-value blocks"):
+            products.dequantize_into(raw, GGMLType.Q8_0, 48, 4, mx.zeros((256,), mx.float16), raw)
 
 
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)

@@ -27,9 +27,9 @@ def generate_module():
     return importlib.import_module("muser_mlx.generate")  # the package exports the function
 
 
-def weight_file(tmp_path, rng, ggml_type, in_features, out_features):
+def weight_file(tmp_path, rng, ggml_type, in_features, out_features, name="w.gguf"):
     raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
-    path = testing.write_gguf(tmp_path / "w.gguf", {}, {"w": (ggml_type, (in_features, out_features), raw)})
+    path = testing.write_gguf(tmp_path / name, {}, {"w": (ggml_type, (in_features, out_features), raw)})
     reference = formats.dequantize(raw, ggml_type, [in_features, out_features]).astype(np.float64)
     return path, reference
 
@@ -212,28 +212,73 @@ def test_paced_products_keep_the_queued_temporaries_within_the_budget(monkeypatc
     assert getattr(products._PACING, "pacer", None) is None
 
 
+@pytest.mark.parametrize("slots", [0, 2], ids=["temporaries", "slots"])
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)
-def test_gpu_prefill_products_in_pieces_match_the_whole(backend, rng, tmp_path, monkeypatch, ggml_type):
+def test_gpu_prefill_products_in_pieces_match_the_whole(backend, rng, tmp_path, monkeypatch, ggml_type, slots):
     """A weight of 200 rows decoded and multiplied 64 rows at a time (the last piece 8 rows),
-    paced: the same result as at once, and the reference's."""
+    paced (two pieces queued at once): the same result as at once, and the reference's. With 2
+    slots the first two pieces are fresh arrays that become the slots, the next two are decoded
+    into them in place (kernel dequant_into) after the matmuls that read them, all in one lazy
+    graph: a write before such a read would change the first pieces' products. A second, wider
+    weight's pieces outgrow the slots."""
     if backend == "cpu":
         pytest.skip("the GPU prefill path")
     from muser_mlx.ops import products
 
     in_features, out_features, tokens = 512, 200, 16
     path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)
+    wide_path, wide_reference = weight_file(tmp_path, rng, ggml_type, 2 * in_features, 70, "wide.gguf")
     x = mx.array(rng.standard_normal((1, tokens, in_features)).astype(np.float32))
-    with gguf.read(path) as model, kernels.poisoned_outputs():
+    x2 = mx.array(rng.standard_normal((1, tokens, 2 * in_features)).astype(np.float32))
+    with gguf.read(path) as model, gguf.read(wide_path) as wide, kernels.poisoned_outputs():
         whole = np.array(ops.linear(x, model.tensors["w"]))
+        whole2 = np.array(ops.linear(x2, wide.tensors["w"]))
         launches = []
         monkeypatch.setattr(products, "PREFILL_PIECE_BYTES", 2 * in_features * 64)
         monkeypatch.setattr(products, "dequantize_weight",
-                            lambda *args, **kwargs: launches.append(args[3]) or ops.dequantize_weight(*args, **kwargs))
-        with ops.paced_products(budget=2 * in_features * 130):  # two pieces queued at once
-            pieces = np.array(ops.linear(x, model.tensors["w"]))
-    assert launches == [64, 64, 64, 8]
-    assert pieces.shape == (1, tokens, out_features) and np.isfinite(pieces).all()
-    # The same float16 operands; the matmul's float16 outputs may round apart (its algorithm
-    # may differ with the width), by 2^-11 relative at most.
-    assert relative_error(pieces, whole) <= 1e-3
-    assert relative_error(pieces[0], np.array(x[0]).astype(np.float64) @ reference.T) <= BOUND["gpu_dequant_matmul"]
+                            lambda *args, **kwargs: launches.append(("fresh", args[3])) or ops.dequantize_weight(*args, **kwargs))
+        real_into = products.dequantize_into
+        monkeypatch.setattr(products, "dequantize_into",
+                            lambda *args, **kwargs: launches.append(("into", args[3])) or real_into(*args, **kwargs))
+        if slots:  # one lazy graph: only the launches' inputs order the in-place writes and the reads
+            monkeypatch.setattr(products.mx, "async_eval", lambda *arrays: None)
+        with ops.paced_products(budget=1 << 30 if slots else 2 * in_features * 130, slots=slots):
+            pieces = ops.linear(x, model.tensors["w"])
+            pieces2 = ops.linear(x2, wide.tensors["w"])
+            pieces, pieces2 = np.array(pieces), np.array(pieces2)
+    if slots:
+        # The wide weight's pieces are 64 rows (PIECE_ROWS) of 1024 values: the first outgrows
+        # slot 0 and replaces it; its last (6 rows) fits slot 1.
+        assert launches == [("fresh", 64), ("fresh", 64), ("into", 64), ("into", 8), ("fresh", 64), ("into", 6)]
+    else:
+        assert launches == [("fresh", 64), ("fresh", 64), ("fresh", 64), ("fresh", 8), ("fresh", 64), ("fresh", 6)]
+    for got, expected, x_, ref in ((pieces, whole, x, reference), (pieces2, whole2, x2, wide_reference)):
+        assert got.shape == expected.shape and np.isfinite(got).all()
+        # The same float16 operands; the matmul's float16 outputs may round apart (its algorithm
+        # may differ with the width), by 2^-11 relative at most.
+        assert relative_error(got, expected) <= 1e-3
+        assert relative_error(got[0], np.array(x_[0]).astype(np.float64) @ ref.T) <= BOUND["gpu_dequant_matmul"]
+
+
+def test_gpu_prefill_slots_grow_to_the_largest_piece(backend, rng, tmp_path, monkeypatch):
+    """A piece larger than its slot is decoded fresh and becomes the slot."""
+    if backend == "cpu":
+        pytest.skip("the GPU prefill path")
+    from muser_mlx.ops import products
+
+    small_path, small_ref = weight_file(tmp_path, rng, GGMLType.Q8_0, 256, 24)
+    big_path, big_ref = weight_file(tmp_path, rng, GGMLType.Q8_0, 256, 40, "big.gguf")
+    x = rng.standard_normal((1, 9, 256)).astype(np.float32)
+    kinds = []
+    monkeypatch.setattr(products, "dequantize_weight",
+                        lambda *args, **kwargs: kinds.append("fresh") or ops.dequantize_weight(*args, **kwargs))
+    real_into = products.dequantize_into
+    monkeypatch.setattr(products, "dequantize_into",
+                        lambda *args, **kwargs: kinds.append("into") or real_into(*args, **kwargs))
+    with gguf.read(small_path) as small, gguf.read(big_path) as big, kernels.poisoned_outputs():
+        with ops.paced_products(slots=1):
+            outs = [ops.linear(mx.array(x), w.tensors["w"]) for w in (small, big, small, big)]
+            outs = [np.array(o) for o in outs]
+    assert kinds == ["fresh", "fresh", "into", "into"]
+    for out, ref in zip(outs, (small_ref, big_ref, small_ref, big_ref)):
+        assert relative_error(out[0], x[0].astype(np.float64) @ ref.T) <= BOUND["gpu_dequant_matmul"]

@@ -172,12 +172,44 @@ def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_f
     return values
 
 
+def dequantize_into(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int,
+                    target: mx.array, after: mx.array) -> mx.array:
+    """dequantize_weight's float16 rows written in place into `target` (kernel dequant_into),
+    after the launch that produced `after` (the last reader of target's old values). Returns
+    target's first out * in values as [out, in], an array that follows the write (mx.depends).
+    GPU only; rows of whole 32-value blocks."""
+    fmt = block_format(ggml_type)
+    if kernels.backend() == "cpu":
+        raise ValueError("dequantize_into writes a GPU buffer in place; the CPU has dequantize_weight")
+    if in_features % 32:
+        raise ValueError(f"dequantize_into takes rows of whole 32-value blocks, got {in_features} values a row")
+    if target.dtype != mx.float16 or target.ndim != 1 or target.size < out_features * in_features:
+        raise ValueError(f"dequantize_into's target must be float16 [>= {out_features} x {in_features}] flat, "
+                         f"got {target.dtype} {list(target.shape)}")
+    threads = out_features * -(-in_features // 256) * 32
+    if threads > MAX_GRID:
+        raise ValueError(f"{out_features} rows of {in_features} values exceed one launch")
+    (done,) = kernels.launch(
+        "dequant_into",
+        inputs=[weight_bytes, target, after],
+        template=[("FORMAT", int(fmt.ggml_type)), ("IN", in_features),
+                  ("ROW_BYTES", fmt.row_bytes(in_features)), ("OUT", out_features)],
+        grid=(threads, 1, 1),
+        threadgroup=(DEQUANT_THREADGROUP, 1, 1),
+        output_shapes=[(kernels.MIN_ARRAY_VALUES,)],
+        output_dtypes=[mx.int32],
+    )
+    view = target if target.size == out_features * in_features else target[: out_features * in_features]
+    return mx.depends(view.reshape(out_features, in_features), done)
+
+
 def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
     # Prefill: decode the weight once per call (its cost is shared by all T rows), then the
     # backend's f16 matmul does the arithmetic. A large weight goes in pieces of output rows
-    # (PREFILL_PIECE_BYTES of float16 each), each decoded, multiplied and queued on its own, so
-    # that a small budget of temporaries still holds several pieces: the GPU has queued work
-    # while the host waits and builds the next.
+    # (PREFILL_PIECE_BYTES of float16 each), each decoded, multiplied and queued on its own.
+    # Within paced_products the pieces are decoded into PREFILL_SLOTS reused float16 buffers
+    # (no temporary a piece) and the host waits only to keep PREFILL_TEMPORARY_BYTES of pieces
+    # queued at once; else each piece is a fresh temporary.
     pacer = getattr(_PACING, "pacer", None)
     x = rows.astype(mx.float16)
     piece = max(PIECE_ROWS, PREFILL_PIECE_BYTES // (2 * in_features) // PIECE_ROWS * PIECE_ROWS)
@@ -189,8 +221,16 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
         if pacer is not None:  # before the piece's buffer exists: MLX allocates it when encoding
             pacer.make_room(temporary)
         part = table if count == out_features else table[first:first + count]
-        weight = dequantize_weight(part, fmt.ggml_type, in_features, count, mx.float16)
+        slot = pacer.slot(temporary) if pacer is not None and in_features % 32 == 0 else None
+        if slot is None or slot.values is None or slot.values.size < count * in_features:
+            weight = dequantize_weight(part, fmt.ggml_type, in_features, count, mx.float16)
+            if slot is not None:  # this fresh array is the slot from now on
+                slot.values = weight.reshape(-1)
+        else:
+            weight = dequantize_into(part, fmt.ggml_type, in_features, count, slot.values, slot.reader)
         out = x @ weight.T
+        if slot is not None:
+            slot.reader = out
         if pacer is not None:
             pacer.queue(out, temporary)
         outs.append(out)
@@ -206,21 +246,33 @@ PREFILL_PIECE_BYTES = 64 << 20
 PIECE_ROWS = 64
 
 
-# GPU prefill: the float16 weight temporaries queued on the GPU at once, at most (bytes). Each
-# queued piece holds its rows decoded to float16 (at most PREFILL_PIECE_BYTES), allocated when
-# MLX encodes it, freed when the GPU has run it; MLX encodes far ahead of the GPU, so unbounded,
-# a chunk's temporaries added up to 2x the file. Before a piece is queued the host waits for the
-# oldest ones until it fits (one piece is queued whatever its size). Waiting for a whole layer
-# instead idled the GPU while the host built each layer (H200, session 8: 185-191 ms a 512-row
-# chunk). The budget trades speed for memory: bench/RESULTS.md, sessions 8 and 9.
+# GPU prefill: the float16 weight pieces queued on the GPU at once, at most (bytes). MLX
+# encodes far ahead of the GPU; unbounded, a chunk's temporaries added up to 2x the file.
+# Before a piece is queued the host waits for the oldest ones until it fits (one piece is
+# queued whatever its size). Waiting for a whole layer instead idled the GPU while the host
+# built each layer (H200, session 8: 185-191 ms a 512-row chunk). Without slots each queued
+# piece is a float16 temporary, allocated when MLX encodes it and freed when the GPU has run
+# it, so this budget is memory (bench/RESULTS.md, sessions 8 and 9); with slots it bounds the
+# activations that run-ahead keeps alive.
 PREFILL_TEMPORARY_BYTES = 500_000_000
+# GPU prefill: float16 buffers that pieces are decoded into in turn (kernel dequant_into, in
+# place), each as large as the largest piece it has held; 0: a fresh temporary a piece.
+PREFILL_SLOTS = 0
 _PACING = threading.local()
 
 
+class _Slot:
+    def __init__(self):
+        self.values = None  # flat float16, or None before its first piece
+        self.reader = None  # the last output computed from values
+
+
 class _Pacer:
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, slots: int):
         self.budget = budget
-        self.queued = collections.deque()  # (output, temporary bytes), oldest first
+        self.queued = collections.deque()  # (output, piece bytes), oldest first
+        self.slots = [_Slot() for _ in range(slots)]
+        self.turn = 0
 
     def make_room(self, nbytes: int) -> None:
         while self.queued and sum(n for _, n in self.queued) + nbytes > self.budget:
@@ -230,14 +282,24 @@ class _Pacer:
         mx.async_eval(out)
         self.queued.append((out, nbytes))
 
+    def slot(self, nbytes: int) -> _Slot | None:
+        """The next slot in turn (None without slots)."""
+        if not self.slots:
+            return None
+        slot = self.slots[self.turn]
+        self.turn = (self.turn + 1) % len(self.slots)
+        return slot
+
 
 @contextlib.contextmanager
-def paced_products(budget: int | None = None):
+def paced_products(budget: int | None = None, slots: int | None = None):
     """Within this block (this thread), every GPU prefill product is queued as it is built,
-    after waiting for older ones until the float16 weight temporaries queued at once fit in
-    `budget` bytes (PREFILL_TEMPORARY_BYTES)."""
+    after waiting for older ones until the float16 weight pieces queued at once fit in
+    `budget` bytes (PREFILL_TEMPORARY_BYTES); with `slots` (PREFILL_SLOTS) > 0 the pieces are
+    decoded into that many reused buffers."""
     previous = getattr(_PACING, "pacer", None)
-    _PACING.pacer = _Pacer(PREFILL_TEMPORARY_BYTES if budget is None else budget)
+    _PACING.pacer = _Pacer(PREFILL_TEMPORARY_BYTES if budget is None else budget,
+                           PREFILL_SLOTS if slots is None else slots)
     try:
         yield
     finally:
