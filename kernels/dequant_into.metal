@@ -6,9 +6,11 @@
 // for r < OUT (the same values, bits and grid as dequant_spans). target is a float16 buffer
 // of at least OUT * IN values that a GPU prefill reuses for piece after piece of its weights
 // (ops.products: PREFILL_SLOTS), so that no float16 temporary is allocated per piece.
-// after: the last launch's output that read target (unread here): MLX orders this launch after
-// it, since it sees no write of target. done: int32 [4], zeros, written by thread 0: the array
-// a reader of target takes as its dependency (mx.depends), so that it follows this launch.
+// after: the last launch's output that read target (unread here): MLX orders launches by the
+// buffers they read and write (on CUDA, the edges of its CUDA graphs) and sees no write of
+// target, so this input orders this launch after that reader. done: float16 [8] zeros, written
+// by threads 0-7: a reader of target takes it (or an array computed from it) as an input, so
+// that it follows this launch.
 // weight: raw GGUF bytes [OUT, ROW_BYTES] uint8.
 // Grid: one 32-thread SIMD group per span of 256 values of a row (OUT * SPANS * 32 threads).
 // Bytes per call: OUT * ROW_BYTES read, OUT * IN * 2 written.
@@ -18,8 +20,8 @@
 // Template constants: FORMAT (ggml type id), IN, ROW_BYTES, OUT.
 const uint SPANS = (uint(IN) + 255u) / 256u;
 uint index = thread_position_in_grid.x;
-if (index < 4u) {
-  done[index] = 0;
+if (index < 8u) {
+  done[index] = half(0.0f);
 }
 uint lane = index % 32u;
 uint span = (index / 32u) % SPANS;

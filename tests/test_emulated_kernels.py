@@ -119,7 +119,7 @@ def test_dequant_rows_and_spans(tmp_path, rng, monkeypatch, kernel, ggml_type, i
                          ids=lambda v: getattr(v, "name", v))
 def test_dequant_into_writes_dequant_spans_bits_in_place(rng, ggml_type, in_features):
     """dequant_into: the first OUT * IN values of a longer float16 target become dequant_spans'
-    values (bit for bit); the rest of the target stays as it was; `done` is written."""
+    values (bit for bit); the rest of the target stays as it was; `done` (poisoned) is zeros."""
     from muser_mlx.ops import products
 
     out_features = 11  # surplus SIMD groups in the last threadgroup
@@ -128,7 +128,9 @@ def test_dequant_into_writes_dequant_spans_bits_in_place(rng, ggml_type, in_feat
     target = mx.array(before)
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         spans = np.array(ops.dequantize_weight(raw, ggml_type, in_features, out_features, mx.float16))
-        view = np.array(products.dequantize_into(raw, ggml_type, in_features, out_features, target, target))
+        view, done = products.dequantize_into(raw, ggml_type, in_features, out_features, target, target)
+        view, done = np.array(view), np.array(done)
+    np.testing.assert_array_equal(done, np.zeros(8, np.float16))
     assert [launch[0] for launch in launches] == ["dequant_spans", "dequant_into"]
     after = np.array(target)
     np.testing.assert_array_equal(view.view(np.uint16), spans.view(np.uint16))

@@ -44,7 +44,7 @@ LAUNCHES = {
     "dequant_into_q4k": (
         "dequant_into",
         [InputSpec(mx.uint8, 2, 24 * 288), InputSpec(mx.float16, 1, 30 * 512), InputSpec(mx.float16, 2, 9 * 24)],
-        [mx.int32],
+        [mx.float16],
         [("FORMAT", 12), ("IN", 512), ("ROW_BYTES", 288), ("OUT", 24)],
     ),
     "dequant_spans_q8_0_f32": (

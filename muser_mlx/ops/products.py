@@ -173,11 +173,14 @@ def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_f
 
 
 def dequantize_into(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int,
-                    target: mx.array, after: mx.array) -> mx.array:
+                    target: mx.array, after: mx.array) -> tuple[mx.array, mx.array]:
     """dequantize_weight's float16 rows written in place into `target` (kernel dequant_into),
     after the launch that produced `after` (the last reader of target's old values). Returns
-    target's first out * in values as [out, in], an array that follows the write (mx.depends).
-    GPU only; rows of whole 32-value blocks."""
+    (target's first out * in values as [out, in], done: float16 [8] zeros that the launch
+    writes). A reader of those values must also take `done`, or an array computed from it, as
+    an input: MLX orders launches by the buffers they read and write (on CUDA, as the edges of
+    its CUDA graphs), not by mx.depends, and it sees no write of target. GPU only; rows of whole
+    32-value blocks."""
     fmt = block_format(ggml_type)
     if kernels.backend() == "cpu":
         raise ValueError("dequantize_into writes a GPU buffer in place; the CPU has dequantize_weight")
@@ -196,11 +199,11 @@ def dequantize_into(weight_bytes: mx.array, ggml_type, in_features: int, out_fea
                   ("ROW_BYTES", fmt.row_bytes(in_features)), ("OUT", out_features)],
         grid=(threads, 1, 1),
         threadgroup=(DEQUANT_THREADGROUP, 1, 1),
-        output_shapes=[(kernels.MIN_ARRAY_VALUES,)],
-        output_dtypes=[mx.int32],
+        output_shapes=[(8,)],  # 16 bytes: out of MLX's small managed pool (kernels.MIN_ARRAY_VALUES)
+        output_dtypes=[mx.float16],
     )
     view = target if target.size == out_features * in_features else target[: out_features * in_features]
-    return mx.depends(view.reshape(out_features, in_features), done)
+    return view.reshape(out_features, in_features), done
 
 
 def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
@@ -222,13 +225,18 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
             pacer.make_room(temporary)
         part = table if count == out_features else table[first:first + count]
         slot = pacer.slot(temporary) if pacer is not None and in_features % 32 == 0 else None
+        out = None
         if slot is None or slot.values is None or slot.values.size < count * in_features:
             weight = dequantize_weight(part, fmt.ggml_type, in_features, count, mx.float16)
             if slot is not None:  # this fresh array is the slot from now on
                 slot.values = weight.reshape(-1)
         else:
-            weight = dequantize_into(part, fmt.ggml_type, in_features, count, slot.values, slot.reader)
-        out = x @ weight.T
+            weight, done = dequantize_into(part, fmt.ggml_type, in_features, count, slot.values, slot.reader)
+            # x + 0: the matmul's input is then an output computed from `done`, so the matmul
+            # follows the write into the slot (dequantize_into), and reads what it wrote.
+            out = (x + done[:1]) @ weight.T
+        if out is None:
+            out = x @ weight.T
         if slot is not None:
             slot.reader = out
         if pacer is not None:
