@@ -1,27 +1,33 @@
 // kernel: dequant_into
-// inputs: weight target after
-// outputs: done
+// inputs: weight target after x
+// outputs: x16
 //
-// dequant_spans written in place: target[r * IN + e] = dequant(weight row r)[e] as float16,
-// for r < OUT (the same values, bits and grid as dequant_spans). target is a float16 buffer
-// of at least OUT * IN values that a GPU prefill reuses for piece after piece of its weights
-// (ops.products: PREFILL_SLOTS), so that no float16 temporary is allocated per piece.
-// after: the last launch's output that read target (unread here): MLX orders launches by the
-// buffers they read and write (on CUDA, the edges of its CUDA graphs) and sees no write of
-// target, so this input orders this launch after that reader. done: float16 [8] zeros, written
-// by threads 0-7: a reader of target takes it (or an array computed from it) as an input, so
-// that it follows this launch.
-// weight: raw GGUF bytes [OUT, ROW_BYTES] uint8.
-// Grid: one 32-thread SIMD group per span of 256 values of a row (OUT * SPANS * 32 threads).
-// Bytes per call: OUT * ROW_BYTES read, OUT * IN * 2 written.
-// Bounds: threads past OUT * SPANS * 32 (CUDA's surplus) return at once; lanes whose values lie
-// past IN in a row's last span (IN a multiple of 32 but not of 256) store nothing. The host
-// checks target's size and dtype (ops.products.dequantize_into).
-// Template constants: FORMAT (ggml type id), IN, ROW_BYTES, OUT.
+// dequant_spans written in place, with the product's input converted: target[r * IN + e] =
+// dequant(weight row r)[e] as float16 for r < OUT (the same values, bits and grid as
+// dequant_spans), and x16 = x as float16. target is a float16 buffer of at least OUT * IN values
+// that a GPU prefill reuses for piece after piece of its weights (ops.products: PREFILL_SLOTS),
+// so that no float16 temporary is allocated per piece; the piece's matmul is x16 @ target.T.
+// Ordering: MLX orders launches by the buffers they read and write (on CUDA, the edges of its
+// CUDA graphs) and sees no write of target. after: the last launch's output that read target
+// (unread here), so this launch follows that reader; x16: the matmul's input, so the matmul
+// follows this launch and reads what it wrote.
+// weight: raw GGUF bytes [OUT, ROW_BYTES] uint8; x: float32 [XV] (any shape, XV values, a
+// multiple of 8), x16: float16, x's shape.
+// Grid: one 32-thread SIMD group per span of 256 values of a row (OUT * SPANS * 32 threads),
+// or XV / 8 threads if more: thread i also converts x's values 8i .. 8i + 7.
+// Bytes per call: OUT * ROW_BYTES read, OUT * IN * 2 written; XV * 4 read, XV * 2 written.
+// Bounds: threads past XV / 8 convert nothing; threads past OUT * SPANS * 32 and lanes whose
+// values lie past IN in a row's last span (IN a multiple of 32 but not of 256) decode nothing.
+// The host checks target's size and dtype and XV (ops.products.dequantize_into).
+// Template constants: FORMAT (ggml type id), IN, ROW_BYTES, OUT, XV.
 const uint SPANS = (uint(IN) + 255u) / 256u;
 uint index = thread_position_in_grid.x;
-if (index < 8u) {
-  done[index] = half(0.0f);
+if (index < uint(XV) / 8u) {
+  float c[8];
+  for (int i = 0; i < 8; ++i) {
+    c[i] = x[size_t(index) * 8u + uint(i)];
+  }
+  muser_store8(x16 + size_t(index) * 8u, c);
 }
 uint lane = index % 32u;
 uint span = (index / 32u) % SPANS;

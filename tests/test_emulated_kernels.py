@@ -119,18 +119,20 @@ def test_dequant_rows_and_spans(tmp_path, rng, monkeypatch, kernel, ggml_type, i
                          ids=lambda v: getattr(v, "name", v))
 def test_dequant_into_writes_dequant_spans_bits_in_place(rng, ggml_type, in_features):
     """dequant_into: the first OUT * IN values of a longer float16 target become dequant_spans'
-    values (bit for bit); the rest of the target stays as it was; `done` (poisoned) is zeros."""
+    values (bit for bit); the rest of the target stays as it was; x16 (poisoned first) is x
+    in float16. x has more values (3 x 512 / 8 threads) or fewer than the weight's threads."""
     from muser_mlx.ops import products
 
     out_features = 11  # surplus SIMD groups in the last threadgroup
     raw = mx.array(testing.random_blocks(rng, ggml_type, out_features, in_features))
     before = rng.standard_normal(out_features * in_features + 37).astype(np.float16)
+    x = rng.standard_normal((3 * 512 // in_features * 2, in_features)).astype(np.float32)
     target = mx.array(before)
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         spans = np.array(ops.dequantize_weight(raw, ggml_type, in_features, out_features, mx.float16))
-        view, done = products.dequantize_into(raw, ggml_type, in_features, out_features, target, target)
-        view, done = np.array(view), np.array(done)
-    np.testing.assert_array_equal(done, np.zeros(8, np.float16))
+        view, x16 = products.dequantize_into(raw, ggml_type, in_features, out_features, target, target, mx.array(x))
+        view, x16 = np.array(view), np.array(x16)
+    np.testing.assert_array_equal(x16.view(np.uint16), x.astype(np.float16).view(np.uint16))
     assert [launch[0] for launch in launches] == ["dequant_spans", "dequant_into"]
     after = np.array(target)
     np.testing.assert_array_equal(view.view(np.uint16), spans.view(np.uint16))
@@ -146,9 +148,11 @@ def test_dequant_into_refuses_a_target_it_does_not_fit(rng):
         for target, message in ((mx.zeros((255,), mx.float16), "float16"), (mx.zeros((256,), mx.float32), "float16"),
                                 (mx.zeros((16, 16), mx.float16), "flat")):
             with pytest.raises(ValueError, match=message):
-                products.dequantize_into(raw, GGMLType.Q8_0, 64, 4, target, target)
+                products.dequantize_into(raw, GGMLType.Q8_0, 64, 4, target, target, mx.zeros((2, 64)))
         with pytest.raises(ValueError, match="32-value blocks"):
-            products.dequantize_into(raw, GGMLType.Q8_0, 48, 4, mx.zeros((256,), mx.float16), raw)
+            products.dequantize_into(raw, GGMLType.Q8_0, 48, 4, mx.zeros((256,), mx.float16), raw, mx.zeros((2, 48)))
+        with pytest.raises(ValueError, match="x has rows of 32"):
+            products.dequantize_into(raw, GGMLType.Q8_0, 64, 4, mx.zeros((256,), mx.float16), raw, mx.zeros((2, 32)))
 
 
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)

@@ -173,14 +173,14 @@ def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_f
 
 
 def dequantize_into(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int,
-                    target: mx.array, after: mx.array) -> tuple[mx.array, mx.array]:
+                    target: mx.array, after: mx.array, x: mx.array) -> tuple[mx.array, mx.array]:
     """dequantize_weight's float16 rows written in place into `target` (kernel dequant_into),
-    after the launch that produced `after` (the last reader of target's old values). Returns
-    (target's first out * in values as [out, in], done: float16 [8] zeros that the launch
-    writes). A reader of those values must also take `done`, or an array computed from it, as
-    an input: MLX orders launches by the buffers they read and write (on CUDA, as the edges of
-    its CUDA graphs), not by mx.depends, and it sees no write of target. GPU only; rows of whole
-    32-value blocks."""
+    after the launch that produced `after` (the last reader of target's old values), and x
+    converted to float16 in the same launch. Returns (target's first out * in values as
+    [out, in], x16). A reader of those values must also read x16 (or an array computed from
+    it): MLX orders launches by the buffers they read and write (on CUDA, the edges of its CUDA
+    graphs), not by mx.depends, and it sees no write of target. GPU only; rows of whole 32-value
+    blocks."""
     fmt = block_format(ggml_type)
     if kernels.backend() == "cpu":
         raise ValueError("dequantize_into writes a GPU buffer in place; the CPU has dequantize_weight")
@@ -189,21 +189,23 @@ def dequantize_into(weight_bytes: mx.array, ggml_type, in_features: int, out_fea
     if target.dtype != mx.float16 or target.ndim != 1 or target.size < out_features * in_features:
         raise ValueError(f"dequantize_into's target must be float16 [>= {out_features} x {in_features}] flat, "
                          f"got {target.dtype} {list(target.shape)}")
-    threads = out_features * -(-in_features // 256) * 32
+    if x.shape[-1] != in_features:
+        raise ValueError(f"dequantize_into's x has rows of {x.shape[-1]} values; the weight's are {in_features}")
+    threads = max(out_features * -(-in_features // 256) * 32, x.size // 8)
     if threads > MAX_GRID:
         raise ValueError(f"{out_features} rows of {in_features} values exceed one launch")
-    (done,) = kernels.launch(
+    (x16,) = kernels.launch(
         "dequant_into",
-        inputs=[weight_bytes, target, after],
+        inputs=[weight_bytes, target, after, x.astype(mx.float32)],
         template=[("FORMAT", int(fmt.ggml_type)), ("IN", in_features),
-                  ("ROW_BYTES", fmt.row_bytes(in_features)), ("OUT", out_features)],
+                  ("ROW_BYTES", fmt.row_bytes(in_features)), ("OUT", out_features), ("XV", x.size)],
         grid=(threads, 1, 1),
         threadgroup=(DEQUANT_THREADGROUP, 1, 1),
-        output_shapes=[(8,)],  # 16 bytes: out of MLX's small managed pool (kernels.MIN_ARRAY_VALUES)
+        output_shapes=[x.shape],
         output_dtypes=[mx.float16],
     )
     view = target if target.size == out_features * in_features else target[: out_features * in_features]
-    return view.reshape(out_features, in_features), done
+    return view.reshape(out_features, in_features), x16
 
 
 def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
@@ -231,10 +233,9 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
             if slot is not None:  # this fresh array is the slot from now on
                 slot.values = weight.reshape(-1)
         else:
-            weight, done = dequantize_into(part, fmt.ggml_type, in_features, count, slot.values, slot.reader)
-            # x + 0: the matmul's input is then an output computed from `done`, so the matmul
-            # follows the write into the slot (dequantize_into), and reads what it wrote.
-            out = (x + done[:1]) @ weight.T
+            # The matmul reads x16, an output of the write into the slot: it follows that write.
+            weight, x16 = dequantize_into(part, fmt.ggml_type, in_features, count, slot.values, slot.reader, rows)
+            out = x16 @ weight.T
         if out is None:
             out = x @ weight.T
         if slot is not None:
@@ -245,12 +246,12 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
     return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)).astype(mx.float32)
 
 
-# GPU prefill: a weight's float16 rows decoded at once, at most (bytes), in whole PIECE_ROWS.
-# With whole weights (0.27 GB each for Muse Glimmer's ffn_gate, ffn_up and ffn_down) a 0.5 GB
-# budget holds one of them: the host waits for it to finish before queuing the next, which
-# leaves the GPU little queued work (H200, session 9, whole weights: 3,636 tokens/s at a budget
-# of one product, 4,865 at 0.5 GB, 7,212 at 1.2 GB).
-PREFILL_PIECE_BYTES = 64 << 20
+# GPU prefill: a weight's float16 rows decoded at once, at most (bytes), in whole PIECE_ROWS:
+# Muse Glimmer's largest weights (ffn gate, up, down: 0.27 GB in float16) whole, its LM head
+# (2.7 GB, when a chunk's every logit is asked for) in ten pieces. H200 (bench/RESULTS.md,
+# session 11, 512-row chunks): pieces of 64 MB as fresh temporaries within 0.5 GB 6,173
+# tokens/s (peak 1.064x the file); whole weights into 2 slots within 1 GB 7,011 (1.084x).
+PREFILL_PIECE_BYTES = 280_000_000
 PIECE_ROWS = 64
 
 
@@ -262,10 +263,10 @@ PIECE_ROWS = 64
 # piece is a float16 temporary, allocated when MLX encodes it and freed when the GPU has run
 # it, so this budget is memory (bench/RESULTS.md, sessions 8 and 9); with slots it bounds the
 # activations that run-ahead keeps alive.
-PREFILL_TEMPORARY_BYTES = 500_000_000
+PREFILL_TEMPORARY_BYTES = 1_000_000_000
 # GPU prefill: float16 buffers that pieces are decoded into in turn (kernel dequant_into, in
 # place), each as large as the largest piece it has held; 0: a fresh temporary a piece.
-PREFILL_SLOTS = 0
+PREFILL_SLOTS = 2
 _PACING = threading.local()
 
 
