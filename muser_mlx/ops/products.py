@@ -249,8 +249,8 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
 # GPU prefill: a weight's float16 rows decoded at once, at most (bytes), in whole PIECE_ROWS:
 # Muse Glimmer's largest weights (ffn gate, up, down: 0.27 GB in float16) whole, its LM head
 # (2.7 GB, when a chunk's every logit is asked for) in ten pieces. H200 (bench/RESULTS.md,
-# session 11, 512-row chunks): pieces of 64 MB as fresh temporaries within 0.5 GB 6,173
-# tokens/s (peak 1.064x the file); whole weights into 2 slots within 1 GB 7,011 (1.084x).
+# session 11, a 512-token prompt): pieces of 64 MB as fresh temporaries within 0.5 GB 5,883-6,173
+# tokens/s (peak 1.06x the file); whole weights into 2 slots within 1 GB 7,083-7,121 (1.076x).
 PREFILL_PIECE_BYTES = 280_000_000
 PIECE_ROWS = 64
 
