@@ -13,7 +13,7 @@ Floor = weight bytes one decode step reads / copy bandwidth measured in the same
 (an elementwise device copy of 4 GiB, read + write bytes counted).
 
     python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep] [--general] [--no-compile]
-                           [--repeats 1] [--variant NAME:module.ATTR=value,...]
+                           [--repeats 1] [--step-times] [--variant NAME:module.ATTR=value,...]
 
 --variant (repeatable) also times the fused step pipelined with module constants changed, e.g.
 `--variant hg1:muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1` (the step is recompiled; a
@@ -22,6 +22,9 @@ constant read at load, such as PRODUCT_CONFIG, needs a fresh load and is not for
 --repeats N measures every pipelined figure N times, the default and the variants in turn, and
 prints the median with each run (identical code measured twice in one process has differed by
 up to 2 ms on a lent H200: RESULTS.md, session 10).
+
+--step-times prints each step of one more pipelined run of the default: its time, the host's
+build, and the build with the queuing (async_eval), to tell a slow host from a waiting one.
 
 --general also times the general step (model(...): MLX ops around float32-x matvec kernels) the
 fused one replaces; --no-compile runs the fused step without mx.compile.
@@ -168,8 +171,11 @@ def general_step(model, token, cache):
 
 
 def fused_step(model, token, cache):
-    """generate()'s step: the fused decode graph, its LM head's greedy token."""
-    _, greedy = decode(model, token, cache)
+    """generate()'s step: the fused decode graph, its LM head's greedy token (on the CPU, a
+    smoke run: its compiled step and an argmax)."""
+    logits, greedy = decode(model, token, cache)
+    if greedy is None:
+        greedy = mx.argmax(logits).astype(mx.int32)
     return greedy.reshape(1, 1)
 
 
@@ -187,19 +193,25 @@ def decode_ms(step, model, cache, steps: int) -> tuple[float, float]:
     return 1e3 * statistics.median(times[3:]), 1e3 * statistics.median(builds[3:])
 
 
-def pipelined_decode_ms(step, model, cache, steps: int) -> float:
+def pipelined_decode_ms(step, model, cache, steps: int, trace: list | None = None) -> float:
     """As generate()'s loop runs: step n+1's graph is built from step n's lazy token and
-    queued (async_eval) before waiting for step n, so building overlaps the GPU's work."""
+    queued (async_eval) before waiting for step n, so building overlaps the GPU's work.
+    trace: gets each step's (ms in all, building, building + queuing): MLX's async_eval waits
+    while its maximum of tasks (CUDA graphs of 20 ops) is in flight (RESULTS.md, session 11)."""
     pending = step(model, mx.array([[7]], dtype=mx.int32), cache)
     mx.async_eval(pending)
     times = []
     for _ in range(steps + 3):
         tic = time.perf_counter()
         following = step(model, pending, cache)
+        built = time.perf_counter()
         mx.async_eval(following)
+        queued = time.perf_counter()
         mx.eval(pending)
         pending = following
         times.append(time.perf_counter() - tic)
+        if trace is not None:
+            trace.append(tuple(1e3 * s for s in (times[-1], built - tic, queued - tic)))
     mx.eval(pending)
     return 1e3 * statistics.median(times[3:])
 
@@ -242,6 +254,8 @@ def main() -> None:
     parser.add_argument("--general", action="store_true",
                         help="also time the general step the fused one replaces")
     parser.add_argument("--no-compile", action="store_true", help="the fused step without mx.compile")
+    parser.add_argument("--step-times", action="store_true",
+                        help="also print each pipelined step's time, its build and its queuing")
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME:module.ATTR=value,... : the fused step pipelined with those constants")
     args = parser.parse_args()
@@ -296,6 +310,12 @@ def main() -> None:
                 runs[variant].append(pipelined_decode_ms(fused_step, model, cache, args.steps))
                 restore_settings(saved)
             model._compiled_decode = {}
+        if args.step_times:  # one more run of the default, each step's times
+            model._compiled_decode = {}
+            trace = []
+            pipelined_decode_ms(fused_step, model, cache, args.steps, trace)
+            print(f"  each step (ms in all / building / building + queuing): "
+                  f"{' '.join(f'{a:.2f}/{b:.2f}/{c:.2f}' for a, b, c in trace[3:])}", flush=True)
         for label, _ in variants:
             pipelined = statistics.median(runs[label])
             print(f"  {label} pipelined (generate's loop): {pipelined:7.2f} ms/token "
