@@ -226,17 +226,15 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
         if pacer is not None:  # before the piece's buffer exists: MLX allocates it when encoding
             pacer.make_room(temporary)
         part = table if count == out_features else table[first:first + count]
-        slot = pacer.slot(temporary) if pacer is not None and in_features % 32 == 0 else None
-        out = None
-        if slot is None or slot.values is None or slot.values.size < count * in_features:
-            weight = dequantize_weight(part, fmt.ggml_type, in_features, count, mx.float16)
-            if slot is not None:  # this fresh array is the slot from now on
-                slot.values = weight.reshape(-1)
-        else:
+        slot = pacer.slot() if pacer is not None and in_features % 32 == 0 else None
+        if slot is not None and slot.values is not None and slot.values.size >= count * in_features:
             # The matmul reads x16, an output of the write into the slot: it follows that write.
             weight, x16 = dequantize_into(part, fmt.ggml_type, in_features, count, slot.values, slot.reader, rows)
             out = x16 @ weight.T
-        if out is None:
+        else:
+            weight = dequantize_weight(part, fmt.ggml_type, in_features, count, mx.float16)
+            if slot is not None:  # this fresh array is the slot from now on
+                slot.values = weight.reshape(-1)
             out = x @ weight.T
         if slot is not None:
             slot.reader = out
@@ -291,7 +289,7 @@ class _Pacer:
         mx.async_eval(out)
         self.queued.append((out, nbytes))
 
-    def slot(self, nbytes: int) -> _Slot | None:
+    def slot(self) -> _Slot | None:
         """The next slot in turn (None without slots)."""
         if not self.slots:
             return None
