@@ -219,8 +219,15 @@ def test_kernel_sources_declare_their_interface():
 def test_arrays_kernels_read_every_step_stay_out_of_mlx_small_managed_pool():
     # MLX's CUDA allocator keeps arrays of at most 8 bytes in one pool of managed memory, which
     # page-faults whenever the host touches any of them (kernels.MIN_ARRAY_VALUES).
-    for array in (kernels.parameters(1e-5), kernels.parameters(1e-5, 0.5), kernels.padded_array([7], mx.int32)):
+    from muser_mlx.ops.attention import _inverse_frequencies
+
+    for array in (kernels.parameters(1e-5), kernels.parameters(1e-5, 0.5), kernels.padded_array([7], mx.int32),
+                  _inverse_frequencies(0, 0.0), _inverse_frequencies(2, 10000.0)):
         assert array.nbytes >= 16
+    # Built from host values, not lazy: a lazy array would be recomputed by every compiled step.
+    assert _inverse_frequencies(0, 0.0) is _inverse_frequencies(0, 0.0)
+    frequencies = np.array(_inverse_frequencies(8, 10000.0))
+    assert frequencies[:4].tolist() == (10000.0 ** (-np.arange(0, 8, 2) / 8)).astype(np.float32).tolist()
     assert kernels.padded_array([7], mx.int32)[0].item() == 7
     assert np.array(kernels.parameters(1e-5, 0.5))[:2].tolist() == np.array([1e-5, 0.5], np.float32).tolist()
 

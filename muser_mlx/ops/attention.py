@@ -44,7 +44,7 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
     q_out, k_out = kernels.launch(
         "qk_norm_rope",
         inputs=[q, k, q_weight, k_weight, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
-                mx.array([start], dtype=mx.int32), kernels.parameters(eps)],
+                kernels.padded_array([start], mx.int32), kernels.parameters(eps)],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"])))],
         grid=(32 * batch * tokens * (heads + kv_heads), 1, 1),
@@ -63,12 +63,18 @@ def qk_norm_rope_mlx(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.
             split_heads(k, kv_heads, head_dim, k_weight, eps, rope, start))
 
 
-@functools.lru_cache(maxsize=None)
 def _inverse_frequencies(dims: int, base: float) -> mx.array:
-    """RoPE's base^(-2i / dims) for i < dims / 2, float32 (one dummy value when dims is 0)."""
-    if dims == 0:
-        return mx.zeros((1,))
-    return mx.array((base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32))
+    """RoPE's base^(-2i / dims) for i < dims / 2, float32, made once: an array built from host
+    values (a lazy one would be recomputed by every compiled step: session 10's per-step
+    `copy_s` was the dummy of the layers without RoPE), padded (kernels.padded_array), with
+    zeros alone when dims is 0."""
+    return _frequencies(dims, base, kernels.MIN_ARRAY_VALUES)
+
+
+@functools.lru_cache(maxsize=None)
+def _frequencies(dims: int, base: float, _padding: int) -> mx.array:
+    values = (base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32) if dims else []
+    return kernels.padded_array([float(v) for v in values], mx.float32)
 
 
 def attention_dtype(tokens: int, head_dim: int, backend: str | None = None):
