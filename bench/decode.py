@@ -13,7 +13,7 @@ Floor = weight bytes one decode step reads / copy bandwidth measured in the same
 (an elementwise device copy of 4 GiB, read + write bytes counted).
 
     python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep] [--general] [--no-compile]
-                           [--repeats 1] [--step-times] [--variant NAME:module.ATTR=value,...]
+                           [--repeats 1] [--step-times] [--run-spans] [--variant NAME:module.ATTR=value,...]
 
 --variant (repeatable) also times the fused step pipelined with module constants changed, e.g.
 `--variant hg1:muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1` (the step is recompiled; a
@@ -26,6 +26,11 @@ up to 2 ms on a lent H200: RESULTS.md, session 10).
 --step-times prints each step of one more pipelined run of the default: its time, the host's
 build, and the build with the queuing (async_eval), to tell a slow host from a waiting one.
 
+--run-spans prints each pipelined run's wall-clock span and median, to line a run up with an
+outside log (`nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 50`):
+whole runs come out fast or ~1 ms a step slow, and the clocks were the same in both
+(RESULTS.md, session 12).
+
 --general also times the general step (model(...): MLX ops around float32-x matvec kernels) the
 fused one replaces; --no-compile runs the fused step without mx.compile.
 """
@@ -33,6 +38,7 @@ fused one replaces; --no-compile runs the fused step without mx.compile.
 from __future__ import annotations
 
 import argparse
+import datetime
 import ast
 import importlib
 import os
@@ -256,9 +262,15 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="the fused step without mx.compile")
     parser.add_argument("--step-times", action="store_true",
                         help="also print each pipelined step's time, its build and its queuing")
+    parser.add_argument("--run-spans", action="store_true",
+                        help="also print each pipelined run's wall-clock span and median (to match a run "
+                             "with an outside log, e.g. nvidia-smi's clocks)")
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME:module.ATTR=value,... : the fused step pipelined with those constants")
     args = parser.parse_args()
+    if args.prefill_chunks == 1 or args.prefill_chunks < 0:
+        parser.error("--prefill-chunks: 0 (no prefill figure) or at least 2 (the first chunk builds the "
+                     f"kernels and is not timed), got {args.prefill_chunks}")
     rng = np.random.default_rng(0)
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
     print(f"device: {mx.default_device()}", flush=True)
@@ -300,16 +312,26 @@ def main() -> None:
         # Pipelined: the default and each variant in turn, --repeats rounds (each recompiled,
         # so that the rounds' order and recompiles weigh on every row alike); median and range.
         runs = {label: [] for label, _ in variants} | {variant: [] for variant in args.variant}
+        spans = []
+
+        def timed(name, step):
+            start = datetime.datetime.now()
+            runs[name].append(pipelined_decode_ms(step, model, cache, args.steps))
+            spans.append(f"{name.split(':')[0]} {start:%H:%M:%S.%f}"[:-3]
+                         + f"-{datetime.datetime.now():%H:%M:%S.%f}"[:-3] + f" {runs[name][-1]:.2f}")
+
         for _ in range(args.repeats):
             for label, step in variants:
                 model._compiled_decode = {}
-                runs[label].append(pipelined_decode_ms(step, model, cache, args.steps))
+                timed(label, step)
             for variant in args.variant:
                 saved = apply_settings(variant.split(":", 1)[1].split(","))
                 model._compiled_decode = {}
-                runs[variant].append(pipelined_decode_ms(fused_step, model, cache, args.steps))
+                timed(variant, fused_step)
                 restore_settings(saved)
             model._compiled_decode = {}
+        if args.run_spans:
+            print(f"  runs (wall clock, median ms): {'; '.join(spans)}", flush=True)
         if args.step_times:  # one more run of the default, each step's times
             model._compiled_decode = {}
             trace = []
@@ -326,10 +348,20 @@ def main() -> None:
             print(f"  variant {name} ({settings}) pipelined: {statistics.median(runs[variant]):7.2f} ms/token"
                   f"{spread(runs[variant])}", flush=True)
 
+    if args.prefill_chunks:
+        prefill_figure(model, rng, args.prefill_chunks)
+    print(f"file {path.stat().st_size / 1e9:.2f} GB; each peak above is MLX's own count for that "
+          f"stage, the model's arrays included", flush=True)
+    if not args.keep:
+        path.unlink()
+
+
+def prefill_figure(model, rng, chunks: int) -> None:
+    """512-row prefill chunks into one cache from context 0: tokens/s over all but the first."""
     cache = model.make_cache()
     chunk = 512
     times = []
-    for _ in range(args.prefill_chunks):
+    for _ in range(chunks):
         ids = mx.array(rng.integers(0, 1000, size=(1, chunk)), dtype=mx.int32)
         tic = time.perf_counter()
         hidden = model.hidden(ids, cache)
@@ -343,10 +375,6 @@ def main() -> None:
           f"({1e3 * per_chunk:.1f} ms per chunk, {flops / per_chunk / 1e12:.0f} TFLOP/s in the matmuls; "
           f"{peak_gb()})",
           flush=True)
-    print(f"file {path.stat().st_size / 1e9:.2f} GB; each peak above is MLX's own count for that "
-          f"stage, the model's arrays included", flush=True)
-    if not args.keep:
-        path.unlink()
 
 
 if __name__ == "__main__":
