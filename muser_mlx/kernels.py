@@ -108,6 +108,13 @@ CUDA_TRANSLATION: list[tuple[str, str]] = [
     (r"\bsimdgroup_index_in_threadgroup\b", "(threadIdx.x / 32u)"),
     (r"\bthreadgroups_per_grid\.x\b", "gridDim.x"),
     (r"threadgroup_barrier\(mem_flags::mem_threadgroup\)", "__syncthreads()"),
+    # Device atomics (32-bit unsigned counters) and the device-scope fence.
+    (r"atomic_thread_fence\(mem_flags::mem_device,\s*memory_order_seq_cst,\s*thread_scope_device\)",
+     "__threadfence()"),
+    (r"\batomic_fetch_add_explicit\(", "muser_atomic_fetch_add("),
+    (r"\batomic_store_explicit\(", "muser_atomic_store("),
+    (r"\bmemory_order_relaxed\b", "0"),
+    (r"\batomic_uint\b", "unsigned int"),
     (r"simdgroup_barrier\(mem_flags::mem_threadgroup\)", "__syncwarp()"),
     # Address spaces: a pointer parameter into threadgroup or thread memory is a plain pointer
     # in CUDA (generic addressing); a threadgroup array in a kernel body is __shared__.
@@ -148,6 +155,12 @@ __device__ inline float simd_shuffle_xor(float value, unsigned int mask) {
 }
 __device__ inline float simd_shuffle(float value, unsigned int lane) {
   return __shfl_sync(0xffffffffu, value, lane);
+}
+__device__ inline unsigned int muser_atomic_fetch_add(unsigned int* object, unsigned int operand, int) {
+  return atomicAdd(object, operand);
+}
+__device__ inline void muser_atomic_store(unsigned int* object, unsigned int value, int) {
+  atomicExch(object, value);
 }
 """
 
@@ -303,11 +316,13 @@ class InputSpec:
     size: int
 
 
-def metal_program(name: str, inputs: list[InputSpec], output_dtypes, template) -> str:
+def metal_program(name: str, inputs: list[InputSpec], output_dtypes, template,
+                  kernel: KernelSource | None = None) -> str:
     """The Metal text MLX's metal_kernel compiles for this launch: header, generated
     signature (small inputs in `constant`, shapes where the body names them, thread
-    attributes the body uses), body, and the explicit template instantiation."""
-    kernel = source(name)
+    attributes the body uses), body, and the explicit template instantiation. `kernel`: a
+    source other than kernels/<name>.metal (tests' probes)."""
+    kernel = kernel or source(name)
     function = f"custom_kernel_muser_{name}"
     params = []
     for arg, spec in zip(kernel.inputs, inputs):
@@ -336,11 +351,12 @@ def metal_program(name: str, inputs: list[InputSpec], output_dtypes, template) -
     )
 
 
-def cuda_program(name: str, inputs: list[InputSpec], output_dtypes, template) -> str:
+def cuda_program(name: str, inputs: list[InputSpec], output_dtypes, template,
+                 kernel: KernelSource | None = None) -> str:
     """The CUDA text MLX's cuda_kernel compiles for this launch (after its default header):
     our prelude and helpers, then the generated __global__ function with the template
-    constants as constexprs."""
-    kernel = source(name)
+    constants as constexprs. `kernel`: as metal_program's."""
+    kernel = kernel or source(name)
     params = []
     for arg, spec in zip(kernel.inputs, inputs):
         params.append(f"    const {_CUDA_TYPES[spec.dtype]}* {arg}")

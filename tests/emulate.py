@@ -21,7 +21,10 @@ of the text), and tests/emulator/runtime.cpp runs a launch of it over numpy arra
   their writes reach the caller's array, as on a GPU. Outputs start as MLX's init_value
   (kernels.poisoned_outputs), else as 0xFF bytes (NaN), since MLX leaves them uninitialised.
 - emulated_gpu() makes the ops take their GPU path and runs every launch here, twice: threads
-  in order and in reverse order; outputs that differ reveal a missing barrier or a race.
+  in order, then threads and threadgroups in reverse order; outputs that differ reveal a missing
+  barrier, a race, or a kernel that counts on which threadgroup runs first or last.
+- Device atomics (32-bit unsigned counters, metal.h) are plain read-modify-writes, since
+  fibers switch only at barriers and SIMD-group functions; fences order nothing here.
 
 Testing a kernel (tests/test_emulated_kernels.py has one test per kernel):
 
@@ -35,7 +38,7 @@ Testing a kernel (tests/test_emulated_kernels.py has one test per kernel):
 A builtin the kernel needs and metal.h lacks fails its build: add it there, in its section.
 
 Not emulated: memory ordering between threads (fibers run one at a time, so a race shows only
-when the two orders give different results or a read meets NaN), atomics, textures, Metal's
+when the two orders give different results or a read meets NaN; a fence is a no-op), textures, Metal's
 fast math (float math here is correctly rounded, as in CUDA), swizzles, and anything that only
 the CUDA rendering gets wrong (tests/test_kernels.py compiles that; the GPU suite runs it).
 """
@@ -240,7 +243,8 @@ def run(name: str, inputs, template, grid, threadgroup, output_shapes, output_dt
     """One launch of kernel `name` (kernels.launch's arguments; inputs as mx or numpy arrays),
     emulated; returns the outputs as numpy arrays (bfloat16 as its uint16 bits); inputs the
     kernel writes in place are written, where row-contiguous (else a copy is). `order`:
-    "forward" or "reverse", the order the scheduler runs a threadgroup's threads in. `source`
+    "forward" or "reverse", the order the scheduler runs a threadgroup's threads (and, in
+    reverse, the threadgroups) in. `source`
     replaces the kernel's file (tests of broken kernels). Raises EmulationError."""
     kernel = source or kernels.source(name)
     specs = [InputSpec(a.dtype if isinstance(a, mx.array) else _host(a)[1], a.ndim, a.size) for a in inputs]

@@ -350,6 +350,39 @@ def probe(body, inputs=("x",)):
     return KernelSource("probe", inputs, ("out",), body, "")
 
 
+# A last-threadgroup-done sum (device atomics): every threadgroup (one SIMD group) writes its
+# partial sum and counts itself in; the one that counts last adds the partials in threadgroup
+# order and resets the counter for the next launch. Also compiled as Metal and CUDA
+# (tests/test_kernels.py).
+LAST_DONE = KernelSource("last_done", ("x", "counter"), ("partial", "total"), """\
+threadgroup uint last[1];
+uint lane = thread_index_in_simdgroup;
+uint group = threadgroup_position_in_grid.x;
+float sum = simd_sum(x[thread_position_in_grid.x]);
+if (lane == 0u) {
+  partial[group] = sum;
+  atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+  uint before = atomic_fetch_add_explicit((device atomic_uint*)counter, 1u, memory_order_relaxed);
+  last[0] = before + 1u == threadgroups_per_grid.x ? 1u : 0u;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (last[0] != 0u) {
+  atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+  float all = 0.0f;
+  for (uint g = lane; g < threadgroups_per_grid.x; g += 32u) {
+    all += partial[g];
+  }
+  all = simd_sum(all);
+  if (lane == 0u) {
+    total[0] = all;
+    atomic_store_explicit((device atomic_uint*)counter, 0u, memory_order_relaxed);
+  }
+}
+""", "")
+LAST_DONE_LAUNCH = ([mx.float32, mx.uint32], [("WIDTH", 1)], (32 * 40, 1, 1), (32, 1, 1), [(40,), (1,)],
+                    [mx.float32, mx.float32])
+
+
 def test_a_launch_runs_whole_threadgroups_with_simd_groups_of_32_lanes(rng):
     # grid 100 in threadgroups of 64: as MLX's CUDA launch, 128 threads run.
     x = rng.standard_normal(128).astype(np.float32)
@@ -402,6 +435,27 @@ def test_threadgroups_share_their_arrays_and_a_missing_barrier_reads_nan(rng):
     for order in ("forward", "reverse"):  # threadgroup arrays start as NaN in each threadgroup
         (out,) = run(*args, source=racy, order=order)
         assert np.isnan(out).sum() == 64
+
+
+def test_device_atomics_a_last_threadgroup_done_sum(rng):
+    # The threadgroup that counts last differs between the orders (forward: the last index,
+    # reverse: the first); the sum and the reset counter must not.
+    _, template, grid, threadgroup, shapes, dtypes = LAST_DONE_LAUNCH
+    x = rng.standard_normal(32 * 40).astype(np.float32)
+    counter = mx.array(np.zeros(4, np.uint32))
+    for order in ("forward", "reverse", "forward"):  # the counter carries over, reset each time
+        partial, total = run("last_done", [x, counter], template, grid, threadgroup, shapes, dtypes,
+                             order=order, source=LAST_DONE)
+        np.testing.assert_allclose(partial, x.reshape(40, 32).sum(axis=1), rtol=1e-6, atol=1e-5)
+        assert abs(total[0] - x.astype(np.float64).sum()) <= 1e-5 * np.abs(x).sum()
+        assert np.array(counter).tolist() == [0, 0, 0, 0]
+    # Without the reset the counter keeps the launch's count, and the next launch has no last
+    # threadgroup: its total stays as MLX left it (NaN here).
+    no_reset = dataclasses.replace(LAST_DONE, body=LAST_DONE.body.replace("counter, 0u,", "counter, threadgroups_per_grid.x,"))
+    run("last_done", [x, counter], template, grid, threadgroup, shapes, dtypes, source=no_reset)
+    assert np.array(counter)[0] == 40
+    _, total = run("last_done", [x, counter], template, grid, threadgroup, shapes, dtypes, source=no_reset)
+    assert np.isnan(total[0])
 
 
 # ---------------------------------------------------------------------------------------------

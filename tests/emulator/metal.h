@@ -7,6 +7,7 @@
 //   scalars and vectors        half (_Float16), bfloat (bit-exact RNE), vec<T, N> typedefs
 //   math                       MUSER_MATH1 / MUSER_MATH2 lines: float, half and vector overloads
 //   SIMD-group functions       one line each: a function of all 32 lanes' arguments
+//   device atomics             32-bit unsigned counters, the device-scope fence
 // Address spaces vanish and attributes ([[buffer(0)]], [[kernel]]) are ignored. emulate.py first
 // rewrites what a macro cannot: a `threadgroup` array declaration (one array per threadgroup,
 // MUSER_EMU_THREADGROUP) and pointer casts (Aligned: the pointer's alignment is checked).
@@ -273,6 +274,24 @@ template <typename T> T simd_prefix_inclusive_sum(T value) { return MUSER_SIMD(s
 inline bool simd_all(bool predicate) { typedef bool T; bool value = predicate; return MUSER_SIMD(simd_all, [&] { bool r = true; for (int i = 0; i < 32; ++i) r = r && v[i]; return r; }()); }
 inline bool simd_any(bool predicate) { typedef bool T; bool value = predicate; return MUSER_SIMD(simd_any, [&] { bool r = false; for (int i = 0; i < 32; ++i) r = r || v[i]; return r; }()); }
 inline void simdgroup_barrier(mem_flags) { typedef int T; int value = 0; MUSER_SIMD(simdgroup_barrier, 0); }
+
+// ---- Device atomics: 32-bit unsigned counters ---------------------------------------------
+// Fibers run one at a time and switch only at barriers and SIMD-group functions, so an atomic
+// read-modify-write is a plain one here and a fence has nothing to order. What the emulator
+// does vary is which threadgroup comes last: emulated_gpu's reverse order runs them last to
+// first. (On a GPU, a threadgroup that reads what others wrote before their counter increment
+// also needs the fence, and loads that bypass its own L1.)
+enum memory_order { memory_order_relaxed, memory_order_seq_cst };
+enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
+typedef uint atomic_uint;
+inline uint atomic_fetch_add_explicit(device atomic_uint* object, uint operand, memory_order) {
+  uint old = *object;
+  *object = old + operand;
+  return old;
+}
+inline void atomic_store_explicit(device atomic_uint* object, uint desired, memory_order) { *object = desired; }
+inline uint atomic_load_explicit(const device atomic_uint* object, memory_order) { return *object; }
+inline void atomic_thread_fence(mem_flags, memory_order, thread_scope) {}
 
 }  // namespace metal
 

@@ -257,13 +257,17 @@ void start_thread(uint i, uint3 size, uint3 group, uint3 whole, uint3 groups, ui
   makecontext(&f.context, fiber_main, 0);
 }
 
-// Every threadgroup of the grid in turn: false with `error` set at the first that fails.
+// Every threadgroup of the grid in turn (last to first when `reverse`): false with `error` set
+// at the first that fails.
 bool run_grid(uint3 grid, uint3 whole, bool reverse, bool partial) {
   uint3 groups = (grid + whole - 1u) / whole;
   for (uint z = 0; z < groups.z; ++z)
     for (uint y = 0; y < groups.y; ++y)
       for (uint x = 0; x < groups.x; ++x) {
-        uint3 group(x, y, z), size = whole;
+        // In reverse, the threadgroups run last to first as well: a kernel that counts on an
+        // order of threadgroups (which a GPU does not give) sees both.
+        uint3 group(reverse ? groups.x - 1u - x : x, reverse ? groups.y - 1u - y : y, reverse ? groups.z - 1u - z : z);
+        uint3 size = whole;
         for (int d = 0; d < 3 && partial; ++d) size[d] = std::min(whole[d], grid[d] - group[d] * whole[d]);
         ++threadgroup_epoch;
         threadgroup_bytes = 0;
