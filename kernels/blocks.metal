@@ -346,6 +346,32 @@ inline uint muser_funnel(uint low, uint high, uint shift) {
 }
 #endif
 
+// Device atomics on 32-bit counters, and the device-scope fence, for a count of the
+// threadgroups (or SIMD groups) done: a writer fences its results, then adds 1; the one that
+// sees the count reach its total fences again and reads every result; it stores 0 back for
+// the next launch. `counter` is an input the kernel writes in place.
+#if defined(__CUDACC__)
+inline uint muser_atomic_add(device uint* counter, uint value) {
+  return atomicAdd(counter, value);
+}
+inline void muser_atomic_store(device uint* counter, uint value) {
+  atomicExch(counter, value);
+}
+inline void muser_device_fence() {
+  __threadfence();
+}
+#else
+inline uint muser_atomic_add(device uint* counter, uint value) {
+  return atomic_fetch_add_explicit((device atomic_uint*)counter, value, memory_order_relaxed);
+}
+inline void muser_atomic_store(device uint* counter, uint value) {
+  atomic_store_explicit((device atomic_uint*)counter, value, memory_order_relaxed);
+}
+inline void muser_device_fence() {
+  atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+}
+#endif
+
 // The 8 bytes at byte `offset` of `base` (base 4-byte aligned, offset even) as two words, from
 // aligned word loads. The third word is read only when the bytes straddle it.
 inline uint2 muser_words2(const device uint8_t* base, size_t offset) {

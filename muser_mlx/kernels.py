@@ -8,8 +8,9 @@ For NVIDIA GPUs the same text becomes an `mx.fast.cuda_kernel` through `CUDA_TRA
 short table of textual rewrites plus `CUDA_PRELUDE` (the few Metal builtins CUDA lacks). The
 kernel dialect is kept small enough for that table: one-dimensional threadgroups, no vector
 types beyond uint2, uint4 and float4, scalars passed as template constants or read from input shapes.
-The two intrinsics Metal lacks (a packed int8 dot product, a funnel shift) are the helpers'
-only `#if defined(__CUDACC__)` branches.
+What the two languages spell differently (a packed int8 dot product and a funnel shift, which
+Metal lacks; device atomics and the device fence) are the helpers' only `#if defined(__CUDACC__)`
+branches.
 """
 
 from __future__ import annotations
@@ -108,13 +109,6 @@ CUDA_TRANSLATION: list[tuple[str, str]] = [
     (r"\bsimdgroup_index_in_threadgroup\b", "(threadIdx.x / 32u)"),
     (r"\bthreadgroups_per_grid\.x\b", "gridDim.x"),
     (r"threadgroup_barrier\(mem_flags::mem_threadgroup\)", "__syncthreads()"),
-    # Device atomics (32-bit unsigned counters) and the device-scope fence.
-    (r"atomic_thread_fence\(mem_flags::mem_device,\s*memory_order_seq_cst,\s*thread_scope_device\)",
-     "__threadfence()"),
-    (r"\batomic_fetch_add_explicit\(", "muser_atomic_fetch_add("),
-    (r"\batomic_store_explicit\(", "muser_atomic_store("),
-    (r"\bmemory_order_relaxed\b", "0"),
-    (r"\batomic_uint\b", "unsigned int"),
     (r"simdgroup_barrier\(mem_flags::mem_threadgroup\)", "__syncwarp()"),
     # Address spaces: a pointer parameter into threadgroup or thread memory is a plain pointer
     # in CUDA (generic addressing); a threadgroup array in a kernel body is __shared__.
@@ -155,12 +149,6 @@ __device__ inline float simd_shuffle_xor(float value, unsigned int mask) {
 }
 __device__ inline float simd_shuffle(float value, unsigned int lane) {
   return __shfl_sync(0xffffffffu, value, lane);
-}
-__device__ inline unsigned int muser_atomic_fetch_add(unsigned int* object, unsigned int operand, int) {
-  return atomicAdd(object, operand);
-}
-__device__ inline void muser_atomic_store(unsigned int* object, unsigned int value, int) {
-  atomicExch(object, value);
 }
 """
 

@@ -350,24 +350,24 @@ def probe(body, inputs=("x",)):
     return KernelSource("probe", inputs, ("out",), body, "")
 
 
-# A last-threadgroup-done sum (device atomics): every threadgroup (one SIMD group) writes its
-# partial sum and counts itself in; the one that counts last adds the partials in threadgroup
-# order and resets the counter for the next launch. Also compiled as Metal and CUDA
-# (tests/test_kernels.py).
-LAST_DONE = KernelSource("last_done", ("x", "counter"), ("partial", "total"), """\
+# A last-threadgroup-done sum (device atomics: blocks.metal's muser_atomic_add, muser_atomic_store,
+# muser_device_fence): every threadgroup (one SIMD group) writes its partial sum and counts
+# itself in; the one that counts last adds the partials in threadgroup order and resets the
+# counter for the next launch. Also compiled as Metal and CUDA (tests/test_kernels.py).
+LAST_DONE_BODY = """\
 threadgroup uint last[1];
 uint lane = thread_index_in_simdgroup;
 uint group = threadgroup_position_in_grid.x;
 float sum = simd_sum(x[thread_position_in_grid.x]);
 if (lane == 0u) {
   partial[group] = sum;
-  atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
-  uint before = atomic_fetch_add_explicit((device atomic_uint*)counter, 1u, memory_order_relaxed);
+  muser_device_fence();
+  uint before = muser_atomic_add((device uint*)counter, 1u);
   last[0] = before + 1u == threadgroups_per_grid.x ? 1u : 0u;
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 if (last[0] != 0u) {
-  atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+  muser_device_fence();
   float all = 0.0f;
   for (uint g = lane; g < threadgroups_per_grid.x; g += 32u) {
     all += partial[g];
@@ -375,10 +375,13 @@ if (last[0] != 0u) {
   all = simd_sum(all);
   if (lane == 0u) {
     total[0] = all;
-    atomic_store_explicit((device atomic_uint*)counter, 0u, memory_order_relaxed);
+    muser_atomic_store((device uint*)counter, 0u);
   }
 }
-""", "")
+"""
+LAST_DONE = KernelSource("last_done", ("x", "counter"), ("partial", "total"), kernels._code_only(LAST_DONE_BODY),
+                         kernels._code_only(kernels._used_helpers(
+                             (kernels.kernel_dir() / f"{kernels.HELPERS}.metal").read_text(), LAST_DONE_BODY)))
 LAST_DONE_LAUNCH = ([mx.float32, mx.uint32], [("WIDTH", 1)], (32 * 40, 1, 1), (32, 1, 1), [(40,), (1,)],
                     [mx.float32, mx.float32])
 
@@ -451,7 +454,7 @@ def test_device_atomics_a_last_threadgroup_done_sum(rng):
         assert np.array(counter).tolist() == [0, 0, 0, 0]
     # Without the reset the counter keeps the launch's count, and the next launch has no last
     # threadgroup: its total stays as MLX left it (NaN here).
-    no_reset = dataclasses.replace(LAST_DONE, body=LAST_DONE.body.replace("counter, 0u,", "counter, threadgroups_per_grid.x,"))
+    no_reset = dataclasses.replace(LAST_DONE, body=LAST_DONE.body.replace("counter, 0u)", "counter, threadgroups_per_grid.x)"))
     run("last_done", [x, counter], template, grid, threadgroup, shapes, dtypes, source=no_reset)
     assert np.array(counter)[0] == 40
     _, total = run("last_done", [x, counter], template, grid, threadgroup, shapes, dtypes, source=no_reset)

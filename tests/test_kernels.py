@@ -204,8 +204,8 @@ def test_the_checks_catch_a_typo(tmp_path):
 
 def test_device_atomics_render_for_metal_and_cuda(tmp_path):
     # The emulator's last-threadgroup-done probe (tests/test_emulated_kernels.py) through both
-    # compile checks: Metal's atomic_fetch_add_explicit, atomic_store_explicit and device fence,
-    # and their CUDA rendering (atomicAdd, atomicExch, __threadfence).
+    # compile checks: blocks.metal's atomics as Metal (atomic_fetch_add_explicit, ...) and as
+    # CUDA (atomicAdd, atomicExch, __threadfence).
     from tests.test_emulated_kernels import LAST_DONE, LAST_DONE_LAUNCH
 
     dtypes, template, _, _, _, output_dtypes = LAST_DONE_LAUNCH
@@ -214,8 +214,7 @@ def test_device_atomics_render_for_metal_and_cuda(tmp_path):
     result = compile_metal(metal, tmp_path)
     assert result.returncode == 0, result.stderr
     cuda = kernels.cuda_program("last_done", specs, output_dtypes, template, kernel=LAST_DONE)
-    assert "muser_atomic_fetch_add((unsigned int*)counter, 1u, 0)" in cuda
-    assert "__threadfence();" in cuda and "memory_order" not in cuda and "atomic_uint" not in cuda
+    assert "return atomicAdd(counter, value);" in cuda and "__threadfence();" in cuda
     result = compile_cuda(cuda, tmp_path)
     assert result.returncode == 0, result.stderr
 
