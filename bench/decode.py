@@ -314,11 +314,11 @@ def main() -> None:
         runs = {label: [] for label, _ in variants} | {variant: [] for variant in args.variant}
         spans = []
 
-        def timed(name, step):
-            start = datetime.datetime.now()
+        def timed(name, step):  # one pipelined run, its wall-clock span kept for --run-spans
+            clock = lambda: datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]  # noqa: E731
+            start = clock()
             runs[name].append(pipelined_decode_ms(step, model, cache, args.steps))
-            spans.append(f"{name.split(':')[0]} {start:%H:%M:%S.%f}"[:-3]
-                         + f"-{datetime.datetime.now():%H:%M:%S.%f}"[:-3] + f" {runs[name][-1]:.2f}")
+            spans.append(f"{name.split(':')[0]} {start}-{clock()} {runs[name][-1]:.2f}")
 
         for _ in range(args.repeats):
             for label, step in variants:

@@ -59,9 +59,14 @@ def source(name: str) -> KernelSource:
             fields[match.group(1)] = match.group(2).split()
     if fields.get("kernel") != [name] or "inputs" not in fields or "outputs" not in fields:
         raise KernelSourceError(f"{path}: needs '// kernel: {name}', '// inputs:' and '// outputs:' lines")
+    return kernel_source(name, tuple(fields["inputs"]), tuple(fields["outputs"]), text)
+
+
+def kernel_source(name: str, inputs: tuple, outputs: tuple, text: str) -> KernelSource:
+    """A kernel's Metal text (a file's, or a test's probe) with the helpers of blocks.metal it
+    uses, comments dropped."""
     header = _used_helpers((kernel_dir() / f"{HELPERS}.metal").read_text(), text)
-    return KernelSource(name, tuple(fields["inputs"]), tuple(fields["outputs"]),
-                        _code_only(text), _code_only(header))
+    return KernelSource(name, inputs, outputs, _code_only(text), _code_only(header))
 
 
 def _used_helpers(helpers: str, body: str) -> str:

@@ -379,9 +379,7 @@ if (last[0] != 0u) {
   }
 }
 """
-LAST_DONE = KernelSource("last_done", ("x", "counter"), ("partial", "total"), kernels._code_only(LAST_DONE_BODY),
-                         kernels._code_only(kernels._used_helpers(
-                             (kernels.kernel_dir() / f"{kernels.HELPERS}.metal").read_text(), LAST_DONE_BODY)))
+LAST_DONE = kernels.kernel_source("last_done", ("x", "counter"), ("partial", "total"), LAST_DONE_BODY)
 LAST_DONE_LAUNCH = ([mx.float32, mx.uint32], [("WIDTH", 1)], (32 * 40, 1, 1), (32, 1, 1), [(40,), (1,)],
                     [mx.float32, mx.float32])
 

@@ -290,7 +290,6 @@ inline uint atomic_fetch_add_explicit(device atomic_uint* object, uint operand, 
   return old;
 }
 inline void atomic_store_explicit(device atomic_uint* object, uint desired, memory_order) { *object = desired; }
-inline uint atomic_load_explicit(const device atomic_uint* object, memory_order) { return *object; }
 inline void atomic_thread_fence(mem_flags, memory_order, thread_scope) {}
 
 }  // namespace metal
