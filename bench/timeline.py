@@ -1,0 +1,160 @@
+"""A timeline of pipelined Muse Glimmer decode steps on a CUDA GPU: where the GPU waits.
+
+The H200 machine has no nsys; PyTorch's profiler (CUPTI, process-wide) records every kernel
+the process runs, MLX's included, with the host's own marks on the same clock. This script
+loads the full-scale file bench/decode.py writes (kept there with --keep, else written here),
+runs generate()'s pipelined loop (decode.py's pipelined_decode_ms) --runs times under the
+profiler, and prints per run:
+- ms per step (host wall clock) and the GPU's busy time per step (the union of its kernels),
+  so a step that is slow with an idle GPU shows as busy << wall;
+- the gaps between consecutive kernels: their sum per step, how many exceed 5 / 20 / 100 us,
+  and the largest, with the kernels on either side;
+- the host's marks per step: building the graph, queuing it (async_eval), waiting (eval).
+Then the kernels' time per step by name, over all runs.
+
+    python bench/timeline.py [--dir /dev/shm] [--steps 20] [--runs 4] [--context 0]
+                             [--trace out.json.gz] [--set module.ATTR=value ...]
+
+--set changes module constants before the step is compiled (decode.py's --variant settings),
+e.g. `--set muser_mlx.models.transformer.SEAM_PRODUCTS=0`.
+
+Needs torch (the H200 machine has it; it is not a dependency of muser_mlx).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import decode as bench_decode  # noqa: E402
+from muser_mlx.generate import load  # noqa: E402
+
+
+def profiled_run(model, cache, steps: int):
+    """generate()'s loop (decode.py's pipelined_decode_ms) with the host's marks; returns its
+    ms per step and the profiler's trace events."""
+    import torch.profiler as tp
+
+    step = bench_decode.fused_step
+    pending = step(model, mx.array([[7]], dtype=mx.int32), cache)
+    mx.async_eval(pending)
+    mx.eval(pending)
+    times = []
+    with tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            tic = time.perf_counter()
+            with tp.record_function(f"build {i}"):
+                following = step(model, pending, cache)
+            with tp.record_function(f"queue {i}"):
+                mx.async_eval(following)
+            with tp.record_function(f"wait {i}"):
+                mx.eval(pending)
+            pending = following
+            times.append(time.perf_counter() - tic)
+        mx.eval(pending)
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        name = f.name
+    prof.export_chrome_trace(name)
+    events = json.loads(Path(name).read_text())["traceEvents"]
+    os.unlink(name)
+    return 1e3 * statistics.median(times), events
+
+
+def summarize(events) -> dict:
+    """The kernels' busy time (union of their intervals), span, gaps between them (with the
+    kernels on either side), and the host marks' median durations by kind."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    marks = [e for e in events if e.get("cat") == "user_annotation" and "dur" in e]
+    if not kernels:
+        return {"kernels": 0}
+    busy, gaps, end = 0.0, [], None
+    for a, b in zip(kernels, kernels[1:] + [None]):
+        start, stop = a["ts"], a["ts"] + a["dur"]
+        if end is None or start >= end:
+            busy += a["dur"]
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+        if b is not None and b["ts"] > end:
+            gaps.append((b["ts"] - end, a["name"], b["name"]))
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    host = collections.defaultdict(list)
+    for m in marks:
+        host[m["name"].split(" ")[0]].append(m["dur"])
+    return {
+        "kernels": len(kernels), "span_us": span, "busy_us": busy, "gaps": gaps,
+        "host": {k: statistics.median(v) for k, v in host.items()},
+        "names": [(k["name"], k["dur"]) for k in kernels],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--runs", type=int, default=4)
+    parser.add_argument("--context", type=int, default=0)
+    parser.add_argument("--trace", help="also write the last run's kernels and marks here (.json.gz)")
+    parser.add_argument("--set", action="append", default=[], help="module.ATTR=value, before compiling")
+    args = parser.parse_args()
+    if args.set:
+        print(f"settings: {args.set}")
+        bench_decode.apply_settings(args.set)
+    path = Path(args.dir) / "muse-glimmer-random-52.gguf"
+    rng = np.random.default_rng(0)
+    if not path.exists() or path.stat().st_size < bench_decode.ARTIFACT_BYTES * 0.9:
+        bench_decode.write_file(path, rng)
+    model, _ = load(path)
+    for tensor in model.file.tensors.values():
+        mx.eval(tensor.data)
+    cache = model.make_cache()
+    bench_decode.fill_context(model, cache, args.context, rng)
+    bench_decode.pipelined_decode_ms(bench_decode.fused_step, model, cache, args.steps)  # compile, warm
+    by_name = collections.defaultdict(float)
+    total_steps = 0
+    for run in range(args.runs):
+        ms, events = profiled_run(model, cache, args.steps)
+        s = summarize(events)
+        if not s["kernels"]:
+            print(f"run {run}: {ms:.2f} ms/step; the profiler recorded no kernel (CUPTI saw none of MLX's)")
+            continue
+        n = args.steps + 1  # the primed step's end and the last one run inside the profile
+        gaps = sorted(s["gaps"], reverse=True)
+        sizes = [g[0] for g in gaps]
+        print(f"run {run}: {ms:.2f} ms/step (host median); GPU: {s['kernels'] / n:.0f} kernels, "
+              f"busy {s['busy_us'] / n / 1e3:.2f} ms and span {s['span_us'] / n / 1e3:.2f} ms a step; "
+              f"gaps {sum(sizes) / n / 1e3:.2f} ms a step, "
+              f"{sum(g > 5 for g in sizes) / n:.1f} > 5 us, {sum(g > 20 for g in sizes) / n:.1f} > 20 us, "
+              f"{sum(g > 100 for g in sizes) / n:.2f} > 100 us a step; host marks (median us): "
+              f"{ {k: round(v) for k, v in s['host'].items()} }", flush=True)
+        for size, before, after in gaps[:4]:
+            print(f"    gap {size:7.1f} us: {before[:50]} -> {after[:50]}")
+        for name, dur in s["names"]:
+            by_name[name] += dur
+        total_steps += n
+        if args.trace and run == args.runs - 1:
+            keep = [e for e in events if e.get("cat") in ("kernel", "user_annotation")]
+            with gzip.open(args.trace, "wt") as f:
+                json.dump(keep, f)
+    if total_steps:
+        print("kernels by GPU time a step (us):")
+        for name, dur in sorted(by_name.items(), key=lambda kv: -kv[1])[:20]:
+            print(f"  {dur / total_steps:8.1f}  {name[:90]}")
+
+
+if __name__ == "__main__":
+    main()
