@@ -16,7 +16,7 @@ Then the kernels' time per step by name, over all runs.
                              [--trace out.json.gz] [--set module.ATTR=value ...]
 
 --set changes module constants before the step is compiled (decode.py's --variant settings),
-e.g. `--set muser_mlx.models.transformer.SEAM_PRODUCTS=0`.
+e.g. `--set muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1`.
 
 Needs torch (the H200 machine has it; it is not a dependency of muser_mlx).
 """
@@ -96,7 +96,7 @@ def summarize(events) -> dict:
     for m in marks:
         host[m["name"].split(" ")[0]].append(m["dur"])
     return {
-        "kernels": len(kernels), "span_us": span, "busy_us": busy, "gaps": gaps,
+        "kernels": len(kernels), "steps": max(1, sum("argmax" in k["name"] for k in kernels)), "span_us": span, "busy_us": busy, "gaps": gaps,
         "host": {k: statistics.median(v) for k, v in host.items()},
         "names": [(k["name"], k["dur"]) for k in kernels],
     }
@@ -132,7 +132,7 @@ def main() -> None:
         if not s["kernels"]:
             print(f"run {run}: {ms:.2f} ms/step; the profiler recorded no kernel (CUPTI saw none of MLX's)")
             continue
-        n = args.steps + 1  # the primed step's end and the last one run inside the profile
+        n = s["steps"]  # the profile's steps, each ending in the greedy argmax
         gaps = sorted(s["gaps"], reverse=True)
         sizes = [g[0] for g in gaps]
         print(f"run {run}: {ms:.2f} ms/step (host median); GPU: {s['kernels'] / n:.0f} kernels, "
