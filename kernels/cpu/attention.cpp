@@ -203,6 +203,7 @@ void attention_decode(const float* y, const float* bias, const float* q_norm, in
   rope_angles(position, shape, cos, sin);
   int workers = seen * heads * head_dim >= (1 << 17) ? threads : 1;
   ThreadPool::instance().run(static_cast<int>(heads), workers, [&](int task) {
+    FlushSubnormals flush;
     int64_t h = task;
     std::vector<float> q(head_dim), scores;
     prepare_head(q.data(), y, shape.q_off + h * head_dim, bias, h * head_dim, q_norm, cos, sin,
@@ -228,6 +229,7 @@ void attention(const float* q, const float* k, const float* v, const bool* mask,
   int64_t tasks = batch * heads * tasks_per_head;
   int workers = tokens * keys * heads * head_dim >= (1 << 17) ? threads : 1;
   ThreadPool::instance().run(static_cast<int>(tasks), workers, [&](int task) {
+    FlushSubnormals flush;
     std::vector<float> scores;
     int64_t bh = task / tasks_per_head;  // b * heads + h
     int64_t b = bh / heads, h = bh % heads;
