@@ -6,7 +6,7 @@ import math
 
 import mlx.core as mx
 
-from muser_mlx import kernels
+from muser_mlx import cpu_ext, kernels
 from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx
 
 
@@ -28,9 +28,16 @@ def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weig
         normed = rms(sum, next_eps) * next_weight
 
     residual, branch: float32 [..., hidden]; weights: float32 [hidden]. Returns (sum, normed).
-    MLX's own ops on every backend: a fused kernel for this seam measured slower on the H200
-    (bench/RESULTS.md, session 3), so it did not replace them.
+    On the CPU the compiled primitive (cpu_ext.residual_norm, the CPU decode step's), where MLX's
+    ops took ~0.7 ms a Gemma 3 layer of a 128-token prompt (RESULTS.md, session 13); elsewhere
+    MLX's own ops: a fused kernel for this seam measured slower on the H200 (bench/RESULTS.md,
+    session 3), so it did not replace them.
     """
+    if kernels.backend() == "cpu" and cpu_ext.available():
+        shape, hidden = branch.shape, branch.shape[-1]
+        total, normed = cpu_ext.residual_norm(residual.reshape(-1, hidden), branch.reshape(-1, hidden),
+                                              branch_weight, next_weight, branch_eps, next_eps)
+        return total.reshape(shape), normed.reshape(shape)
     branch = branch.astype(mx.float32)
     if branch_weight is not None:
         branch = mx.fast.rms_norm(branch, branch_weight, branch_eps)
