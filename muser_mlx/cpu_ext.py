@@ -104,6 +104,15 @@ def residual_norm(residual: mx.array | None, branch: mx.array, branch_weight: mx
     return total, normed
 
 
+def norm_rope_heads(y: mx.array, heads: int, head_dim: int, norm: mx.array | None, eps: float,
+                    rope: dict | None, start: int) -> mx.array:
+    """ops.split_heads as one primitive: y float [B, T, heads * head_dim] -> [B, heads, T,
+    head_dim], each head RMS-normed by `norm` (None: not), then rotated by RoPE (rope:
+    dict(dims, base, traditional), or None) from position `start`; angles in double."""
+    return _cpu_kernels.norm_rope_heads(y, norm, heads, head_dim, 0, eps, start, rope["dims"] if rope else 0,
+                                        rope["base"] if rope else 0.0, bool(rope and rope["traditional"]))
+
+
 def gated_activation(gate: mx.array, up: mx.array, activation: str) -> mx.array:
     """act(gate) * up as one primitive, 16 values at a time: activation "silu" (x sigmoid(x))
     or "gelu_tanh" (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), computed as x sigmoid(2u)).

@@ -319,3 +319,59 @@ def test_ops_attention_runs_the_compiled_attention_on_the_cpu(rng, monkeypatch):
 def test_attention_refuses_a_head_dim_off_16():
     with pytest.raises(ValueError, match=r"head_dim of 16\), got q \(1,2,1,24\)"):
         cpu_ext.attention(mx.zeros((1, 2, 1, 24)), mx.zeros((1, 1, 3, 24)), mx.zeros((1, 1, 3, 24)), 1.0, None)
+
+
+# --- a prompt's heads: per-head norm and RoPE (ops.split_heads on the CPU) --------------------
+# 70 tokens from position 1000: the angles are computed directly every 32 positions and by
+# rotation between them; partial rotation, the consecutive layout, no norm, no rotation.
+@pytest.mark.parametrize("heads, head_dim, rotary_dim, traditional, normed",
+                         [(4, 256, 256, False, True), (3, 64, 32, True, True), (2, 128, 128, False, False),
+                          (2, 64, 0, False, True)],
+                         ids=["gemma-q", "partial-consecutive", "rope-only", "norm-only"])
+def test_norm_rope_heads_matches_reference(rng, heads, head_dim, rotary_dim, traditional, normed):
+    from muser_mlx.reference import rope, rms
+
+    tokens, start, extra = 70, 1000, 3 * head_dim
+    y = (rng.standard_normal((2, tokens, heads * head_dim + extra)) * 4).astype(np.float32)
+    norm = rng.uniform(0.5, 1.5, head_dim).astype(np.float32)
+    whole = mx.array(y)
+    part = whole[..., extra:]  # a slice of a wider product output, read in place
+    rope_args = dict(dims=rotary_dim, base=10000.0, traditional=traditional) if rotary_dim else None
+    out = np.array(ops.split_heads(part, heads, head_dim, mx.array(norm) if normed else None, 1e-6,
+                                   rope_args, start))
+    expected = y[..., extra:].astype(np.float64).reshape(2, tokens, heads, head_dim)
+    if normed:
+        expected = rms(expected, 1e-6) * norm
+    if rotary_dim:
+        positions = np.arange(start, start + tokens, dtype=np.float64)
+        expected = np.stack([rope(e, positions, rotary_dim, 10000.0, traditional) for e in expected])
+    assert out.shape == (2, heads, tokens, head_dim)
+    assert relative_error(out, expected.transpose(0, 2, 1, 3)) <= 1e-6
+
+
+def test_ops_split_heads_runs_the_compiled_heads_on_the_cpu(rng, monkeypatch):
+    calls = []
+    real = cpu_ext.norm_rope_heads
+    monkeypatch.setattr(cpu_ext, "norm_rope_heads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y = mx.array(rng.standard_normal((1, 5, 128)).astype(np.float32))
+    rope_args = dict(dims=64, base=10000.0, traditional=False)
+    fused = np.array(ops.split_heads(y, 2, 64, mx.ones((64,)), 1e-6, rope_args, 7))
+    assert calls == [1]
+    monkeypatch.setattr(cpu_ext, "available", lambda: False)  # MLX's ops: the same heads
+    plain = np.array(ops.split_heads(y, 2, 64, mx.ones((64,)), 1e-6, rope_args, 7))
+    assert relative_error(fused, plain) <= 1e-5
+
+
+@pytest.mark.parametrize("shape, heads, head_dim, rotary_dim, norm_shape, message", [
+    ((1, 4, 100), 2, 64, 64, None, "2 heads of 64"),
+    ((1, 4, 128), 2, 64, 33, None, "even rotary_dim"),
+    ((1, 4, 128), 2, 64, 128, None, "even rotary_dim"),
+    ((1, 4, 128), 2, 64, 64, (32,), "norm"),
+    ((4, 128), 2, 64, 64, None, "batch, tokens, width"),
+])
+def test_norm_rope_heads_refuses_what_does_not_fit(shape, heads, head_dim, rotary_dim, norm_shape, message):
+    from muser_mlx import _cpu_kernels
+
+    norm = mx.ones(norm_shape) if norm_shape else None
+    with pytest.raises(ValueError, match=message):
+        _cpu_kernels.norm_rope_heads(mx.zeros(shape), norm, heads, head_dim, 0, 1e-6, 0, rotary_dim, 10000.0, False)

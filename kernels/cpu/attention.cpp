@@ -243,4 +243,46 @@ void attention(const float* q, const float* k, const float* v, const bool* mask,
   });
 }
 
+void norm_rope_heads(const float* y, int64_t stride, int64_t offset, const float* norm,
+                     float* out, int64_t batch, int64_t tokens, int64_t heads, int64_t head_dim,
+                     float eps, int64_t start, int64_t rotary_dim, float base, bool traditional) {
+  const int64_t half = rotary_dim / 2;
+  std::vector<float> cos_table(tokens * half), sin_table(tokens * half);
+  for (int64_t i = 0; i < half; ++i) {
+    double theta = std::pow(static_cast<double>(base), -2.0 * i / rotary_dim);
+    double step_cos = std::cos(theta), step_sin = std::sin(theta), c = 0.0, s = 0.0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (t % 32 == 0) {
+        double angle = static_cast<double>(start + t) * theta;
+        c = std::cos(angle);
+        s = std::sin(angle);
+      } else {
+        double next_c = c * step_cos - s * step_sin;
+        s = s * step_cos + c * step_sin;
+        c = next_c;
+      }
+      cos_table[t * half + i] = static_cast<float>(c);
+      sin_table[t * half + i] = static_cast<float>(s);
+    }
+  }
+  std::vector<float> cos(half), sin(half);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::copy(cos_table.begin() + t * half, cos_table.begin() + (t + 1) * half, cos.begin());
+      std::copy(sin_table.begin() + t * half, sin_table.begin() + (t + 1) * half, sin.begin());
+      const float* row = y + (b * tokens + t) * stride + offset;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* head = out + ((b * heads + h) * tokens + t) * head_dim;
+        std::copy(row + h * head_dim, row + (h + 1) * head_dim, head);
+        if (norm) {
+          rms_norm_in_place(head, norm, head_dim, eps);
+        }
+        if (half > 0) {
+          rotate(head, cos, sin, traditional);
+        }
+      }
+    }
+  }
+}
+
 } // namespace muser::cpu

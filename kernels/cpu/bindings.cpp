@@ -103,6 +103,17 @@ Returns o [1, heads * head_dim].)");
 or (gelu=True) GELU's tanh form, x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)). gate and up
 [..., n] of one shape; slices of one product's output are read in place.)");
 
+  using NormRopeHeadsOp = mx::array (*)(const mx::array&, const std::optional<mx::array>&, int,
+                                        int, int, float, int, int, float, bool,
+                                        mx::StreamOrDevice);
+  m.def("norm_rope_heads", static_cast<NormRopeHeadsOp>(&muser::cpu::norm_rope_heads), "y"_a,
+        "norm"_a.none(), "heads"_a, "head_dim"_a, "offset"_a, "eps"_a, "start"_a, "rotary_dim"_a,
+        "base"_a, "traditional"_a, nb::kw_only(), "stream"_a = nb::none(),
+        R"(A prompt's heads on the CPU, in float32: y [batch, tokens, width] (heads of head_dim
+values from `offset`) as [batch, heads, tokens, head_dim], each head RMS-normed by `norm`
+[head_dim] (None: not normed), then its first rotary_dim channels rotated by RoPE at positions
+start, start + 1, ... (rotary_dim 0: not rotated; angles in double, as the decode step's).)");
+
   m.def("has_product", &muser::cpu::has_product, "ggml_type"_a,
         "Whether ggml type `ggml_type` has a CPU product here.");
   m.attr("mlx_version") = MUSER_MLX_VERSION;  // the MLX it was compiled against

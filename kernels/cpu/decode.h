@@ -52,4 +52,14 @@ void attention_decode(const float* y, const float* bias, const float* q_norm, in
                       const float* keys, const float* values, float* out,
                       const DecodeHeads& shape, int threads);
 
+// A prompt's heads as attention takes them: rows of y (row r of `rows` = batch x tokens at
+// y + r * stride, head h at offset + h * head_dim) into out [batch, heads, tokens, head_dim],
+// each head normed by `norm` [head_dim] unless null, then its first rotary_dim channels rotated
+// (pairs as DecodeHeads.traditional) by position start + t (t = r % tokens). The angles are
+// write_cache's, p * base^(-2i / rotary_dim) in double; cos and sin are computed directly every
+// 32 positions and by rotation in between.
+void norm_rope_heads(const float* y, int64_t stride, int64_t offset, const float* norm,
+                     float* out, int64_t batch, int64_t tokens, int64_t heads, int64_t head_dim,
+                     float eps, int64_t start, int64_t rotary_dim, float base, bool traditional);
+
 } // namespace muser::cpu

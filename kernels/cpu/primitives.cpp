@@ -495,4 +495,62 @@ bool AttentionDecode::is_equivalent(const mx::Primitive& other) const {
          threads_ == o.threads_;
 }
 
+mx::array norm_rope_heads(const mx::array& y, const std::optional<mx::array>& norm, int heads,
+                          int head_dim, int offset, float eps, int start, int rotary_dim,
+                          float base, bool traditional, mx::StreamOrDevice s) {
+  if (y.ndim() != 3 || heads < 1 || head_dim < 1 || offset < 0 ||
+      offset + static_cast<int64_t>(heads) * head_dim > y.shape(2) || rotary_dim < 0 ||
+      rotary_dim > head_dim || rotary_dim % 2 || start < 0 ||
+      (norm && (norm->ndim() != 1 || norm->shape(0) != head_dim))) {
+    std::ostringstream message;
+    message << "[norm_rope_heads] expected y [batch, tokens, width] holding " << heads
+            << " heads of " << head_dim << " values from " << offset << ", an even rotary_dim "
+            << "<= head_dim and a norm [head_dim], got y " << y.shape() << ", rotary_dim "
+            << rotary_dim << (norm ? ", norm " : "") ;
+    if (norm) {
+      message << norm->shape();
+    }
+    throw std::invalid_argument(message.str());
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs{as_f32(y, stream)};
+  if (norm) {
+    inputs.push_back(as_f32(*norm, stream));
+  }
+  return mx::array({y.shape(0), heads, y.shape(1), head_dim}, mx::float32,
+                   std::make_shared<NormRopeHeads>(stream, heads, head_dim, offset, eps, start,
+                                                   rotary_dim, base, traditional, norm.has_value()),
+                   inputs);
+}
+
+void NormRopeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& input : inputs) {
+    encoder.set_input_array(input);
+  }
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  encoder.set_output_array(out);
+  auto [y, stride] = rows_of(inputs[0], encoder);
+  const float* norm = norm_ ? row_major<float>(inputs[1], encoder) : nullptr;
+  encoder.dispatch([=, out_data = out.data<float>(), batch = inputs[0].shape(0),
+                    tokens = inputs[0].shape(1), heads = heads_, head_dim = head_dim_,
+                    offset = offset_, eps = eps_, start = start_, rotary_dim = rotary_dim_,
+                    base = base_, traditional = traditional_]() {
+    norm_rope_heads(y, stride, offset, norm, out_data, batch, tokens, heads, head_dim, eps, start,
+                    rotary_dim, base, traditional);
+  });
+}
+
+void NormRopeHeads::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[norm_rope_heads] runs on the CPU only");
+}
+
+bool NormRopeHeads::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const NormRopeHeads&>(other);
+  return heads_ == o.heads_ && head_dim_ == o.head_dim_ && offset_ == o.offset_ &&
+         eps_ == o.eps_ && start_ == o.start_ && rotary_dim_ == o.rotary_dim_ &&
+         base_ == o.base_ && traditional_ == o.traditional_ && norm_ == o.norm_;
+}
+
 } // namespace muser::cpu

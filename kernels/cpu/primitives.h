@@ -160,4 +160,33 @@ class AttentionDecode : public mx::Primitive {
   int threads_;
 };
 
+// A prompt's heads (decode.h's norm_rope_heads): y float [batch, tokens, width] (a slice of a
+// product's output is read in place), heads of head_dim values from `offset`; norm float
+// [head_dim] or none; rotary_dim 0: no rotation. Returns float32 [batch, heads, tokens, head_dim].
+mx::array norm_rope_heads(const mx::array& y, const std::optional<mx::array>& norm, int heads,
+                          int head_dim, int offset, float eps, int start, int rotary_dim,
+                          float base, bool traditional, mx::StreamOrDevice s = {});
+
+class NormRopeHeads : public mx::Primitive {
+ public:
+  NormRopeHeads(mx::Stream stream, int heads, int head_dim, int offset, float eps, int start,
+                int rotary_dim, float base, bool traditional, bool norm)
+      : mx::Primitive(stream), heads_(heads), head_dim_(head_dim), offset_(offset), eps_(eps),
+        start_(start), rotary_dim_(rotary_dim), base_(base), traditional_(traditional),
+        norm_(norm) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "NormRopeHeads"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int heads_, head_dim_, offset_;
+  float eps_;
+  int start_, rotary_dim_;
+  float base_;
+  bool traditional_, norm_;
+};
+
 } // namespace muser::cpu
