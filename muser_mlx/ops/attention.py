@@ -40,7 +40,8 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
     q: [B, T, heads * head_dim], k: [B, T, kv_heads * head_dim] float32; weights [head_dim];
     start: the position of row 0; rope: None (no rotation) or dict(dims, base, traditional).
     Returns q [B, heads, T, head_dim] and k [B, kv_heads, T, head_dim]: on a GPU from one
-    launch of kernel qk_norm_rope, on the CPU from MLX's rms_norm and rope.
+    launch of kernel qk_norm_rope, on the CPU through split_heads (the compiled primitive
+    norm_rope_heads, or MLX's rms_norm and rope without the extension).
     """
     batch, tokens, _ = q.shape
     if kernels.backend() == "cpu":
@@ -62,8 +63,9 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
 
 def qk_norm_rope_mlx(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.array, heads: int,
                      kv_heads: int, head_dim: int, eps: float, start: int, rope: dict | None):
-    """qk_norm_rope as MLX's own ops (split, rms_norm, rope, for q and k): its CPU rendering,
-    and on a GPU what the fused kernel is measured against (bench/decode.py)."""
+    """qk_norm_rope as split_heads for q and k: its CPU rendering (cpu_ext.norm_rope_heads,
+    or MLX's split, rms_norm and rope), and on a GPU (MLX's ops) what the fused kernel is
+    measured against (bench/decode.py)."""
     return (split_heads(q, heads, head_dim, q_weight, eps, rope, start),
             split_heads(k, kv_heads, head_dim, k_weight, eps, rope, start))
 
