@@ -28,6 +28,9 @@ namespace muser::cpu {
 namespace {
 
 constexpr int64_t ROWS_PER_TASK = 16;
+// Tasks of fewer query rows score one key at a time (attend_row): transposing a block of 16
+// keys costs about as much as scoring it for 4 rows.
+constexpr int64_t BLOCK_MIN_ROWS = 4;
 
 inline float hsum(f32x16 v) {
   float sum = 0;
@@ -305,10 +308,19 @@ void attention(const float* q, const float* k, const float* v, const bool* mask,
     int64_t b = bh / heads, h = bh % heads;
     int64_t kv = b * kv_heads + h / group;
     int64_t t0 = (task % tasks_per_head) * ROWS_PER_TASK;
+    int64_t rows = std::min(tokens, t0 + ROWS_PER_TASK) - t0;
+    if (rows < BLOCK_MIN_ROWS) {  // a transposed key block would serve too few rows
+      std::vector<float> scores;
+      for (int64_t t = t0; t < t0 + rows; ++t) {
+        attend_row(q + (bh * tokens + t) * head_dim, k + kv * keys * head_dim,
+                   v + kv * keys * head_dim, mask ? mask + t * keys : nullptr,
+                   out + (bh * tokens + t) * head_dim, keys, head_dim, scale, scores);
+      }
+      return;
+    }
     attend_rows(q + (bh * tokens + t0) * head_dim, k + kv * keys * head_dim,
                 v + kv * keys * head_dim, mask ? mask + t0 * keys : nullptr,
-                out + (bh * tokens + t0) * head_dim, std::min(tokens, t0 + ROWS_PER_TASK) - t0,
-                keys, head_dim, scale);
+                out + (bh * tokens + t0) * head_dim, rows, keys, head_dim, scale);
   });
 }
 
