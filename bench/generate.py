@@ -45,8 +45,9 @@ import json, sys, time
 import numpy as np
 from llama_cpp import Llama
 args = json.loads(sys.argv[1])
-llm = Llama(args["path"], n_ctx=512, n_batch=512, n_threads=args["threads"],
-            n_threads_batch=args["threads"], verbose=False)
+context = max(512, len(args["ids"]) + args["new_tokens"] + 1)  # n_batch too: llama-cpp-python keeps
+llm = Llama(args["path"], n_ctx=context, n_batch=context,     # n_batch rows of scores
+            n_threads=args["threads"], n_threads_batch=args["threads"], verbose=False)
 best_prompt = best_decode = 0.0
 for run in range(args["runs"] + 1):  # the first run warms up
     llm.reset()
