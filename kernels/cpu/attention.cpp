@@ -1,12 +1,17 @@
-// Attention on the CPU: for each query row, the scores against every visible key (one dot
-// product of head_dim floats each), their softmax, and the weighted sum of the value rows.
+// Attention on the CPU: for each query row, the scores against every visible key, their
+// softmax, and the weighted sum of the value rows. A task of at least BLOCK_MIN_ROWS rows
+// scores 16 keys at a time for all its rows (attend_rows); fewer rows, and a decode token,
+// score one key at a time (attend_row: a dot product of head_dim floats each).
 //
 // Grid: batch x heads x tokens query rows, split into ROWS_PER_TASK-row tasks that `threads`
 // threads claim in turn (thread_pool.h); the rows of a task share one head, so its key and
 // value rows stay in cache across them.
 // Bytes per call: q and out once; k and v once per task (from cache after the first).
-// Bounds: masked keys are skipped (not scored); a row with no visible key is written as
-// zeros; keys beyond the last multiple of 16 get scalar code.
+// Bounds: attend_row skips masked keys; attend_rows skips blocks of 16 keys that no row of its
+// task sees, and scores the other masked keys before setting them to -inf (a partial last
+// block re-reads its last key, never stored). A row with no visible key is written as zeros;
+// keys beyond the last multiple of 16 get scalar code in the softmax. head_dim is a multiple of
+// 16 (the op checks).
 
 #include "attention.h"
 
