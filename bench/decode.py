@@ -38,8 +38,9 @@ fused one replaces; --no-compile runs the fused step without mx.compile.
 from __future__ import annotations
 
 import argparse
-import datetime
 import ast
+import contextlib
+import datetime
 import importlib
 import os
 import statistics
@@ -199,21 +200,28 @@ def decode_ms(step, model, cache, steps: int) -> tuple[float, float]:
     return 1e3 * statistics.median(times[3:]), 1e3 * statistics.median(builds[3:])
 
 
-def pipelined_decode_ms(step, model, cache, steps: int, trace: list | None = None) -> float:
+def pipelined_decode_ms(step, model, cache, steps: int, trace: list | None = None,
+                        mark=lambda name: contextlib.nullcontext()) -> float:
     """As generate()'s loop runs: step n+1's graph is built from step n's lazy token and
     queued (async_eval) before waiting for step n, so building overlaps the GPU's work.
     trace: gets each step's (ms in all, building, building + queuing): MLX's async_eval waits
-    while its maximum of tasks (CUDA graphs of 20 ops) is in flight (RESULTS.md, session 11)."""
+    while its maximum of tasks (CUDA graphs, of up to 100 operations on sm_90) is in flight
+    (RESULTS.md, sessions 11 and 13).
+    mark(name): a context manager around each step's "build", "queue" and "wait" (a profiler's
+    marks, bench/timeline.py)."""
     pending = step(model, mx.array([[7]], dtype=mx.int32), cache)
     mx.async_eval(pending)
     times = []
     for _ in range(steps + 3):
         tic = time.perf_counter()
-        following = step(model, pending, cache)
+        with mark("build"):
+            following = step(model, pending, cache)
         built = time.perf_counter()
-        mx.async_eval(following)
+        with mark("queue"):
+            mx.async_eval(following)
         queued = time.perf_counter()
-        mx.eval(pending)
+        with mark("wait"):
+            mx.eval(pending)
         pending = following
         times.append(time.perf_counter() - tic)
         if trace is not None:

@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,33 +43,20 @@ from muser_mlx.generate import load  # noqa: E402
 
 
 def profiled_run(model, cache, steps: int):
-    """generate()'s loop (decode.py's pipelined_decode_ms) with the host's marks; returns its
-    ms per step and the profiler's trace events."""
+    """generate()'s loop (decode.py's pipelined_decode_ms, with the profiler's marks of each
+    step's build, queue and wait) under the profiler; returns its ms per step and the trace
+    events."""
     import torch.profiler as tp
 
-    step = bench_decode.fused_step
-    pending = step(model, mx.array([[7]], dtype=mx.int32), cache)
-    mx.async_eval(pending)
-    mx.eval(pending)
-    times = []
     with tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            tic = time.perf_counter()
-            with tp.record_function(f"build {i}"):
-                following = step(model, pending, cache)
-            with tp.record_function(f"queue {i}"):
-                mx.async_eval(following)
-            with tp.record_function(f"wait {i}"):
-                mx.eval(pending)
-            pending = following
-            times.append(time.perf_counter() - tic)
-        mx.eval(pending)
+        ms = bench_decode.pipelined_decode_ms(bench_decode.fused_step, model, cache, steps,
+                                              mark=tp.record_function)
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         name = f.name
     prof.export_chrome_trace(name)
     events = json.loads(Path(name).read_text())["traceEvents"]
     os.unlink(name)
-    return 1e3 * statistics.median(times), events
+    return ms, events
 
 
 def summarize(events) -> dict:

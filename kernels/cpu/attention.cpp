@@ -80,8 +80,8 @@ constexpr auto WEIGHTED_SUMS = weighted_sums(std::make_integer_sequence<int, MAX
 // One query row's softmax and weighted sum, from its scores [keys] (masked: -inf) and their
 // maximum `top`: out_row [head_dim]; zeros when no key is visible. Overwrites scores with the
 // weights.
-void finish_row(std::vector<float>& scores, float top, const float* v, float* out_row,
-                int64_t keys, int64_t head_dim) {
+void finish_row(float* scores, float top, const float* v, float* out_row, int64_t keys,
+                int64_t head_dim) {
   std::fill(out_row, out_row + head_dim, 0.0f);
   if (top == -std::numeric_limits<float>::infinity()) {
     return;  // no visible key
@@ -89,11 +89,11 @@ void finish_row(std::vector<float>& scores, float top, const float* v, float* ou
   float total = 0;
   int64_t s = 0;
   for (; s + 16 <= keys; s += 16) {
-    f32x16 p = exp16(load<f32x16>(scores.data() + s) - top);
+    f32x16 p = exp16(load<f32x16>(scores + s) - top);
     for (int lane = 0; lane < 16; ++lane) {  // masked keys: -inf - top -> flushed to 0
       p[lane] = scores[s + lane] == -std::numeric_limits<float>::infinity() ? 0.0f : p[lane];
     }
-    store(scores.data() + s, p);
+    store(scores + s, p);
     total += hsum(p);
   }
   for (; s < keys; ++s) {
@@ -102,7 +102,7 @@ void finish_row(std::vector<float>& scores, float top, const float* v, float* ou
   }
   for (int64_t d = 0; d < head_dim; d += 16 * MAX_VECTORS) {
     int vectors = static_cast<int>(std::min<int64_t>(MAX_VECTORS, (head_dim - d) / 16));
-    WEIGHTED_SUMS[vectors - 1](scores.data(), v + d, head_dim, keys, total, out_row + d);
+    WEIGHTED_SUMS[vectors - 1](scores, v + d, head_dim, keys, total, out_row + d);
   }
 }
 
@@ -124,7 +124,7 @@ void attend_row(const float* q_row, const float* k, const float* v, const bool* 
     scores[s] = scale * hsum(acc);
     top = std::max(top, scores[s]);
   }
-  finish_row(scores, top, v, out_row, keys, head_dim);
+  finish_row(scores.data(), top, v, out_row, keys, head_dim);
 }
 
 // `rows` consecutive query rows of one head (q [rows, head_dim], masks [rows, keys] or null),
@@ -135,7 +135,7 @@ void attend_row(const float* q_row, const float* k, const float* v, const bool* 
 // Blocks no row sees are skipped; masked keys are scored, then set to -inf.
 void attend_rows(const float* q, const float* k, const float* v, const bool* mask, float* out,
                  int64_t rows, int64_t keys, int64_t head_dim, float scale) {
-  thread_local std::vector<float> kt, all_scores, row_scores;
+  thread_local std::vector<float> kt, all_scores;
   thread_local std::vector<f32x16> tops;  // each row's running maximum, lane by lane
   const f32x16 none = f32x16{} - std::numeric_limits<float>::infinity();
   kt.resize(head_dim * 16);
@@ -180,13 +180,11 @@ void attend_rows(const float* q, const float* k, const float* v, const bool* mas
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = all_scores.data() + r * keys;
-    row_scores.assign(row, row + keys);
     float top = -std::numeric_limits<float>::infinity();
     for (int lane = 0; lane < 16; ++lane) {
       top = std::max(top, tops[r][lane]);
     }
-    finish_row(row_scores, top, v, out + r * head_dim, keys, head_dim);
+    finish_row(all_scores.data() + r * keys, top, v, out + r * head_dim, keys, head_dim);
   }
 }
 
@@ -202,11 +200,9 @@ void rms_norm_in_place(float* x, const float* weight, int64_t n, float eps) {
   }
 }
 
-// RoPE on one head x [head_dim]: pair i of the first `cos.size() * 2` channels rotated by the
-// angle whose cosine and sine are cos[i], sin[i].
-void rotate(float* x, const std::vector<float>& cos, const std::vector<float>& sin,
-            bool traditional) {
-  int64_t half = static_cast<int64_t>(cos.size());
+// RoPE on one head x [head_dim]: pair i of the first `half * 2` channels rotated by the angle
+// whose cosine and sine are cos[i], sin[i].
+void rotate(float* x, const float* cos, const float* sin, int64_t half, bool traditional) {
   for (int64_t i = 0; i < half; ++i) {
     float& a = traditional ? x[2 * i] : x[i];
     float& b = traditional ? x[2 * i + 1] : x[i + half];
@@ -247,7 +243,7 @@ void prepare_head(float* head, const float* y, int64_t offset, const float* bias
     rms_norm_in_place(head, norm, shape.head_dim, shape.eps);
   }
   if (!cos.empty()) {
-    rotate(head, cos, sin, shape.traditional);
+    rotate(head, cos.data(), sin.data(), static_cast<int64_t>(cos.size()), shape.traditional);
   }
 }
 
@@ -351,11 +347,8 @@ void norm_rope_heads(const float* y, int64_t stride, int64_t offset, const float
       sin_table[t * half + i] = static_cast<float>(s);
     }
   }
-  std::vector<float> cos(half), sin(half);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t t = 0; t < tokens; ++t) {
-      std::copy(cos_table.begin() + t * half, cos_table.begin() + (t + 1) * half, cos.begin());
-      std::copy(sin_table.begin() + t * half, sin_table.begin() + (t + 1) * half, sin.begin());
       const float* row = y + (b * tokens + t) * stride + offset;
       for (int64_t h = 0; h < heads; ++h) {
         float* head = out + ((b * heads + h) * tokens + t) * head_dim;
@@ -364,7 +357,7 @@ void norm_rope_heads(const float* y, int64_t stride, int64_t offset, const float
           rms_norm_in_place(head, norm, head_dim, eps);
         }
         if (half > 0) {
-          rotate(head, cos, sin, traditional);
+          rotate(head, cos_table.data() + t * half, sin_table.data() + t * half, half, traditional);
         }
       }
     }

@@ -506,9 +506,9 @@ mx::array norm_rope_heads(const mx::array& y, const std::optional<mx::array>& no
     message << "[norm_rope_heads] expected y [batch, tokens, width] holding " << heads
             << " heads of " << head_dim << " values from " << offset << ", an even rotary_dim "
             << "<= head_dim and a norm [head_dim], got y " << y.shape() << ", rotary_dim "
-            << rotary_dim << (norm ? ", norm " : "") ;
+            << rotary_dim;
     if (norm) {
-      message << norm->shape();
+      message << ", norm " << norm->shape();
     }
     throw std::invalid_argument(message.str());
   }
