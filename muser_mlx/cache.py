@@ -136,9 +136,16 @@ class SlidingWindowCache:
                     mx.array(np.concatenate([self.positions(), np.arange(start, start + tokens, dtype=np.int32)])),
                     False)
         kept = min(tokens, self.window)  # the chunk's last `window` keys stay
-        slots = mx.array(np.arange(start + tokens - kept, start + tokens) % self.window)
-        self.keys[:, :, slots] = keys[:, :, tokens - kept :].astype(self.dtype)
-        self.values[:, :, slots] = values[:, :, tokens - kept :].astype(self.dtype)
+        # Their slots run from `first` to the ring's end, then on from slot 0: written as one
+        # or two slices (no index array: one made on the host lives in managed memory, and the
+        # first kernel to read it waits for its page to move to the GPU).
+        first = (start + tokens - kept) % self.window
+        head = min(kept, self.window - first)
+        for ring, new in ((self.keys, keys), (self.values, values)):
+            new = new[:, :, tokens - kept :].astype(self.dtype)
+            ring[:, :, first : first + head] = new[:, :, :head]
+            if head < kept:
+                ring[:, :, : kept - head] = new[:, :, head:]
         self.advance(tokens)
         if tokens > 1:
             return seen

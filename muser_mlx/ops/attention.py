@@ -50,7 +50,7 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
     q_out, k_out = kernels.launch(
         "qk_norm_rope",
         inputs=[q, k, q_weight, k_weight, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
-                kernels.padded_array([start], mx.int32), kernels.parameters(eps)],
+                _start_array(start), kernels.parameters(eps)],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"])))],
         grid=(32 * batch * tokens * (heads + kv_heads), 1, 1),
@@ -59,6 +59,14 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
         output_dtypes=[mx.float32, mx.float32],
     )
     return q_out, k_out
+
+
+def _start_array(start: int) -> mx.array:
+    """int32 [start, start + 1, ...] (MIN_ARRAY_VALUES of them; kernels read [0]) computed on
+    the device (an arange): a host-written array lives in managed memory, and the first kernel
+    to read it waits for its page to move (H200, a 512-row prefill chunk: qk_norm_rope took
+    ~150 us a layer, ~5 us of it its own work)."""
+    return mx.arange(start, start + max(1, kernels.MIN_ARRAY_VALUES), dtype=mx.int32)
 
 
 def qk_norm_rope_mlx(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.array, heads: int,
