@@ -4,7 +4,9 @@ A decode step is ~1,000 small ops, so what one op costs apart from its bytes mat
 as the kernels' bandwidth. Each case chains N ops (each one's output the next one's input,
 as in a model), times building the graph in Python and evaluating it, and prints both per op:
 - matvec_q4k on a 256 x 256 Q4_K weight (our kernel, the blocks.metal header included);
-- a bare copy kernel with no header (the same launch path, a short source);
+- a bare copy kernel with no header (the same launch path, a short source), and the same
+  kernel with a 12 KB header of comment lines (MLX builds and hashes a kernel's whole source
+  at every launch: the cost of source size alone);
 - mx.quantized_matmul 4-bit on a 256 x 256 weight (MLX's own quantized op);
 - mx.fast.rms_norm and x * 1.0001 on [1, 256] (MLX's own small ops).
 
@@ -28,6 +30,7 @@ from muser_mlx import gguf, kernels, ops, testing  # noqa: E402
 from muser_mlx.formats import GGMLType  # noqa: E402
 
 WIDTH = 256
+PADDING = 12_000  # bytes of comment lines in the padded copy kernel's header
 
 
 def chain_cost(op, x, count: int, repeats: int) -> tuple[float, float]:
@@ -65,8 +68,10 @@ def main() -> None:
         maker = mx.fast.cuda_kernel if kernels.backend() == "cuda" else mx.fast.metal_kernel
         index = ("(blockIdx.x * blockDim.x + threadIdx.x)" if kernels.backend() == "cuda"
                  else "thread_position_in_grid.x")
-        copy = maker(name="bench_copy", input_names=["x"], output_names=["y"],
-                     source=f"unsigned int i = {index}; if (i < 256) {{ y[i] = x[i]; }}")
+        body = f"unsigned int i = {index}; if (i < 256) {{ y[i] = x[i]; }}"
+        copy = maker(name="bench_copy", input_names=["x"], output_names=["y"], source=body)
+        padded = maker(name="bench_copy_padded", input_names=["x"], output_names=["y"], source=body,
+                       header="".join(f"// {i:5d} {'.' * 70}\n" for i in range(PADDING // 80)))
 
     cases = {
         f"ops.linear Q4_K ({ops.linear_path(GGMLType.Q4_K, 1)})": lambda y: ops.linear(y, tensor),
@@ -77,6 +82,9 @@ def main() -> None:
     }
     if copy is not None:
         cases["bare copy kernel (no header)"] = lambda y: copy(
+            inputs=[y], grid=(WIDTH, 1, 1), threadgroup=(WIDTH, 1, 1), output_shapes=[(1, WIDTH)],
+            output_dtypes=[mx.float32])[0]
+        cases[f"bare copy kernel, {PADDING // 1000} KB header"] = lambda y: padded(
             inputs=[y], grid=(WIDTH, 1, 1), threadgroup=(WIDTH, 1, 1), output_shapes=[(1, WIDTH)],
             output_dtypes=[mx.float32])[0]
     for name, op in cases.items():

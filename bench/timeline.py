@@ -15,6 +15,10 @@ Then the kernels' time per step by name, over all runs.
     python bench/timeline.py [--dir /dev/shm] [--steps 20] [--runs 4] [--context 0]
                              [--trace out.json.gz] [--set module.ATTR=value ...]
 
+--prefill N profiles N 512-row prefill chunks instead (kernel_times.py prefill's measure): the
+GPU's busy time on all streams and on each, and the kernels by time; each --variant
+NAME:module.ATTR=value,... is profiled again with those settings.
+
 --set changes module constants before the step is compiled (decode.py's --variant settings),
 e.g. `--set muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1`.
 
@@ -31,6 +35,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -88,6 +93,71 @@ def summarize(events) -> dict:
     }
 
 
+def busy_us(kernels) -> float:
+    """The union of the kernels' [ts, ts + dur) intervals, us."""
+    busy, end = 0.0, None
+    for k in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = k["ts"], k["ts"] + k["dur"]
+        if end is None or start >= end:
+            busy, end = busy + k["dur"], stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    return busy
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without MLX's namespace and its arguments."""
+    return name.split("(")[0].replace("mlx::core::cu::custom_kernel_muser_", "")[:70]
+
+
+def prefill_profile(args, model, rng, label: str) -> None:
+    """--prefill N: N 512-row chunks from context 0 (kernel_times.py prefill's measure: the
+    hidden states and the last row's logits) under the profiler, after one unprofiled chunk.
+    Prints ms per chunk, then per chunk: the GPU's busy time (all streams), each stream's
+    busy time (their sum over the union shows how much ran at once), and the kernels by time."""
+    import torch.profiler as tp
+
+    def chunk():
+        cache = model.make_cache()
+        ids = mx.array(rng.integers(0, min(1000, model.config.vocab), size=(1, 512)), dtype=mx.int32)
+        mx.eval(model.logits(model.hidden(ids, cache)[:, -1:]))
+
+    chunk()
+    times = []
+    with tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.prefill):
+            tic = time.perf_counter()
+            chunk()
+            times.append(1e3 * (time.perf_counter() - tic))
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        name = f.name
+    prof.export_chrome_trace(name)
+    events = json.loads(Path(name).read_text())["traceEvents"]
+    os.unlink(name)
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    n = args.prefill
+    print(f"prefill {label}: {[round(t, 1) for t in times]} ms per 512-row chunk "
+          f"({512e3 / statistics.median(times):,.0f} tokens/s)")
+    if not kernels:
+        print("  the profiler recorded no kernel")
+        return
+    streams = collections.defaultdict(list)
+    for k in kernels:
+        streams[k.get("args", {}).get("stream", k.get("tid"))].append(k)
+    per_stream = {s: busy_us(ks) / n / 1e3 for s, ks in streams.items()}
+    print(f"  GPU busy {busy_us(kernels) / n / 1e3:.2f} ms a chunk (all streams); by stream (ms): "
+          f"{ {s: round(v, 2) for s, v in per_stream.items()} }; kernels {len(kernels) / n:.0f} a chunk")
+    by_name = collections.defaultdict(lambda: [0.0, 0, set()])
+    for s, ks in streams.items():
+        for k in ks:
+            entry = by_name[short_name(k["name"])]
+            entry[0] += k["dur"]
+            entry[1] += 1
+            entry[2].add(s)
+    for name, (dur, count, where) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:14]:
+        print(f"  {dur / n / 1e3:7.2f} ms  {count / n:6.1f} x  stream {sorted(where)}  {name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
@@ -96,6 +166,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=0)
     parser.add_argument("--trace", help="also write the last run's kernels and marks here (.json.gz)")
     parser.add_argument("--set", action="append", default=[], help="module.ATTR=value, before compiling")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="profile this many 512-row prefill chunks instead of decode steps")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="--prefill: NAME:module.ATTR=value,... profiled again with these settings")
     args = parser.parse_args()
     if args.set:
         print(f"settings: {args.set}")
@@ -107,6 +181,12 @@ def main() -> None:
     model, _ = load(path)
     for tensor in model.file.tensors.values():
         mx.eval(tensor.data)
+    if args.prefill:
+        for label, settings in [("", [])] + [(v.split(":", 1)[0], v.split(":", 1)[1].split(",")) for v in args.variant]:
+            saved = bench_decode.apply_settings(settings)
+            prefill_profile(args, model, rng, f"{label} {settings}" if label else str(args.set))
+            bench_decode.restore_settings(saved)
+        return
     cache = model.make_cache()
     bench_decode.fill_context(model, cache, args.context, rng)
     bench_decode.pipelined_decode_ms(bench_decode.fused_step, model, cache, args.steps)  # compile, warm
