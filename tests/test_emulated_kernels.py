@@ -452,7 +452,8 @@ def test_device_atomics_a_last_threadgroup_done_sum(rng):
         assert np.array(counter).tolist() == [0, 0, 0, 0]
     # Without the reset the counter keeps the launch's count, and the next launch has no last
     # threadgroup: its total stays as MLX left it (NaN here).
-    no_reset = dataclasses.replace(LAST_DONE, body=LAST_DONE.body.replace("counter, 0u)", "counter, threadgroups_per_grid.x)"))
+    no_reset = dataclasses.replace(LAST_DONE, body=LAST_DONE.body.replace("counter,0u)", "counter,threadgroups_per_grid.x)"))
+    assert no_reset.body != LAST_DONE.body
     run("last_done", [x, counter], template, grid, threadgroup, shapes, dtypes, source=no_reset)
     assert np.array(counter)[0] == 40
     _, total = run("last_done", [x, counter], template, grid, threadgroup, shapes, dtypes, source=no_reset)
@@ -465,8 +466,11 @@ def test_device_atomics_a_last_threadgroup_done_sum(rng):
 
 
 def broken(name, part, old, new):
+    """Kernel `name` with `old` replaced by `new` in its header or body (both written as in
+    kernels/, squeezed as kernels.source squeezes the files)."""
     source = kernels.source(name)
     text = getattr(source, part)
+    old, new = kernels._code_only(old).rstrip("\n"), kernels._code_only(new).rstrip("\n")
     assert old in text, f"{name}: the mutation no longer applies; update this test"
     return {name: dataclasses.replace(source, **{part: text.replace(old, new)})}
 

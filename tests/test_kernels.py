@@ -196,10 +196,11 @@ def test_cuda_rendering_compiles(launch, tmp_path):
 
 def test_the_checks_catch_a_typo(tmp_path):
     program = kernels.metal_program(*LAUNCHES["embedding"])
-    broken = program.replace("muser_value<FORMAT>(row, element)", "muser_valeu<FORMAT>(row, element)")
-    assert compile_metal(broken, tmp_path).returncode != 0
+    broken = program.replace("muser_value<FORMAT>(row,element)", "muser_valeu<FORMAT>(row,element)")
+    assert broken != program and compile_metal(broken, tmp_path).returncode != 0
     cuda = kernels.cuda_program(*LAUNCHES["embedding"])
-    assert compile_cuda(cuda.replace("uint slot", "uint slot slot"), tmp_path).returncode != 0
+    broken = cuda.replace("uint slot", "uint slot slot")
+    assert broken != cuda and compile_cuda(broken, tmp_path).returncode != 0
 
 
 def test_device_atomics_render_for_metal_and_cuda(tmp_path):
@@ -214,7 +215,7 @@ def test_device_atomics_render_for_metal_and_cuda(tmp_path):
     result = compile_metal(metal, tmp_path)
     assert result.returncode == 0, result.stderr
     cuda = kernels.cuda_program("last_done", specs, output_dtypes, template, kernel=LAST_DONE)
-    assert "return atomicAdd(counter, value);" in cuda and "__threadfence();" in cuda
+    assert "return atomicAdd(counter,value);" in cuda and "__threadfence();" in cuda
     result = compile_cuda(cuda, tmp_path)
     assert result.returncode == 0, result.stderr
 

@@ -58,7 +58,7 @@ def test_every_launch_of_prefill_and_decode_is_well_formed(tmp_path, rng, record
             # kernel's partial sums have rows for, nor than the row has units for (a SIMD group
             # without a unit would only wait); x comes as float32 rows of IN values.
             x = inputs[1]
-            groups = int(re.search(r"threadgroup float partial\[(\d+) \*", source.body).group(1))
+            groups = int(re.search(r"threadgroup float partial\[(\d+)\s*\*", source.body).group(1))
             units = template["IN"] // SIMD_REDUCING[name].unit
             assert threadgroup[0] <= 32 * groups and grid[0] % threadgroup[0] == 0, where
             assert threadgroup[0] <= 32 * -(-units // 32), where
