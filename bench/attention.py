@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode import apply_settings, restore_settings  # noqa: E402
+from decode import apply_settings, parse_variant, restore_settings  # noqa: E402
 from muser_mlx import cache as cache_module  # noqa: E402
 from muser_mlx import ops  # noqa: E402
 
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[])
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    variants = [("default", [])] + [(v.split(":", 1)[0], v.split(":", 1)[1].split(",")) for v in args.variant]
+    variants = [("default", [])] + [parse_variant(v) for v in args.variant]
     contexts = [int(c) for c in args.contexts.split(",")]
     print(f"device {mx.default_device()}, {args.layers} layers an evaluation, median of {args.repeats}")
     print("| variant | " + " | ".join(f"{kind} ctx {c}" for c in contexts for kind in ("window", "full")) + " |")

@@ -166,6 +166,12 @@ def apply_settings(settings: list[str]) -> list:
     return saved
 
 
+def parse_variant(variant: str) -> tuple[str, list[str]]:
+    """"NAME:module.ATTR=value,..." (a --variant) -> (NAME, its settings for apply_settings)."""
+    name, settings = variant.split(":", 1)
+    return name, settings.split(",")
+
+
 def restore_settings(saved: list) -> None:
     for module, attr, value in reversed(saved):
         setattr(module, attr, value)
@@ -333,7 +339,7 @@ def main() -> None:
                 model._compiled_decode = {}
                 timed(label, step)
             for variant in args.variant:
-                saved = apply_settings(variant.split(":", 1)[1].split(","))
+                saved = apply_settings(parse_variant(variant)[1])
                 model._compiled_decode = {}
                 timed(variant, fused_step)
                 restore_settings(saved)

@@ -70,7 +70,7 @@ def prefill(args) -> None:
     times the same chunks again with those module constants (read at call time) changed."""
     import mlx.core as mx
 
-    from decode import apply_settings, restore_settings, write_file
+    from decode import apply_settings, parse_variant, restore_settings, write_file
     from muser_mlx.generate import load
 
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
@@ -83,22 +83,27 @@ def prefill(args) -> None:
     print(f"after load: active {mx.get_active_memory() / 1e9:.2f} GB, file {path.stat().st_size / 1e9:.2f} GB",
           file=sys.stderr, flush=True)
     rng = np.random.default_rng(1)
-    for label, settings in [("", [])] + [(v.split(":", 1)[0], v.split(":", 1)[1].split(","))
-                                          for v in args.variant]:
+    for label, settings in [("", [])] + [parse_variant(v) for v in args.variant]:
         saved = apply_settings(settings)
         mx.reset_peak_memory()
-        times = []
-        for _ in range(args.steps):
-            cache = model.make_cache()
-            ids = mx.array(rng.integers(0, 1000, size=(1, 512)), dtype=mx.int32)
-            tic = time.perf_counter()
-            mx.eval(model.logits(model.hidden(ids, cache)[:, -1:]))
-            times.append(time.perf_counter() - tic)
-            del cache
+        times = [prefill_chunk(model, rng) for _ in range(args.steps)]
         restore_settings(saved)
         print(f"{args.layers} layers {args.set} {label} {settings}: {[round(1e3 * t, 1) for t in times]} ms per "
               f"512-row chunk from context 0 ({512 / statistics.median(times[1:]):,.0f} tokens/s after the first); "
               f"peak {mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr, flush=True)
+
+
+def prefill_chunk(model, rng) -> float:
+    """One 512-row prefill chunk of random ids from context 0 into a fresh cache, as a
+    prompt's: the hidden states and the last row's logits. Returns its seconds (evaluation
+    only)."""
+    import mlx.core as mx
+
+    cache = model.make_cache()
+    ids = mx.array(rng.integers(0, min(1000, model.config.vocab), size=(1, 512)), dtype=mx.int32)
+    tic = time.perf_counter()
+    mx.eval(model.logits(model.hidden(ids, cache)[:, -1:]))
+    return time.perf_counter() - tic
 
 
 def matvec(args) -> None:

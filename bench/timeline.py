@@ -35,7 +35,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import decode as bench_decode  # noqa: E402
+from kernel_times import prefill_chunk  # noqa: E402
 from muser_mlx.generate import load  # noqa: E402
 
 
@@ -56,21 +56,23 @@ def profiled_run(model, cache, steps: int):
     with tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]) as prof:
         ms = bench_decode.pipelined_decode_ms(bench_decode.fused_step, model, cache, steps,
                                               mark=tp.record_function)
+    return ms, trace_events(prof)
+
+
+def trace_events(prof) -> list:
+    """A finished profile's events, through the Chrome trace it exports."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         name = f.name
     prof.export_chrome_trace(name)
     events = json.loads(Path(name).read_text())["traceEvents"]
     os.unlink(name)
-    return ms, events
+    return events
 
 
-def summarize(events) -> dict:
-    """The kernels' busy time (union of their intervals), span, gaps between them (with the
-    kernels on either side), and the host marks' median durations by kind."""
-    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
-    marks = [e for e in events if e.get("cat") == "user_annotation" and "dur" in e]
-    if not kernels:
-        return {"kernels": 0}
+def union(kernels) -> tuple[float, list]:
+    """The kernels' busy time (the union of their [ts, ts + dur) intervals, us) and the gaps
+    between them: (gap us, kernel before, kernel after)."""
+    kernels = sorted(kernels, key=lambda e: e["ts"])
     busy, gaps, end = 0.0, [], None
     for a, b in zip(kernels, kernels[1:] + [None]):
         start, stop = a["ts"], a["ts"] + a["dur"]
@@ -82,6 +84,17 @@ def summarize(events) -> dict:
             end = stop
         if b is not None and b["ts"] > end:
             gaps.append((b["ts"] - end, a["name"], b["name"]))
+    return busy, gaps
+
+
+def summarize(events) -> dict:
+    """The kernels' busy time (union of their intervals), span, gaps between them (with the
+    kernels on either side), and the host marks' median durations by kind."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    marks = [e for e in events if e.get("cat") == "user_annotation" and "dur" in e]
+    if not kernels:
+        return {"kernels": 0}
+    busy, gaps = union(kernels)
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
     host = collections.defaultdict(list)
     for m in marks:
@@ -91,18 +104,6 @@ def summarize(events) -> dict:
         "host": {k: statistics.median(v) for k, v in host.items()},
         "names": [(k["name"], k["dur"]) for k in kernels],
     }
-
-
-def busy_us(kernels) -> float:
-    """The union of the kernels' [ts, ts + dur) intervals, us."""
-    busy, end = 0.0, None
-    for k in sorted(kernels, key=lambda e: e["ts"]):
-        start, stop = k["ts"], k["ts"] + k["dur"]
-        if end is None or start >= end:
-            busy, end = busy + k["dur"], stop
-        elif stop > end:
-            busy, end = busy + stop - end, stop
-    return busy
 
 
 def short_name(name: str) -> str:
@@ -117,23 +118,10 @@ def prefill_profile(args, model, rng, label: str) -> None:
     busy time (their sum over the union shows how much ran at once), and the kernels by time."""
     import torch.profiler as tp
 
-    def chunk():
-        cache = model.make_cache()
-        ids = mx.array(rng.integers(0, min(1000, model.config.vocab), size=(1, 512)), dtype=mx.int32)
-        mx.eval(model.logits(model.hidden(ids, cache)[:, -1:]))
-
-    chunk()
-    times = []
+    prefill_chunk(model, rng)
     with tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.prefill):
-            tic = time.perf_counter()
-            chunk()
-            times.append(1e3 * (time.perf_counter() - tic))
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        name = f.name
-    prof.export_chrome_trace(name)
-    events = json.loads(Path(name).read_text())["traceEvents"]
-    os.unlink(name)
+        times = [1e3 * prefill_chunk(model, rng) for _ in range(args.prefill)]
+    events = trace_events(prof)
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     n = args.prefill
     print(f"prefill {label}: {[round(t, 1) for t in times]} ms per 512-row chunk "
@@ -144,8 +132,8 @@ def prefill_profile(args, model, rng, label: str) -> None:
     streams = collections.defaultdict(list)
     for k in kernels:
         streams[k.get("args", {}).get("stream", k.get("tid"))].append(k)
-    per_stream = {s: busy_us(ks) / n / 1e3 for s, ks in streams.items()}
-    print(f"  GPU busy {busy_us(kernels) / n / 1e3:.2f} ms a chunk (all streams); by stream (ms): "
+    per_stream = {s: union(ks)[0] / n / 1e3 for s, ks in streams.items()}
+    print(f"  GPU busy {union(kernels)[0] / n / 1e3:.2f} ms a chunk (all streams); by stream (ms): "
           f"{ {s: round(v, 2) for s, v in per_stream.items()} }; kernels {len(kernels) / n:.0f} a chunk")
     by_name = collections.defaultdict(lambda: [0.0, 0, set()])
     for s, ks in streams.items():
@@ -182,7 +170,7 @@ def main() -> None:
     for tensor in model.file.tensors.values():
         mx.eval(tensor.data)
     if args.prefill:
-        for label, settings in [("", [])] + [(v.split(":", 1)[0], v.split(":", 1)[1].split(",")) for v in args.variant]:
+        for label, settings in [("", [])] + [bench_decode.parse_variant(v) for v in args.variant]:
             saved = bench_decode.apply_settings(settings)
             prefill_profile(args, model, rng, f"{label} {settings}" if label else str(args.set))
             bench_decode.restore_settings(saved)
