@@ -7,6 +7,11 @@ as in a model), times building the graph in Python and evaluating it, and prints
 - a bare copy kernel with no header (the same launch path, a short source), and the same
   kernel with a 12 KB header of comment lines (MLX builds and hashes a kernel's whole source
   at every launch: the cost of source size alone);
+- the bare copy kernel with five more (unused) small inputs, with three more outputs, and with
+  one more (unused) 320 MB input: what each array of a launch costs, and what a graph commit
+  costs (MLX's CUDA backend commits a graph every 100 ops or every 1,000 MB of inputs on
+  sm_90, MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER: a decode step's weights commit one
+  every ~3 layers);
 - mx.quantized_matmul 4-bit on a 256 x 256 weight (MLX's own quantized op);
 - mx.fast.rms_norm and x * 1.0001 on [1, 256] (MLX's own small ops).
 
@@ -70,6 +75,10 @@ def main() -> None:
                  else "thread_position_in_grid.x")
         body = f"unsigned int i = {index}; if (i < 256) {{ y[i] = x[i]; }}"
         copy = maker(name="bench_copy", input_names=["x"], output_names=["y"], source=body)
+        many_in = maker(name="bench_copy_many_in", input_names=["x", "a", "b", "c", "d", "e"],
+                        output_names=["y"], source=body)
+        many_out = maker(name="bench_copy_many_out", input_names=["x"], output_names=["y", "p", "q", "r"],
+                         source=body)
         padded = maker(name="bench_copy_padded", input_names=["x"], output_names=["y"], source=body,
                        header="".join(f"// {i:5d} {'.' * 70}\n" for i in range(PADDING // 80)))
 
@@ -87,6 +96,18 @@ def main() -> None:
         cases[f"bare copy kernel, {PADDING // 1000} KB header"] = lambda y: padded(
             inputs=[y], grid=(WIDTH, 1, 1), threadgroup=(WIDTH, 1, 1), output_shapes=[(1, WIDTH)],
             output_dtypes=[mx.float32])[0]
+        smalls = [mx.zeros((4,)) for _ in range(5)]
+        big = mx.zeros((320 << 20,), dtype=mx.uint8)
+        mx.eval(smalls, big)
+        cases["bare copy, 5 more small inputs"] = lambda y: many_in(
+            inputs=[y, *smalls], grid=(WIDTH, 1, 1), threadgroup=(WIDTH, 1, 1), output_shapes=[(1, WIDTH)],
+            output_dtypes=[mx.float32])[0]
+        cases["bare copy, 3 more outputs"] = lambda y: many_out(
+            inputs=[y], grid=(WIDTH, 1, 1), threadgroup=(WIDTH, 1, 1),
+            output_shapes=[(1, WIDTH), (4,), (4,), (4,)], output_dtypes=[mx.float32] * 4)[0]
+        cases["bare copy, one more 320 MB input"] = lambda y: many_in(
+            inputs=[y, big, *smalls[:4]], grid=(WIDTH, 1, 1), threadgroup=(WIDTH, 1, 1),
+            output_shapes=[(1, WIDTH)], output_dtypes=[mx.float32])[0]
     for name, op in cases.items():
         build, run = chain_cost(op, x, args.ops, args.repeats)
         print(f"{name:40s} build {build:6.1f} µs/op   evaluate {run:6.1f} µs/op   total {build + run:6.1f}",
