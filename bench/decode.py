@@ -13,7 +13,8 @@ Floor = weight bytes one decode step reads / copy bandwidth measured in the same
 (an elementwise device copy of 4 GiB, read + write bytes counted).
 
     python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep] [--general] [--no-compile]
-                           [--repeats 1] [--step-times] [--run-spans] [--variant NAME:module.ATTR=value,...]
+                           [--repeats 1] [--step-times] [--run-spans] [--threaded]
+                           [--variant NAME:module.ATTR=value,...]
 
 --variant (repeatable) also times the fused step pipelined with module constants changed, e.g.
 `--variant hg1:muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1` (the step is recompiled; a
@@ -31,6 +32,10 @@ outside log (`nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv
 whole runs come out fast or ~1 ms a step slow, and the clocks were the same in both
 (RESULTS.md, session 12).
 
+--threaded also times the fused step pipelined with a second thread that queues and waits while
+the main thread builds (threaded_decode_ms): whether overlapping the host's build and queuing
+would help a slow host.
+
 --general also times the general step (model(...): MLX ops around float32-x matvec kernels) the
 fused one replaces; --no-compile runs the fused step without mx.compile.
 """
@@ -43,8 +48,10 @@ import contextlib
 import datetime
 import importlib
 import os
+import queue
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -236,6 +243,59 @@ def pipelined_decode_ms(step, model, cache, steps: int, trace: list | None = Non
     return 1e3 * statistics.median(times[3:])
 
 
+def threaded_decode_ms(step, model, cache, steps: int) -> float:
+    """Pipelined with a second thread, to overlap the host's two parts of a step: while a
+    queuing thread queues step n+1 (mx.async_eval, which releases the GIL) and then waits for
+    step n, the main thread builds step n+2's graph from step n+1's lazy token. In
+    pipelined_decode_ms one thread does both in turn, so on a slow host a step costs the host
+    build + queue (RESULTS.md, sessions 13-15). The steps run on a stream any thread may use
+    (mx.new_thread_unsafe_stream); only the queuing thread evaluates."""
+    stream = mx.new_thread_unsafe_stream(mx.default_device())
+    jobs, done = queue.Queue(), queue.Queue()
+
+    def queuing():
+        while (job := jobs.get()) is not None:
+            to_queue, to_wait = job
+            try:
+                if to_queue is not None:
+                    mx.async_eval(to_queue)
+                if to_wait is not None:
+                    mx.eval(to_wait)
+                done.put(None)
+            except BaseException as error:  # handed to the main thread, raised there
+                done.put(error)
+
+    def finished():
+        error = done.get()
+        if error is not None:
+            raise error
+
+    thread = threading.Thread(target=queuing, name="decode-queuing", daemon=True)
+    thread.start()
+    times = []
+    try:
+        with mx.stream(stream):
+            pending = step(model, mx.array([[7]], dtype=mx.int32), cache)
+            jobs.put((pending, None))
+            following = step(model, pending, cache)  # built while `pending` is queued
+            finished()
+            for _ in range(steps + 3):
+                tic = time.perf_counter()
+                jobs.put((following, pending))  # queue step n+1, then wait for step n ...
+                after = step(model, following, cache)  # ... while step n+2 is built here
+                finished()
+                pending, following = following, after
+                times.append(time.perf_counter() - tic)
+            jobs.put((following, pending))
+            finished()
+            jobs.put((None, following))
+            finished()
+    finally:
+        jobs.put(None)
+        thread.join()
+    return 1e3 * statistics.median(times[3:])
+
+
 def linears_only_ms(model, steps: int) -> float:
     """The same step's matrix products alone (every layer's products and the LM head, on
     random activations, one evaluation): the part of a step the weight bytes pay for."""
@@ -279,6 +339,9 @@ def main() -> None:
     parser.add_argument("--run-spans", action="store_true",
                         help="also print each pipelined run's wall-clock span and median (to match a run "
                              "with an outside log, e.g. nvidia-smi's clocks)")
+    parser.add_argument("--threaded", action="store_true",
+                        help="also time the fused step pipelined with a second thread queuing and waiting "
+                             "while the main thread builds (threaded_decode_ms)")
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME:module.ATTR=value,... : the fused step pipelined with those constants")
     args = parser.parse_args()
@@ -325,13 +388,14 @@ def main() -> None:
                   flush=True)
         # Pipelined: the default and each variant in turn, --repeats rounds (each recompiled,
         # so that the rounds' order and recompiles weigh on every row alike); median and range.
-        runs = {label: [] for label, _ in variants} | {variant: [] for variant in args.variant}
+        runs = ({label: [] for label, _ in variants} | {variant: [] for variant in args.variant}
+                | ({"threaded": []} if args.threaded else {}))
         spans = []
 
-        def timed(name, step):  # one pipelined run, its wall-clock span kept for --run-spans
+        def timed(name, step, how=pipelined_decode_ms):  # one run, its wall-clock span kept for --run-spans
             clock = lambda: datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]  # noqa: E731
             start = clock()
-            runs[name].append(pipelined_decode_ms(step, model, cache, args.steps))
+            runs[name].append(how(step, model, cache, args.steps))
             spans.append(f"{name.split(':')[0]} {start}-{clock()} {runs[name][-1]:.2f}")
 
         for _ in range(args.repeats):
@@ -343,6 +407,9 @@ def main() -> None:
                 model._compiled_decode = {}
                 timed(variant, fused_step)
                 restore_settings(saved)
+            if args.threaded:
+                model._compiled_decode = {}  # traced again, on the queuing thread's stream
+                timed("threaded", fused_step, threaded_decode_ms)
             model._compiled_decode = {}
         if args.run_spans:
             print(f"  runs (wall clock, median ms): {'; '.join(spans)}", flush=True)
@@ -357,6 +424,10 @@ def main() -> None:
             print(f"  {label} pipelined (generate's loop): {pipelined:7.2f} ms/token "
                   f"({pipelined / floor_ms:.2f}x the floor; {1e3 / pipelined:.1f} tokens/s){spread(runs[label])}",
                   flush=True)
+        if args.threaded:
+            threaded = statistics.median(runs["threaded"])
+            print(f"  threaded (a second thread queues and waits while this one builds): {threaded:7.2f} "
+                  f"ms/token{spread(runs['threaded'])}", flush=True)
         for variant in args.variant:
             name, settings = variant.split(":", 1)
             print(f"  variant {name} ({settings}) pipelined: {statistics.median(runs[variant]):7.2f} ms/token"
