@@ -407,9 +407,13 @@ def main() -> None:
                 model._compiled_decode = {}
                 timed(variant, fused_step)
                 restore_settings(saved)
-            if args.threaded:
+            if args.threaded and "threaded" in runs:
                 model._compiled_decode = {}  # traced again, on the queuing thread's stream
-                timed("threaded", fused_step, threaded_decode_ms)
+                try:
+                    timed("threaded", fused_step, threaded_decode_ms)
+                except Exception as error:  # not yet run on a GPU: report it, keep the other figures
+                    print(f"  threaded run failed: {type(error).__name__}: {error}", flush=True)
+                    del runs["threaded"]
             model._compiled_decode = {}
         if args.run_spans:
             print(f"  runs (wall clock, median ms): {'; '.join(spans)}", flush=True)
@@ -424,7 +428,7 @@ def main() -> None:
             print(f"  {label} pipelined (generate's loop): {pipelined:7.2f} ms/token "
                   f"({pipelined / floor_ms:.2f}x the floor; {1e3 / pipelined:.1f} tokens/s){spread(runs[label])}",
                   flush=True)
-        if args.threaded:
+        if "threaded" in runs:
             threaded = statistics.median(runs["threaded"])
             print(f"  threaded (a second thread queues and waits while this one builds): {threaded:7.2f} "
                   f"ms/token{spread(runs['threaded'])}", flush=True)
