@@ -407,7 +407,7 @@ def main() -> None:
                 model._compiled_decode = {}
                 timed(variant, fused_step)
                 restore_settings(saved)
-            if args.threaded and "threaded" in runs:
+            if "threaded" in runs:  # --threaded, and no run of it has failed
                 model._compiled_decode = {}  # traced again, on the queuing thread's stream
                 try:
                     timed("threaded", fused_step, threaded_decode_ms)
@@ -433,8 +433,8 @@ def main() -> None:
             print(f"  threaded (a second thread queues and waits while this one builds): {threaded:7.2f} "
                   f"ms/token{spread(runs['threaded'])}", flush=True)
         for variant in args.variant:
-            name, settings = variant.split(":", 1)
-            print(f"  variant {name} ({settings}) pipelined: {statistics.median(runs[variant]):7.2f} ms/token"
+            name, settings = parse_variant(variant)
+            print(f"  variant {name} ({','.join(settings)}) pipelined: {statistics.median(runs[variant]):7.2f} ms/token"
                   f"{spread(runs[variant])}", flush=True)
 
     if args.prefill_chunks:

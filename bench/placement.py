@@ -4,7 +4,7 @@ three q8x arrays placed differently.
 Session 15 packed x's codes, sums and scales into one array (branch `packed-q8x`): the kernels'
 PTX was the same, yet product_glu took 10-20 % longer, alone and in the step. This times
 ops.product_glu (Muse Glimmer's gate/up: two Q4_K 19968 x 6656 weights) and ops.product
-(ffn_down, Q4_K 6656 x 19968) with x (all zeros: the time does not depend on the values) as:
+(ffn_down, Q4_K 6656 x 19968) with x all zeros (the kernels take no branch on x's values) as:
 - apart: three arrays of their own (main's layout);
 - packed: slices of one buffer, codes at byte 0, sums at IN, scales at 1.5 IN (the branch's
   layout, main's kernels);
