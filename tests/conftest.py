@@ -42,8 +42,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def rng():
     """A generator seeded from the OS: every run draws fresh inputs. The seed is printed
-    so a failure can be replayed."""
-    seed = int(np.random.SeedSequence().entropy % 2**32)
+    so a failure can be replayed: MUSER_TEST_SEED=<seed> pytest <test id>."""
+    chosen = os.environ.get("MUSER_TEST_SEED")
+    seed = int(chosen) if chosen else int(np.random.SeedSequence().entropy % 2**32)
     print(f"rng seed {seed}")
     return np.random.default_rng(seed)
 
