@@ -10,7 +10,8 @@ capacity, head_dim], in a fixed slot layout that two kinds of step share:
 
 - `KVCache`: every position; position s at slot s. Capacity grows in steps of `STEP` slots.
 - `SlidingWindowCache`: a ring of `window` slots; position s at slot s % window, so a new
-  position overwrites the one that just left the window. Until the window has filled, its
+  position overwrites the one that just left the window (a ring that has wrapped can step back
+  one position, not more: `can_trim`). Until the window has filled, its
   capacity grows in steps of `STEP` as `KVCache`'s does (slot s = position s either way): a
   short context's fused attention then launches for the slots it has, not for the window.
 The dtype is float16 on a GPU (half the bytes attention reads per step), float32 on the CPU.
@@ -63,9 +64,12 @@ class KVCache:
         """Count `tokens` positions as written (a fused decode step wrote them itself)."""
         self.offset += tokens
 
+    def can_trim(self, tokens: int) -> bool:
+        return 0 <= tokens <= self.offset
+
     def trim(self, tokens: int) -> None:
         """Forget the last `tokens` positions (their slots are overwritten by what comes next)."""
-        if not 0 <= tokens <= self.offset:
+        if not self.can_trim(tokens):
             raise ValueError(f"cannot trim {tokens} of {self.offset} cached positions")
         self.offset -= tokens
 
@@ -92,6 +96,7 @@ class SlidingWindowCache:
         self.keys = None
         self.values = None
         self.offset = 0
+        self.peak = 0  # the most positions ever written: past `window`, the ring has wrapped
         self.stale = None  # a slot whose position a trim took back, until it is written again
         self.written_by = None  # the token of the last fused step, which wrote keys/values in place
 
@@ -153,18 +158,30 @@ class SlidingWindowCache:
 
     def advance(self, tokens: int) -> None:
         self.offset += tokens
+        self.peak = max(self.peak, self.offset)
         self.stale = None
 
+    def can_trim(self, tokens: int) -> bool:
+        """Any number of positions while the ring has never wrapped (slot s still holds position
+        s); after that, the last position only, once: a query at position p sees p - window + 1
+        .. p, and a wrapped ring has overwritten position offset - window - 1, which a query two
+        positions back would need."""
+        if not 0 <= tokens <= self.offset:
+            return False
+        return self.peak <= self.window or tokens == 0 or (tokens == 1 and self.stale is None)
+
     def trim(self, tokens: int) -> None:
-        """Forget the last position (at most one: a full ring has already overwritten the
-        oldest key the one before it would need). Its slot is marked never visible until the
-        next token writes there again."""
+        """Forget the last `tokens` positions (can_trim says how many may go). After a wrap, the
+        one slot given back is marked never visible until the next token writes there again."""
+        if not self.can_trim(tokens):
+            raise ValueError(f"a sliding-window cache of window {self.window} that has held {self.peak} "
+                             f"positions cannot trim {tokens} of its {self.offset}"
+                             + (": once wrapped, only its last position, once" if self.peak > self.window else ""))
         if tokens == 0:
             return
-        if tokens != 1 or self.offset < 1:
-            raise ValueError(f"a sliding-window cache can trim one position, not {tokens} of {self.offset}")
-        self.offset -= 1
-        self.stale = self.offset % self.window
+        self.offset -= tokens
+        if self.peak > self.window:
+            self.stale = self.offset % self.window
 
     @property
     def size(self) -> int:
@@ -174,6 +191,22 @@ class SlidingWindowCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def common_prefix(a, b) -> int:
+    """The number of leading ids two sequences share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def step_back(cache: list, tokens: int) -> bool:
+    """Step every layer's cache back to its first `tokens` positions if each one can (True);
+    else change nothing (False)."""
+    drop = cache[0].offset - tokens
+    if not all(layer_cache.can_trim(drop) for layer_cache in cache):
+        return False
+    for layer_cache in cache:
+        layer_cache.trim(drop)
+    return True
 
 
 def finish_fused_writes(cache) -> None:

@@ -12,9 +12,8 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from muser_mlx import gguf, packaged
-from muser_mlx.cache import KVCache
 from muser_mlx.formats import block_format
-from muser_mlx.generate import MODEL_LOCK, load, stream_generate, summary
+from muser_mlx.generate import MODEL_LOCK, continue_cache, load, stream_generate, summary
 
 # Metadata keys worth a line each; long arrays are summarised by their length.
 _ARRAY_PREVIEW = 8
@@ -163,20 +162,14 @@ def run_chat(args) -> None:
             break
         messages.append({"role": "user", "content": user})
         ids = tokenizer.apply_chat_template(messages, tokenize=True)
-        common = next((i for i, (a, b) in enumerate(zip(ids, cached)) if a != b), min(len(ids), len(cached)))
-        if common < len(cached):
-            # The re-rendered history differs from what was fed (e.g. the reply re-tokenizes
-            # differently): full caches step back to the common prefix; a sliding window cannot.
-            if all(isinstance(c, KVCache) for c in cache) and common > 0:
-                for layer_cache in cache:
-                    layer_cache.trim(len(cached) - common)
-                cached = cached[:common]
-            else:
-                cache, cached = model.make_cache(), []
+        # Only what extends the cache is fed; where the re-rendered history differs from what
+        # was fed (e.g. the reply re-tokenizes differently), the cache steps back to the common
+        # prefix, or starts again where it cannot (a sliding window that has wrapped).
+        cache, kept = continue_cache(model, cache, cached, ids)
         tokens = []
         response = None
-        for response in stream_generate(model, tokenizer, ids[len(cached):], args.max_tokens,
-                                        cache=cache, **_sampling(args)):
+        for response in stream_generate(model, tokenizer, ids[kept:], args.max_tokens, cache=cache,
+                                        cached_ids=ids[:kept], **_sampling(args)):
             print(response.text, end="", flush=True)
             tokens.append(response.token)
         print()

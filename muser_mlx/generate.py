@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from muser_mlx import gguf, ops, packaged
+from muser_mlx.cache import common_prefix, step_back
 from muser_mlx.models import build_model, cpu_decode
 from muser_mlx.ops import check_token_ids
 from muser_mlx.tokenizer import GGUFTokenizer, StreamingDetokenizer
@@ -174,14 +175,16 @@ def decode(model, token: mx.array, cache, prompt: bool = False):
 
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: int | None = None,
                     stop=None, prefill_step_size: int = DEFAULT_PREFILL_STEP, cache=None,
-                    **sampling) -> Iterator[GenerationResponse]:
+                    cached_ids=None, **sampling) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per generated token.
 
     prompt: text (encoded with the tokenizer's BOS rule) or a list of token ids.
     sampling: temperature (0 = greedy), top_p, top_k, min_p, repetition_penalty,
     repetition_context_size. seed: fixes the random draws. stop: strings that end generation
     (not included in the text). cache: reuse a cache (e.g. across chat turns): the prompt then
-    continues after what the cache holds.
+    continues after what the cache holds (`continue_cache` finds the part of a prompt a cache
+    already holds). cached_ids: the ids that cache holds, if known: the repetition penalty's
+    window then reaches back into them as it would over one whole prompt.
     """
     sampler = Sampling(**sampling)
     if not isinstance(max_tokens, int) or max_tokens < 0:
@@ -206,7 +209,10 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
     detokenizer = StreamingDetokenizer(tokenizer)
     emitted = 0  # characters of detokenizer.text already yielded
     penalised = sampler.repetition_penalty != 1.0
-    recent = mx.array(ids[-sampler.repetition_context_size:], dtype=mx.int32)
+    if cached_ids is not None and len(cached_ids) != start:
+        raise ValueError(f"cached_ids has {len(cached_ids)} ids but the cache holds {start} positions")
+    history = list(cached_ids or [])[-sampler.repetition_context_size:] + ids
+    recent = mx.array(history[-sampler.repetition_context_size:], dtype=mx.int32)
 
     def choose(logits, greedy, recent):
         """The graph from a step's logits to its token (lazy): penalty, log-softmax, sample.
@@ -285,6 +291,24 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
             _take_back(ahead, cache)
             raise
         token, logprobs, recent = ahead
+
+
+def continue_cache(model, cache, cached_ids, ids) -> tuple[list, int]:
+    """Where a new prompt `ids` can start in a cache that holds `cached_ids`: (cache, kept),
+    the cache stepped back to the longest prefix the two share, short of the prompt's last id
+    (its step's logits choose the first new token), and that prefix's length. A cache that
+    cannot step back that far (a sliding window that has wrapped: `SlidingWindowCache.can_trim`)
+    is replaced by a new one, kept = 0. Feed `ids[kept:]` with `cache=cache`.
+    Numerics: the positions a cache took from generated tokens were computed by decode steps,
+    whose products may round their inputs (cpu_decode.ROUNDED, int8 x on a GPU); the same
+    tokens read as a prompt are not. A continued conversation can therefore differ from a fresh
+    reading of it by that rounding, as llama.cpp's and mlx-lm's prompt caches do."""
+    if cache is None or len(cached_ids) != cache[0].offset:
+        return model.make_cache(), 0
+    kept = min(common_prefix(cached_ids, ids), len(ids) - 1)
+    if kept > 0 and step_back(cache, kept):
+        return cache, kept
+    return model.make_cache(), 0
 
 
 def _take_back(ahead, cache) -> None:

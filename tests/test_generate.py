@@ -318,3 +318,71 @@ def test_a_model_loaded_in_one_thread_generates_in_another(tmp_path, rng):
     thread.start()
     thread.join()
     assert elsewhere == [generate(model, tokenizer, PROMPT, 8)]
+
+
+# --- continuing a cache (chat turns, the server's prompt cache) ----------------------------------
+
+def _holding(model, tokenizer, ids):
+    """A cache that holds exactly `ids`, read as a prompt (one token generated, never fed)."""
+    cache = model.make_cache()
+    assert len(list(stream_generate(model, tokenizer, ids, 1, cache=cache))) == 1
+    assert all(c.offset == len(ids) for c in cache)
+    return cache
+
+
+def _first_logprobs(model, tokenizer, ids, **kwargs):
+    return np.array(next(stream_generate(model, tokenizer, ids, 1, **kwargs)).logprobs)
+
+
+# First-step logprobs of the same prompt read through other chunks: float32's last bits on the
+# CPU; on a GPU the prompt's last step rounds its products' inputs to int8 (q8x), where a last
+# bit can move a code (tests/test_models.py's FUSED_NUMERICS_BOUND).
+CONTINUED_BOUND = {False: 1e-5, True: 2.5e-2}
+
+
+@pytest.mark.parametrize("architecture", ["llama", "muse-glimmer"])  # muse: window 8, not yet wrapped
+def test_a_cache_continued_from_a_shared_prefix_reads_as_a_fresh_prompt(tmp_path, rng, monkeypatch, architecture):
+    model, tokenizer = load(tiny_model(tmp_path / "m.gguf", architecture, rng, weights="Q8_0", context=64))
+    first = rng.integers(0, model.config.vocab, size=7).tolist()
+    second = first[:4] + rng.integers(0, model.config.vocab, size=3).tolist()
+    second[4] = (first[4] + 1) % model.config.vocab  # the prompts part after 4 ids
+    cache = _holding(model, tokenizer, first)
+    continued, kept = gen.continue_cache(model, cache, first, second)
+    assert continued is cache and kept == 4 and all(c.offset == 4 for c in cache)
+    # A repetition penalty whose window reaches back into the cached ids.
+    settings = dict(repetition_penalty=5.0, repetition_context_size=6)
+    windows, penalise = [], gen.Sampling.penalise
+    monkeypatch.setattr(gen.Sampling, "penalise", lambda self, logits, recent: (
+        windows.append(np.array(recent).tolist()), penalise(self, logits, recent))[1])
+    got = _first_logprobs(model, tokenizer, second[4:], cache=cache, cached_ids=second[:4], **settings)
+    expected = _first_logprobs(model, tokenizer, second, **settings)
+    assert windows == [second[-6:], second[-6:]]
+    assert relative_error(got, expected) <= CONTINUED_BOUND[model.fused]
+
+
+def test_continue_cache_leaves_a_prompt_token_to_run_and_never_trusts_a_stale_record(tmp_path, rng):
+    model, tokenizer = load(tiny_model(tmp_path / "m.gguf", "llama", rng, weights="Q8_0", context=64))
+    ids = rng.integers(0, model.config.vocab, size=6).tolist()
+    cache, kept = gen.continue_cache(model, _holding(model, tokenizer, ids), ids, ids)  # the same prompt again
+    assert kept == 5 and all(c.offset == 5 for c in cache)
+    cache, kept = gen.continue_cache(model, _holding(model, tokenizer, ids), ids, ids + [3, 4])
+    assert kept == 6
+    held = _holding(model, tokenizer, ids)
+    cache, kept = gen.continue_cache(model, held, ids[:-1], ids)  # a record of 5 ids for 6 positions
+    assert kept == 0 and cache is not held and cache[0].offset == 0
+    cache, kept = gen.continue_cache(model, _holding(model, tokenizer, ids), ids, [ids[0] + 1] + ids)
+    assert kept == 0 and cache[0].offset == 0
+    with pytest.raises(ValueError, match="cached_ids has 5 ids but the cache holds 6 positions"):
+        next(stream_generate(model, tokenizer, [1, 2], 1, cache=_holding(model, tokenizer, ids), cached_ids=ids[:5]))
+
+
+def test_a_wrapped_window_steps_back_one_position_at_most(tmp_path, rng):
+    model, tokenizer = load(tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q8_0", context=64))
+    ids = rng.integers(0, model.config.vocab, size=12).tolist()  # past the window of 8
+    cache, kept = gen.continue_cache(model, _holding(model, tokenizer, ids), ids, ids[:6] + [1, 2])
+    assert kept == 0 and cache[0].offset == 0  # 6 positions back: a new cache
+    held = _holding(model, tokenizer, ids)
+    cache, kept = gen.continue_cache(model, held, ids, ids)  # one position back
+    assert cache is held and kept == 11
+    got = _first_logprobs(model, tokenizer, ids[11:], cache=cache, cached_ids=ids[:11])
+    assert relative_error(got, _first_logprobs(model, tokenizer, ids)) <= CONTINUED_BOUND[model.fused]

@@ -152,6 +152,59 @@ def test_a_trimmed_last_position_is_forgotten(tiny, rng, monkeypatch, backend, s
     assert relative_error(got, expected) <= TOLERANCE[backend]
 
 
+@pytest.mark.parametrize("back", [2, WINDOW - 1])
+@pytest.mark.parametrize("step", [None, 3])  # 3: window caches still growing
+def test_a_window_cache_steps_back_any_number_of_positions_until_it_wraps(tiny, rng, monkeypatch, backend,
+                                                                          back, step):
+    # A prompt cache continued from a shared prefix (generate.continue_cache): the general path.
+    if step:
+        monkeypatch.setattr(cache_module, "STEP", step)
+    _, model = tiny("muse-glimmer", "F32")
+    ids = random_ids(rng, model, WINDOW + 5)
+    kept = WINDOW - back
+    cache = model.make_cache()
+    other = np.concatenate([ids[:kept], random_ids(rng, model, back)])  # the ring full, not wrapped
+    mx.eval(model(other[None], cache))
+    assert cache_module.step_back(cache, kept)
+    assert all(c.offset == kept for c in cache)
+    got = np.array(model(ids[None, kept:], cache))  # past the window: the ring wraps in this chunk
+    fresh = model.make_cache()
+    mx.eval(model(ids[None, :kept], fresh))
+    expected = np.array(model(ids[None, kept:], fresh))
+    assert relative_error(got, expected) <= TOLERANCE[backend]
+
+
+def test_a_wrapped_window_cache_refuses_to_step_back_more_than_once(tiny, rng):
+    _, model = tiny("muse-glimmer", "F32")
+    cache = model.make_cache()
+    mx.eval(model(random_ids(rng, model, WINDOW + 3)[None], cache))
+    window = next(c for c in cache if isinstance(c, cache_module.SlidingWindowCache))
+    assert window.can_trim(1) and not window.can_trim(2)
+    assert not cache_module.step_back(cache, WINDOW)
+    assert all(c.offset == WINDOW + 3 for c in cache)  # nothing changed
+    with pytest.raises(ValueError, match=r"window 8 that has held 11 positions cannot trim 2 of its 11"):
+        window.trim(2)
+    assert cache_module.step_back(cache, WINDOW + 2)
+    assert not window.can_trim(1)  # its slot is stale until the next token
+    with pytest.raises(ValueError, match="only its last position, once"):
+        window.trim(1)
+
+
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
+def test_fused_decode_follows_a_window_cache_stepped_back(tiny, rng, architecture):
+    # The server's prompt cache on a GPU: positions taken back in a window that has not wrapped,
+    # then fused steps from there.
+    file, model = tiny(architecture, "Q4_K_M")
+    ids = random_ids(rng, model, 2 * WINDOW)
+    cache = model.make_cache(mx.float16)
+    mx.eval(model(ids[None, :3], cache))
+    decode_one_by_one(model, random_ids(rng, model, WINDOW - 3), cache)  # the ring is full
+    assert cache_module.step_back(cache, 3)
+    logits, _ = decode_one_by_one(model, ids[3:], cache)
+    expected = Reference(model.config, file.tensors).forward(ids)[3:]
+    assert relative_error(logits, expected) <= FUSED_BOUND
+
+
 def test_both_forms_of_the_window_pattern_give_the_same_layers(tiny):
     _, listed = tiny("muse-glimmer", pattern="list", layers=8)
     _, periodic = tiny("muse-glimmer", pattern="period", layers=8)
