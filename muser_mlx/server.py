@@ -4,6 +4,8 @@ GET /v1/models, POST /v1/chat/completions and POST /v1/completions; `"stream": t
 with server-sent events. One model per process: requests take their turn in arrival order, and
 one thread runs the model (MLX evaluation is not made for concurrent threads). A client that
 goes away stops its generation at the next token, which frees the model for the next request.
+The last request's cache is kept: a request that starts with what it holds runs only the rest
+(`usage.prompt_tokens_details.cached_tokens`; `"cache_prompt": false` reads it all again).
 A bad request gets a 4xx with OpenAI's error body, {"error": {"message", "type", "param",
 "code"}}, and the server goes on serving.
 """
@@ -26,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from muser_mlx.generate import Sampling, load, stream_generate
+from muser_mlx.generate import Sampling, continue_cache, load, stream_generate
 from muser_mlx.tokenizer import TokenizerError
 
 DEFAULT_MAX_TOKENS = 512  # mlx-lm's default; a request may ask for up to the context
@@ -129,6 +131,10 @@ class ModelService:
         self.model_id = Path(self.model.file.path).stem
         self.created = int(time.time())
         self._turn = asyncio.Lock()  # fair: waiters are served first come, first served
+        # The prompt cache: the last request's cache and the ids it holds (its prompt and the
+        # tokens it generated but the last). A request that starts with some of them feeds
+        # only the rest (llama.cpp's `cache_prompt`, mlx-lm's prompt cache). Model thread only.
+        self._cache, self._cached = None, []
 
     def checked_prompt(self, ids: list[int], param: str) -> list[int]:
         context = self.model.config.context
@@ -140,18 +146,43 @@ class ModelService:
                                f"tokens", param, code="context_length_exceeded")
         return ids
 
-    async def responses(self, ids: list[int], options: dict):
-        """stream_generate's responses, one model-thread step each. Closing this generator (the
-        client went away) stops the generation: its close is queued behind the step in flight,
-        and the next request's steps behind that."""
+    async def responses(self, ids: list[int], options: dict, reuse: bool = True):
+        """(response, cached) pairs: stream_generate's responses, one model-thread step each,
+        and how many of the prompt's ids came from the prompt cache (reuse=False: none).
+        Closing this generator (the client went away) stops the generation: its close is queued
+        behind the step in flight, and the next request's steps behind that."""
         loop = asyncio.get_running_loop()
         async with self._turn:
-            steps = stream_generate(self.model, self.tokenizer, ids, **options)
+            steps, kept = await loop.run_in_executor(self._thread, self._begin, ids, options, reuse)
+            tokens, failed = [], True
             try:
                 while (response := await loop.run_in_executor(self._thread, next, steps, None)) is not None:
-                    yield response
+                    tokens.append(response.token)
+                    yield response, kept
+                failed = False
+            except GeneratorExit:  # closed by its reader: the generation stops cleanly
+                failed = False
+                raise
             finally:
-                self._thread.submit(steps.close)
+                self._thread.submit(self._end, steps, ids + tokens[:-1], failed)
+
+    def _begin(self, ids: list[int], options: dict, reuse: bool):
+        """On the model thread: the generator of a request's steps, fed the part of its prompt
+        the prompt cache does not hold, and the length of the part it does."""
+        cache, kept = continue_cache(self.model, self._cache if reuse else None, self._cached, ids)
+        self._cache, self._cached = cache, ids[:kept]
+        steps = stream_generate(self.model, self.tokenizer, ids[kept:], cache=cache, cached_ids=ids[:kept],
+                                **options)
+        return steps, kept
+
+    def _end(self, steps, fed: list[int], failed: bool) -> None:
+        """On the model thread: close the steps (the one fed ahead of the last token is taken
+        back) and keep the cache for the next request, if it holds exactly `fed`."""
+        steps.close()
+        if failed or self._cache[0].offset != len(fed) or any(c.offset != len(fed) for c in self._cache):
+            self._cache, self._cached = None, []
+        else:
+            self._cached = fed
 
 
 # --- routes -----------------------------------------------------------------------------------------
@@ -221,27 +252,28 @@ def create_app(service: ModelService) -> Starlette:
 
     async def _complete(request: Request, body: dict, ids: list[int], options: dict, chat: bool):
         kind = "chat.completion" if chat else "text_completion"
+        reuse = _typed(body, "cache_prompt", (bool,), "true or false") is not False
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
                 "created": int(time.time()), "model": model_id}
         if _typed(body, "stream", (bool,), "true or false"):
             stream_options = _typed(body, "stream_options", (dict,), "an object") or {}
             usage = _typed(stream_options, "include_usage", (bool,), "true or false")
-            events = _stream(head, ids, options, chat, usage)
+            events = _stream(head, ids, options, reuse, chat, usage)
             return EventStream(events, headers={"Cache-Control": "no-cache"})
-        text, last = "", None
-        async with aclosing(service.responses(ids, options)) as responses:
-            async for last in responses:
+        text, last, cached = "", None, 0
+        async with aclosing(service.responses(ids, options, reuse)) as responses:
+            async for last, cached in responses:
                 text += last.text
                 if await request.is_disconnected():
-                    _log(head, last, "client gone")
+                    _log(head, len(ids), last, "client gone")
                     return JSONResponse({})  # nobody to read it
-        _log(head, last, last.finish_reason)
+        _log(head, len(ids), last, last.finish_reason)
         choice = ({"message": {"role": "assistant", "content": text}} if chat
                   else {"text": text, "logprobs": None})
         return JSONResponse({**head, "choices": [{"index": 0, **choice, "finish_reason": last.finish_reason}],
-                             "usage": _usage(last)})
+                             "usage": _usage(len(ids), cached, last)})
 
-    async def _stream(head: dict, ids: list[int], options: dict, chat: bool, include_usage: bool):
+    async def _stream(head: dict, ids: list[int], options: dict, reuse: bool, chat: bool, include_usage: bool):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         def chunk(text: str, finish_reason, first=False):
@@ -249,23 +281,23 @@ def create_app(service: ModelService) -> Starlette:
                      if chat else {"text": text, "logprobs": None})
             return _event({**head, "choices": [{"index": 0, **piece, "finish_reason": finish_reason}]})
 
-        last, ended = None, None
+        last, cached, ended = None, 0, None
         try:
             if chat:
                 yield chunk("", None, first=True)
-            async with aclosing(service.responses(ids, options)) as responses:
-                async for last in responses:
+            async with aclosing(service.responses(ids, options, reuse)) as responses:
+                async for last, cached in responses:
                     if last.text or last.finish_reason:
                         yield chunk(last.text, last.finish_reason)
             ended = last.finish_reason
             if include_usage:
-                yield _event({**head, "choices": [], "usage": _usage(last)})
+                yield _event({**head, "choices": [], "usage": _usage(len(ids), cached, last)})
             yield _event("[DONE]")
         except Exception:
             ended = "failed"
             raise
         finally:
-            _log(head, last, ended or "client gone")
+            _log(head, len(ids), last, ended or "client gone")
 
     async def refused(request: Request, error: RequestError):
         return error.response()
@@ -279,13 +311,16 @@ def create_app(service: ModelService) -> Starlette:
     return Starlette(routes=routes, exception_handlers={RequestError: refused, HTTPException: http_error})
 
 
-def _usage(last) -> dict:
-    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.generation_tokens,
-            "total_tokens": last.prompt_tokens + last.generation_tokens}
+def _usage(prompt_tokens: int, cached: int, last) -> dict:
+    """OpenAI's usage: prompt_tokens counts the whole prompt, cached_tokens the part of it
+    read from the prompt cache rather than run again."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": last.generation_tokens,
+            "total_tokens": prompt_tokens + last.generation_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _log(head: dict, last, ended) -> None:
-    tokens = f"{last.prompt_tokens} prompt + {last.generation_tokens} generated tokens" if last else "no tokens"
+def _log(head: dict, prompt_tokens: int, last, ended) -> None:
+    tokens = f"{prompt_tokens} prompt + {last.generation_tokens} generated tokens" if last else "no tokens"
     log.info("%s %s: %s, %s", head["object"], head["id"], tokens, ended)
 
 

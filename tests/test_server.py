@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from muser_mlx import cli
-from muser_mlx.generate import generate, load
+from muser_mlx.generate import continue_cache, generate, load, stream_generate
 from muser_mlx.testing import tiny_model
 
 openai = pytest.importorskip("openai")
@@ -130,6 +130,44 @@ def test_sampling_settings_and_seed_reach_the_generator(server, local):
     expected = generate(model, tokenizer, "the fox", 12, **settings, **extra)
     assert texts == [expected, expected]
     assert expected != generate(model, tokenizer, "the fox", 12)  # the settings did something
+
+
+def test_a_prompt_that_extends_the_last_one_is_read_from_the_prompt_cache(server, local):
+    """The second request starts with all the first one fed (its prompt and its answer but the
+    last token): only the rest is run, and the answer is the one a local generation continued
+    from the same cache gives. cache_prompt=false reads the whole prompt again."""
+    model, tokenizer = local
+    client = server.client()
+    first = tokenizer.encode("the quick brown fox")
+    plain = client.completions.create(model="tiny", prompt=first, max_tokens=6, extra_body={"cache_prompt": False})
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+    cache = model.make_cache()
+    tokens = [r.token for r in stream_generate(model, tokenizer, first, 6, cache=cache)]
+    assert plain.choices[0].text == tokenizer.decode(tokens) and len(tokens) == 6
+    fed = first + tokens[:-1]
+    second = fed + tokenizer.encode(" jumps over", add_special_tokens=False)
+    reply = client.completions.create(model="tiny", prompt=second, max_tokens=8)
+    assert reply.usage.prompt_tokens_details.cached_tokens == len(fed)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(second), 8)
+    cache, kept = continue_cache(model, cache, fed, second)
+    assert kept == len(fed)
+    assert reply.choices[0].text == generate(model, tokenizer, second[kept:], 8, cache=cache, cached_ids=second[:kept])
+    again = client.completions.create(model="tiny", prompt=second, max_tokens=8, extra_body={"cache_prompt": False})
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].text == generate(model, tokenizer, second, 8)
+
+
+def test_a_continued_chat_reads_its_history_from_the_prompt_cache(server, local):
+    model, tokenizer = local
+    client = server.client()
+    first = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5)
+    messages = MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content},
+                           {"role": "user", "content": "and of spain?"}]
+    streamed = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, stream=True,
+                                                   stream_options={"include_usage": True}))
+    usage = streamed[-1].usage
+    assert usage.prompt_tokens == len(tokenizer.apply_chat_template(messages, tokenize=True))
+    assert first.usage.prompt_tokens <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
 
 
 BAD_REQUESTS = [  # (route, body, status, param)
