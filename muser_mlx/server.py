@@ -1,7 +1,7 @@
 """`muser serve`: an OpenAI-compatible HTTP server over one model (mlx-lm's routes and fields).
 
 GET /v1/models, POST /v1/chat/completions and POST /v1/completions; `"stream": true` answers
-with server-sent events. One model per process: requests take their turn in arrival order, and
+with server-sent events; logprobs (chat: logprobs/top_logprobs; completions: logprobs, echo). One model per process: requests take their turn in arrival order, and
 one thread runs the model (MLX evaluation is not made for concurrent threads). A client that
 goes away stops its generation at the next token, which frees the model for the next request.
 The last request's cache is kept: a request that starts with what it holds runs only the rest
@@ -20,7 +20,11 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,10 +32,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from muser_mlx.generate import Sampling, continue_cache, load, stream_generate
+from muser_mlx.generate import DEFAULT_PREFILL_STEP, MODEL_LOCK, Sampling, continue_cache, load, stream_generate
 from muser_mlx.tokenizer import TokenizerError
 
 DEFAULT_MAX_TOKENS = 512  # mlx-lm's default; a request may ask for up to the context
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: one stream, one format
 
@@ -66,13 +71,15 @@ def _typed(body: dict, name: str, kinds: tuple, what: str):
     return value
 
 
-def generation_options(body: dict, context: int) -> dict:
-    """stream_generate's keywords from a request body: max_tokens, stop, seed and sampling."""
+def generation_options(body: dict, context: int, least: int = 1) -> dict:
+    """stream_generate's keywords from a request body: max_tokens (at least `least`), stop, seed
+    and sampling."""
     max_tokens = _typed(body, "max_completion_tokens", (int,), "an integer")
     max_tokens = _typed(body, "max_tokens", (int,), "an integer") if max_tokens is None else max_tokens
     max_tokens = min(DEFAULT_MAX_TOKENS, context) if max_tokens is None else max_tokens
-    if max_tokens < 1:
-        raise RequestError(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
+    if max_tokens < least:
+        raise RequestError(f"'max_tokens' must be at least {least}{' (0 only with echo)' if least else ''}, "
+                           f"got {max_tokens}", "max_tokens")
     n = _typed(body, "n", (int,), "an integer")
     if n not in (None, 1):
         raise RequestError(f"'n' must be 1 (one choice per request), got {n}", "n")
@@ -94,6 +101,25 @@ def generation_options(body: dict, context: int) -> dict:
                 raise RequestError(str(error), name) from None
             options[name] = value
     return options
+
+
+def logprob_options(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """(top, echo): how many likeliest alternatives to give with each token's logprob (None: no
+    logprobs), and whether a completion echoes its prompt (with its tokens' logprobs).
+    Chat: "logprobs": true and "top_logprobs": n. Completions: "logprobs": n and "echo"."""
+    if chat:
+        wanted = _typed(body, "logprobs", (bool,), "true or false")
+        top = _typed(body, "top_logprobs", (int,), "an integer")
+        if top is not None and not wanted:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        name, echo = "top_logprobs", False
+        top = (top or 0) if wanted else None
+    else:
+        name, top = "logprobs", _typed(body, "logprobs", (int,), "an integer")
+        echo = bool(_typed(body, "echo", (bool,), "true or false"))
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"'{name}' must lie in 0..{MAX_TOP_LOGPROBS}, got {top}", name)
+    return top, echo
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -119,6 +145,58 @@ def chat_messages(body: dict) -> list[dict]:
 
 
 # --- the model's turns ----------------------------------------------------------------------------
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the likeliest tokens and their logprobs, best first
+
+
+def token_logprobs(logprobs: mx.array, chosen: list[int], top: int) -> list[TokenLogprob]:
+    """Rows of log-probabilities float32 [n, vocab] and the token each row chose -> each one's
+    logprob and its `top` likeliest alternatives (evaluated here)."""
+    top = min(top, logprobs.shape[-1])
+    picked = mx.take_along_axis(logprobs, mx.array(chosen, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    best = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top] if top else mx.zeros((len(chosen), 0), mx.int32)
+    values = mx.take_along_axis(logprobs, best, axis=-1)
+    mx.eval(picked, best, values)
+    picked, best, values = np.array(picked).tolist(), np.array(best), np.array(values)
+    order = np.argsort(-values, axis=-1, kind="stable")
+    best, values = np.take_along_axis(best, order, -1).tolist(), np.take_along_axis(values, order, -1).tolist()
+    return [TokenLogprob(token, logprob, list(zip(ids, lps)))
+            for token, logprob, ids, lps in zip(chosen, picked, best, values)]
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
+    """OpenAI chat's choice.logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def one(token: int, logprob: float) -> dict:
+        raw = tokenizer.token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(tokenizer, tokens: list[int], entries: list, offset: int = 0) -> dict:
+    """OpenAI completions' choice.logprobs: tokens, token_logprobs, top_logprobs (a dict per
+    token: the likeliest and the chosen one) and text_offset (from `offset`); None where a token
+    has none (an echoed prompt's first)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in zip(tokens, entries):
+        text = tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        out["token_logprobs"].append(None if entry is None else entry.logprob)
+        if entry is None:
+            out["top_logprobs"].append(None)
+            continue
+        alternatives = {tokenizer.token_bytes(t).decode("utf-8", errors="replace"): lp for t, lp in entry.top}
+        alternatives.setdefault(text, entry.logprob)
+        out["top_logprobs"].append(alternatives)
+    return out
+
 
 class ModelService:
     """The one model of this process, lent to one request at a time, in arrival order. One
@@ -146,9 +224,10 @@ class ModelService:
                                f"tokens", param, code="context_length_exceeded")
         return ids
 
-    async def responses(self, ids: list[int], options: dict, reuse: bool = True):
-        """(response, cached) pairs: stream_generate's responses, one model-thread step each,
-        and how many of the prompt's ids came from the prompt cache (reuse=False: none).
+    async def responses(self, ids: list[int], options: dict, reuse: bool = True, top: int | None = None):
+        """(response, cached, logprob) triples: stream_generate's responses, one model-thread
+        step each; how many of the prompt's ids came from the prompt cache (reuse=False: none);
+        the token's TokenLogprob with `top` alternatives (None: not asked for).
         Closing this generator (the client went away) stops the generation: its close is queued
         behind the step in flight, and the next request's steps behind that."""
         loop = asyncio.get_running_loop()
@@ -156,9 +235,9 @@ class ModelService:
             steps, kept = await loop.run_in_executor(self._thread, self._begin, ids, options, reuse)
             tokens, failed = [], True
             try:
-                while (response := await loop.run_in_executor(self._thread, next, steps, None)) is not None:
-                    tokens.append(response.token)
-                    yield response, kept
+                while (step := await loop.run_in_executor(self._thread, self._next, steps, top)) is not None:
+                    tokens.append(step[0].token)
+                    yield step[0], kept, step[1]
                 failed = False
             except GeneratorExit:  # closed by its reader: the generation stops cleanly
                 failed = False
@@ -174,6 +253,33 @@ class ModelService:
         steps = stream_generate(self.model, self.tokenizer, ids[kept:], cache=cache, cached_ids=ids[:kept],
                                 **options)
         return steps, kept
+
+    def _next(self, steps, top: int | None):
+        """On the model thread: the next response and, if asked for, its token's logprob."""
+        response = next(steps, None)
+        if response is None:
+            return None
+        if top is None:
+            return response, None
+        with MODEL_LOCK:
+            return response, token_logprobs(response.logprobs[None], [response.token], top)[0]
+
+    async def prompt_logprobs(self, ids: list[int], top: int) -> list:
+        """Each prompt token's TokenLogprob given the tokens before it (None for the first),
+        from a forward pass of its own (prefill chunks, every row through the LM head)."""
+        loop = asyncio.get_running_loop()
+        async with self._turn:
+            return await loop.run_in_executor(self._thread, self._score, ids, top)
+
+    def _score(self, ids: list[int], top: int, chunk: int = DEFAULT_PREFILL_STEP) -> list:
+        entries, cache = [None], self.model.make_cache()
+        with MODEL_LOCK:
+            for start in range(0, len(ids) - 1, chunk):
+                piece = ids[start : min(start + chunk, len(ids) - 1)]
+                logits = self.model(mx.array([piece], dtype=mx.int32), cache)[0]
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                entries += token_logprobs(logprobs, ids[start + 1 : start + 1 + len(piece)], top)
+        return entries
 
     def _end(self, steps, fed: list[int], failed: bool) -> None:
         """On the model thread: close the steps (the one fed ahead of the last token is taken
@@ -214,15 +320,17 @@ def create_app(service: ModelService) -> Starlette:
     async def chat_completions(request: Request):
         body = await _body(request)
         options = generation_options(body, model.config.context)
+        top, _ = logprob_options(body, chat=True)
         try:
             ids = tokenizer.apply_chat_template(chat_messages(body), tokenize=True)
         except TokenizerError as error:
             raise RequestError(str(error), "messages") from None
-        return await _complete(request, body, service.checked_prompt(ids, "messages"), options, chat=True)
+        return await _complete(request, body, service.checked_prompt(ids, "messages"), options, True, top)
 
     async def completions(request: Request):
         body = await _body(request)
-        options = generation_options(body, model.config.context)
+        top, echo = logprob_options(body, chat=False)
+        options = generation_options(body, model.config.context, least=0 if echo else 1)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             ids = tokenizer.encode(prompt)
@@ -235,7 +343,13 @@ def create_app(service: ModelService) -> Starlette:
             ids = prompt
         else:
             raise RequestError("'prompt' must be a string or a list of token ids", "prompt")
-        return await _complete(request, body, service.checked_prompt(ids, "prompt"), options, chat=False)
+        echoed = None
+        if echo:  # the prompt's text, and its tokens' logprobs if asked for
+            echoed = (prompt if isinstance(prompt, str) else tokenizer.decode(ids), None)
+        ids = service.checked_prompt(ids, "prompt")
+        if echo and top is not None:
+            echoed = (echoed[0], completion_logprobs(tokenizer, ids, await service.prompt_logprobs(ids, top)))
+        return await _complete(request, body, ids, options, False, top, echoed)
 
     async def _body(request: Request) -> dict:
         try:
@@ -250,7 +364,10 @@ def create_app(service: ModelService) -> Starlette:
                                "model", status=404, code="model_not_found")
         return body
 
-    async def _complete(request: Request, body: dict, ids: list[int], options: dict, chat: bool):
+    async def _complete(request: Request, body: dict, ids: list[int], options: dict, chat: bool,
+                        top: int | None, echoed: tuple | None = None):
+        """Run a request and answer it. top: logprobs with that many alternatives (None: none);
+        echoed: (text, logprobs or None) of a completion's prompt to put before its answer."""
         kind = "chat.completion" if chat else "text_completion"
         reuse = _typed(body, "cache_prompt", (bool,), "true or false") is not False
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
@@ -258,38 +375,68 @@ def create_app(service: ModelService) -> Starlette:
         if _typed(body, "stream", (bool,), "true or false"):
             stream_options = _typed(body, "stream_options", (dict,), "an object") or {}
             usage = _typed(stream_options, "include_usage", (bool,), "true or false")
-            events = _stream(head, ids, options, reuse, chat, usage)
+            events = _stream(head, ids, options, reuse, chat, usage, top, echoed)
             return EventStream(events, headers={"Cache-Control": "no-cache"})
-        text, last, cached = "", None, 0
-        async with aclosing(service.responses(ids, options, reuse)) as responses:
-            async for last, cached in responses:
-                text += last.text
-                if await request.is_disconnected():
-                    _log(head, len(ids), last, "client gone")
-                    return JSONResponse({})  # nobody to read it
-        _log(head, len(ids), last, last.finish_reason)
-        choice = ({"message": {"role": "assistant", "content": text}} if chat
-                  else {"text": text, "logprobs": None})
-        return JSONResponse({**head, "choices": [{"index": 0, **choice, "finish_reason": last.finish_reason}],
+        text, last, cached, tokens, entries = "", None, 0, [], []
+        if options["max_tokens"] > 0:
+            async with aclosing(service.responses(ids, options, reuse, top)) as responses:
+                async for last, cached, entry in responses:
+                    text += last.text
+                    tokens.append(last.token)
+                    entries.append(entry)
+                    if await request.is_disconnected():
+                        _log(head, len(ids), last, "client gone")
+                        return JSONResponse({})  # nobody to read it
+        finish = last.finish_reason if last else "length"
+        _log(head, len(ids), last, finish)
+        if chat:
+            choice = {"message": {"role": "assistant", "content": text},
+                      "logprobs": chat_logprobs(tokenizer, entries) if top is not None else None}
+        else:
+            choice = {"text": text, "logprobs": None}
+            if echoed is not None:
+                choice["text"] = echoed[0] + text
+            if top is not None:
+                before = echoed[1] if echoed is not None else None
+                offset = len(echoed[0]) if echoed is not None else 0
+                choice["logprobs"] = _joined(before, completion_logprobs(tokenizer, tokens, entries, offset))
+        return JSONResponse({**head, "choices": [{"index": 0, **choice, "finish_reason": finish}],
                              "usage": _usage(len(ids), cached, last)})
 
-    async def _stream(head: dict, ids: list[int], options: dict, reuse: bool, chat: bool, include_usage: bool):
+    async def _stream(head: dict, ids: list[int], options: dict, reuse: bool, chat: bool, include_usage: bool,
+                      top: int | None, echoed: tuple | None):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        offset = 0  # characters of a completion's text sent so far (its logprobs' text_offset)
 
-        def chunk(text: str, finish_reason, first=False):
-            piece = ({"delta": {"role": "assistant", "content": text} if first else {"content": text}}
-                     if chat else {"text": text, "logprobs": None})
+        def chunk(text: str, finish_reason, first=False, tokens=(), entries=(), logprobs=None):
+            nonlocal offset
+            if chat:
+                piece = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
+                if top is not None:
+                    piece["logprobs"] = chat_logprobs(tokenizer, list(entries))
+            else:
+                if top is not None and logprobs is None:
+                    logprobs = completion_logprobs(tokenizer, list(tokens), list(entries), offset)
+                piece = {"text": text, "logprobs": logprobs}
+                offset += len(text)
             return _event({**head, "choices": [{"index": 0, **piece, "finish_reason": finish_reason}]})
 
         last, cached, ended = None, 0, None
         try:
             if chat:
                 yield chunk("", None, first=True)
-            async with aclosing(service.responses(ids, options, reuse)) as responses:
-                async for last, cached in responses:
-                    if last.text or last.finish_reason:
-                        yield chunk(last.text, last.finish_reason)
-            ended = last.finish_reason
+            if echoed is not None:
+                yield chunk(echoed[0], None if options["max_tokens"] else "length", logprobs=echoed[1])
+            tokens, entries = [], []  # those whose chunk is still to be sent (text held back)
+            if options["max_tokens"] > 0:
+                async with aclosing(service.responses(ids, options, reuse, top)) as responses:
+                    async for last, cached, entry in responses:
+                        tokens.append(last.token)
+                        entries.append(entry)
+                        if last.text or last.finish_reason:
+                            yield chunk(last.text, last.finish_reason, tokens=tokens, entries=entries)
+                            tokens, entries = [], []
+            ended = last.finish_reason if last else "length"
             if include_usage:
                 yield _event({**head, "choices": [], "usage": _usage(len(ids), cached, last)})
             yield _event("[DONE]")
@@ -313,10 +460,15 @@ def create_app(service: ModelService) -> Starlette:
 
 def _usage(prompt_tokens: int, cached: int, last) -> dict:
     """OpenAI's usage: prompt_tokens counts the whole prompt, cached_tokens the part of it
-    read from the prompt cache rather than run again."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": last.generation_tokens,
-            "total_tokens": prompt_tokens + last.generation_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    read from the prompt cache rather than run again (last: the last response, None if none)."""
+    generated = last.generation_tokens if last else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+            "total_tokens": prompt_tokens + generated, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _joined(before: dict | None, after: dict) -> dict:
+    """Two completions logprobs objects one after the other (an echoed prompt's and the answer's)."""
+    return after if before is None else {key: before[key] + after[key] for key in after}
 
 
 def _log(head: dict, prompt_tokens: int, last, ended) -> None:

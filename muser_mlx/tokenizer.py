@@ -68,6 +68,21 @@ END_OF_GENERATION_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", 
                            "<｜end▁of▁sentence｜>", "<|eot|>"}
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): bytes that print as
+    themselves keep their character; the others take chr(256 + n) in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {chr(b): b for b in kept}, 0
+    for b in range(256):
+        if b not in kept:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 class GGUFTokenizer:
     """encode / decode / apply_chat_template over one GGUF file's vocabulary."""
 
@@ -238,6 +253,21 @@ class GGUFTokenizer:
         if not tokenize:
             return text
         return self.encode(text, add_special_tokens=False, parse_special=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a server's per-token logprobs carry them): a byte-level
+        BPE token's characters mapped back to bytes; a SentencePiece token's "▁" as a space and a
+        <0xXX> byte token as its byte; special and user-defined tokens as their text."""
+        if not 0 <= token_id < len(self.tokens):
+            raise ValueError(f"token id {token_id} is outside the vocabulary ({len(self.tokens)} tokens)")
+        text, kind = self.tokens[token_id], self.token_types[token_id]
+        if token_id in self.special_ids:
+            return text.encode("utf-8")
+        if self.kind == "gpt2":
+            return bytes(_BYTE_OF_CHAR.get(c, 0x3F) for c in text)  # '?' for a char outside the alphabet
+        if kind == BYTE and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            return bytes([int(text[3:5], 16)])
+        return text.replace("▁", " ").encode("utf-8")
 
     def _text(self, token_id) -> str:
         return "" if token_id is None else self.tokens[token_id]

@@ -170,6 +170,70 @@ def test_a_continued_chat_reads_its_history_from_the_prompt_cache(server, local)
     assert first.usage.prompt_tokens <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
 
 
+def _local_steps(model, tokenizer, prompt, max_tokens):
+    """(token, logprobs [vocab] as numpy) of each step of a local greedy generation."""
+    return [(r.token, np.array(r.logprobs)) for r in stream_generate(model, tokenizer, prompt, max_tokens)]
+
+
+def test_chat_logprobs_are_the_generators_with_the_likeliest_alternatives(server, local):
+    model, tokenizer = local
+    client = server.client()
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, logprobs=True,
+                                           top_logprobs=3, extra_body={"cache_prompt": False})
+    steps = _local_steps(model, tokenizer, tokenizer.apply_chat_template(MESSAGES, tokenize=True), 6)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == len(steps) == 6
+    for entry, (token, logprobs) in zip(content, steps):
+        assert bytes(entry.bytes) == tokenizer.token_bytes(token)
+        assert abs(entry.logprob - logprobs[token]) <= 1e-5 * max(1.0, abs(logprobs[token]))
+        best = np.argsort(-logprobs, kind="stable")[:3]
+        assert [bytes(t.bytes) for t in entry.top_logprobs] == [tokenizer.token_bytes(int(i)) for i in best]
+        np.testing.assert_allclose([t.logprob for t in entry.top_logprobs], logprobs[best], rtol=1e-5, atol=1e-5)
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy: the chosen is the best
+    streamed = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, logprobs=True,
+                                                   top_logprobs=3, stream=True, extra_body={"cache_prompt": False}))
+    pieces = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(p.token, p.logprob) for p in pieces] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_an_echoed_prompt_is_scored_token_by_token(server, local):
+    """lm-evaluation-harness's way of scoring text: echo, logprobs, max_tokens 0 (or 1)."""
+    model, tokenizer = local
+    client = server.client()
+    text = "the quick brown fox jumps over the lazy dog"
+    ids = tokenizer.encode(text)
+    scored = client.completions.create(model="tiny", prompt=text, max_tokens=0, echo=True, logprobs=2)
+    choice = scored.choices[0]
+    assert choice.text == text and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    logits = np.array(model(np.array(ids)[None]))[0].astype(np.float64)
+    expected = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    wanted = expected[np.arange(len(ids) - 1), ids[1:]]
+    assert choice.logprobs.tokens == [tokenizer.token_bytes(i).decode("utf-8", "replace") for i in ids]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], wanted, rtol=1e-4, atol=1e-4)
+    for position, alternatives in enumerate(choice.logprobs.top_logprobs[1:]):
+        best = np.argsort(-expected[position])[:2]
+        names = [tokenizer.token_bytes(int(i)).decode("utf-8", "replace") for i in best]
+        assert set(names) <= set(alternatives) and len(alternatives) <= 3  # the top 2 and the chosen
+        assert choice.logprobs.tokens[position + 1] in alternatives
+    answered = client.completions.create(model="tiny", prompt=text, max_tokens=3, echo=True, logprobs=0,
+                                         extra_body={"cache_prompt": False})
+    steps = _local_steps(model, tokenizer, text, 3)
+    assert answered.choices[0].text == text + generate(model, tokenizer, text, 3)
+    assert answered.choices[0].logprobs.token_logprobs[: len(ids)] == choice.logprobs.token_logprobs
+    np.testing.assert_allclose(answered.choices[0].logprobs.token_logprobs[len(ids):],
+                               [lp[t] for t, lp in steps], rtol=1e-5, atol=1e-5)
+    streamed = list(client.completions.create(model="tiny", prompt=text, max_tokens=3, echo=True, logprobs=0,
+                                              stream=True, extra_body={"cache_prompt": False}))
+    assert "".join(c.choices[0].text for c in streamed) == answered.choices[0].text
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == answered.choices[0].logprobs.tokens
+    assert [o for c in streamed for o in c.choices[0].logprobs.text_offset] == \
+        answered.choices[0].logprobs.text_offset
+
+
 BAD_REQUESTS = [  # (route, body, status, param)
     ("/completions", b'{"prompt": "x", "max_tokens": 5', 400, None),  # malformed JSON
     ("/completions", b'["prompt"]', 400, None),
@@ -182,6 +246,14 @@ BAD_REQUESTS = [  # (route, body, status, param)
     ("/completions", b'{"prompt": "x", "top_k": 2.5}', 400, "top_k"),
     ("/completions", b'{"prompt": "x", "stop": [3]}', 400, "stop"),
     ("/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
+    ("/completions", b'{"prompt": "x", "logprobs": 21}', 400, "logprobs"),
+    ("/completions", b'{"prompt": "x", "logprobs": true}', 400, "logprobs"),
+    ("/completions", b'{"prompt": "x", "echo": "yes"}', 400, "echo"),
+    ("/completions", b'{"prompt": "x", "max_tokens": 0, "echo": false}', 400, "max_tokens"),
+    ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400,
+     "top_logprobs"),
+    ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, '
+                          b'"top_logprobs": -1}', 400, "top_logprobs"),
     ("/completions", b'{"prompt": "x", "model": "gpt-4o"}', 404, "model"),
     ("/chat/completions", b'{"messages": []}', 400, "messages"),
     ("/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages"),

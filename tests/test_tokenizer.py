@@ -269,3 +269,16 @@ def test_gemma3_keeps_runs_of_spaces_whole_as_llama_cpp_does(gemma3_path, file_t
     assert pieces("a  word") == ["a", "  ", "word"]
     assert pieces("x = 1   # note") == ["x", "▁=", "▁", "1", "   ", "#", "▁note"]
     assert pieces("  hi  ") == ["  ", "hi", "  "]
+
+
+def test_token_bytes_add_up_to_the_decoded_text(judged):
+    """A server's per-token logprobs carry each token's bytes: one after another they spell what
+    llama.cpp decodes (but the space a SentencePiece vocabulary's decoding strips first)."""
+    name, tokenizer, recorded = judged
+    for ids, expected in zip(recorded["ids"], recorded["decoded"], strict=True):
+        joined = b"".join(tokenizer.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+        if getattr(tokenizer, "space_prefix", False) and joined.startswith(" "):
+            joined = joined[1:]
+        assert joined == expected, f"{name}: {ids}"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tokenizer.token_bytes(tokenizer.vocab_size)
