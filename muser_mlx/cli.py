@@ -151,7 +151,7 @@ def run_chat(args) -> None:
     common prefix is skipped); if the rendering diverges, the conversation is re-read."""
     model, tokenizer = load(args.model)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    cache, cached = model.make_cache(), []
+    cache, cached = None, []  # continue_cache makes the first
     print("muser chat: an empty line or Ctrl-D ends the session.")
     while True:
         try:

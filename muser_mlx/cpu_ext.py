@@ -52,6 +52,11 @@ def unavailable() -> str:
     return _why
 
 
+def half_cache() -> bool:
+    """Whether the decode primitives take float16 caches (the compiler had _Float16)."""
+    return bool(getattr(_cpu_kernels, "half_cache", False))
+
+
 def instruction_set() -> str:
     """The vector instructions the products were compiled for (e.g. 'avx512')."""
     return _cpu_kernels.instruction_set()
@@ -134,9 +139,10 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     y: float32 [1, width]: q at offsets[0] (heads * head_dim), k at offsets[1], v at
     offsets[2] (kv_heads * head_dim each), the gate's sigmoid input at `gate` (None: no gate);
     bias: q, k, v biases concatenated, or None; q_norm/k_norm [head_dim] or None; rope:
-    dict(dims, base, traditional) or None; position: int32 [1]. keys/values: float32 [1,
-    kv_heads, capacity, head_dim]: slot position % capacity receives the token's key and
-    value, slots 0 .. min(position + 1, capacity) - 1 are attended.
+    dict(dims, base, traditional) or None; position: int32 [1]. keys/values: float32 (or
+    float16 where half_cache()) [1, kv_heads, capacity, head_dim]: slot position % capacity
+    receives the token's key and value (rounded to the cache's dtype), slots 0 .. min(position
+    + 1, capacity) - 1 are attended.
     Returns (o float32 [1, heads * head_dim], keys, values): new cache arrays, which reuse
     the old ones' memory when nothing else holds them."""
     shape = _cpu_kernels.DecodeHeads(

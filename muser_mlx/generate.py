@@ -193,7 +193,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
     if any(not isinstance(s, str) or not s for s in stops):
         raise ValueError(f"stop must be non-empty strings, got {stop!r}")
     ids = _prompt_ids(tokenizer, prompt)
-    cache = model.make_cache() if cache is None else cache
+    cache = cpu_decode.generation_cache(model) if cache is None else cache
     start = cache[0].offset
     context = model.config.context
     if not ids:
@@ -304,11 +304,11 @@ def continue_cache(model, cache, cached_ids, ids) -> tuple[list, int]:
     tokens read as a prompt are not. A continued conversation can therefore differ from a fresh
     reading of it by that rounding, as llama.cpp's and mlx-lm's prompt caches do."""
     if cache is None or len(cached_ids) != cache[0].offset:
-        return model.make_cache(), 0
+        return cpu_decode.generation_cache(model), 0
     kept = min(common_prefix(cached_ids, ids), len(ids) - 1)
     if kept > 0 and step_back(cache, kept):
         return cache, kept
-    return model.make_cache(), 0
+    return cpu_decode.generation_cache(model), 0
 
 
 def _take_back(ahead, cache) -> None:

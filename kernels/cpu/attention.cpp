@@ -50,14 +50,14 @@ inline float hsum(f32x16 v) {
 // head_dim / 16 times: Gemma 3's 256 channels made that most of a prefill's attention), into D
 // vectors held in registers (out_row in memory made each key's adds wait for the last key's
 // stores: ~40 % of SmolLM2's decode attention samples). Keys of weight 0 (masked) are skipped.
-template <int D>
-void weighted_sum(const float* weights, const float* v, int64_t stride, int64_t keys, float total,
+template <int D, class C>
+void weighted_sum(const float* weights, const C* v, int64_t stride, int64_t keys, float total,
                   float* out_row) {
   f32x16 acc[D] = {};
   for (int64_t key = 0; key < keys; ++key) {
     if (weights[key] != 0.0f) {
       for (int d = 0; d < D; ++d) {
-        acc[d] += weights[key] * load<f32x16>(v + key * stride + 16 * d);
+        acc[d] += weights[key] * load16(v + key * stride + 16 * d);
       }
     }
   }
@@ -66,21 +66,24 @@ void weighted_sum(const float* weights, const float* v, int64_t stride, int64_t 
   }
 }
 
-using WeightedSumFn = void (*)(const float*, const float*, int64_t, int64_t, float, float*);
+template <class C>
+using WeightedSumFn = void (*)(const float*, const C*, int64_t, int64_t, float, float*);
 
-template <int... D>
-constexpr std::array<WeightedSumFn, sizeof...(D)> weighted_sums(std::integer_sequence<int, D...>) {
-  return {weighted_sum<D + 1>...};
+template <class C, int... D>
+constexpr std::array<WeightedSumFn<C>, sizeof...(D)> weighted_sums(std::integer_sequence<int, D...>) {
+  return {weighted_sum<D + 1, C>...};
 }
 
-// WEIGHTED_SUMS[D - 1]: 16 D channels, D <= 16 (wider heads: 256 channels at a time).
+// WEIGHTED_SUMS<C>[D - 1]: 16 D channels, D <= 16 (wider heads: 256 channels at a time).
 constexpr int MAX_VECTORS = 16;
-constexpr auto WEIGHTED_SUMS = weighted_sums(std::make_integer_sequence<int, MAX_VECTORS>{});
+template <class C>
+constexpr auto WEIGHTED_SUMS = weighted_sums<C>(std::make_integer_sequence<int, MAX_VECTORS>{});
 
 // One query row's softmax and weighted sum, from its scores [keys] (masked: -inf) and their
 // maximum `top`: out_row [head_dim]; zeros when no key is visible. Overwrites scores with the
 // weights.
-void finish_row(float* scores, float top, const float* v, float* out_row, int64_t keys,
+template <class C>
+void finish_row(float* scores, float top, const C* v, float* out_row, int64_t keys,
                 int64_t head_dim) {
   std::fill(out_row, out_row + head_dim, 0.0f);
   if (top == -std::numeric_limits<float>::infinity()) {
@@ -102,12 +105,14 @@ void finish_row(float* scores, float top, const float* v, float* out_row, int64_
   }
   for (int64_t d = 0; d < head_dim; d += 16 * MAX_VECTORS) {
     int vectors = static_cast<int>(std::min<int64_t>(MAX_VECTORS, (head_dim - d) / 16));
-    WEIGHTED_SUMS[vectors - 1](scores, v + d, head_dim, keys, total, out_row + d);
+    WEIGHTED_SUMS<C>[vectors - 1](scores, v + d, head_dim, keys, total, out_row + d);
   }
 }
 
-// One query row: q_row [head_dim], keys/values [keys, head_dim], visible [keys] or null.
-void attend_row(const float* q_row, const float* k, const float* v, const bool* visible,
+// One query row: q_row [head_dim], keys/values [keys, head_dim] (float, or half: a decode
+// step's cache), visible [keys] or null.
+template <class C>
+void attend_row(const float* q_row, const C* k, const C* v, const bool* visible,
                 float* out_row, int64_t keys, int64_t head_dim, float scale,
                 std::vector<float>& scores) {
   scores.assign(keys, -std::numeric_limits<float>::infinity());
@@ -116,10 +121,10 @@ void attend_row(const float* q_row, const float* k, const float* v, const bool* 
     if (visible && !visible[s]) {
       continue;
     }
-    const float* k_row = k + s * head_dim;
+    const C* k_row = k + s * head_dim;
     f32x16 acc = {};
     for (int64_t d = 0; d < head_dim; d += 16) {
-      acc += load<f32x16>(q_row + d) * load<f32x16>(k_row + d);
+      acc += load<f32x16>(q_row + d) * load16(k_row + d);
     }
     scores[s] = scale * hsum(acc);
     top = std::max(top, scores[s]);
@@ -249,28 +254,33 @@ void prepare_head(float* head, const float* y, int64_t offset, const float* bias
 
 } // namespace
 
+template <class C>
 void write_cache(const float* y, const float* bias, const float* norm, int64_t position,
-                 float* cache, const DecodeHeads& shape, bool key) {
-  std::vector<float> cos, sin;
+                 C* cache, const DecodeHeads& shape, bool key) {
+  std::vector<float> cos, sin, head(shape.head_dim);
   if (key) {
     rope_angles(position, shape, cos, sin);
   }
   const int64_t head_dim = shape.head_dim, slot = position % shape.capacity;
   const int64_t q_size = shape.heads * head_dim, kv_size = shape.kv_heads * head_dim;
   for (int64_t h = 0; h < shape.kv_heads; ++h) {
-    float* row = cache + (h * shape.capacity + slot) * head_dim;
     if (key) {
-      prepare_head(row, y, shape.k_off + h * head_dim, bias, q_size + h * head_dim, norm, cos,
+      prepare_head(head.data(), y, shape.k_off + h * head_dim, bias, q_size + h * head_dim, norm, cos,
                    sin, shape);
     } else {
-      prepare_head(row, y, shape.v_off + h * head_dim, bias, q_size + kv_size + h * head_dim,
+      prepare_head(head.data(), y, shape.v_off + h * head_dim, bias, q_size + kv_size + h * head_dim,
                    nullptr, cos, sin, shape);
+    }
+    C* row = cache + (h * shape.capacity + slot) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      row[d] = static_cast<C>(head[d]);  // half: rounded to nearest
     }
   }
 }
 
+template <class C>
 void attention_decode(const float* y, const float* bias, const float* q_norm, int64_t position,
-                      const float* keys, const float* values, float* out,
+                      const C* keys, const C* values, float* out,
                       const DecodeHeads& shape, int threads) {
   const int64_t heads = shape.heads, head_dim = shape.head_dim, capacity = shape.capacity;
   const int64_t seen = std::min(position + 1, capacity), group = heads / shape.kv_heads;
@@ -295,6 +305,17 @@ void attention_decode(const float* y, const float* bias, const float* q_norm, in
     }
   });
 }
+
+template void write_cache<float>(const float*, const float*, const float*, int64_t, float*,
+                                 const DecodeHeads&, bool);
+template void attention_decode<float>(const float*, const float*, const float*, int64_t, const float*,
+                                      const float*, float*, const DecodeHeads&, int);
+#ifdef MUSER_HALF_CACHE
+template void write_cache<half>(const float*, const float*, const float*, int64_t, half*,
+                                const DecodeHeads&, bool);
+template void attention_decode<half>(const float*, const float*, const float*, int64_t, const half*,
+                                     const half*, float*, const DecodeHeads&, int);
+#endif
 
 void attention(const float* q, const float* k, const float* v, const bool* mask, float* out,
                int64_t batch, int64_t heads, int64_t kv_heads, int64_t tokens, int64_t keys,

@@ -117,6 +117,7 @@ start, start + 1, ... (rotary_dim 0: not rotated; angles in double, as the decod
   m.def("has_product", &muser::cpu::has_product, "ggml_type"_a,
         "Whether ggml type `ggml_type` has a CPU product here.");
   m.attr("mlx_version") = MUSER_MLX_VERSION;  // the MLX it was compiled against
+  m.attr("half_cache") = muser::cpu::half_cache_supported();  // decode caches may be float16
   m.def("instruction_set", &muser::cpu::instruction_set,
         "The vector instructions the products were compiled for.");
 }

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "vectors.h"
+
 namespace muser::cpu {
 
 // The seam between two branches of a decoder layer, for `rows` rows of `hidden` values:
@@ -42,14 +44,17 @@ struct DecodeHeads {
 // write_cache: the token's keys (key: biased, normed by `norm` [head_dim] unless null,
 // rotated) or values (biased) into slot position % capacity of `cache` [kv_heads, capacity,
 // head_dim].
+// C: the cache's element type, float or half (below).
+template <class C>
 void write_cache(const float* y, const float* bias, const float* norm, int64_t position,
-                 float* cache, const DecodeHeads& shape, bool key);
+                 C* cache, const DecodeHeads& shape, bool key);
 
 // attention_decode: the token's q heads (biased, normed by q_norm unless null, rotated)
 // attend slots 0 .. min(position + 1, capacity) - 1 of keys and values (written first by
 // write_cache); out: float32 [heads * head_dim], times sigmoid(gate) if gated.
+template <class C>
 void attention_decode(const float* y, const float* bias, const float* q_norm, int64_t position,
-                      const float* keys, const float* values, float* out,
+                      const C* keys, const C* values, float* out,
                       const DecodeHeads& shape, int threads);
 
 // A prompt's heads as attention takes them: rows of y (row r of `rows` = batch x tokens at

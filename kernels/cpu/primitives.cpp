@@ -16,6 +16,14 @@
 
 namespace muser::cpu {
 
+bool half_cache_supported() {
+#ifdef MUSER_HALF_CACHE
+  return true;
+#else
+  return false;
+#endif
+}
+
 namespace {
 
 int all_cores() {
@@ -79,19 +87,20 @@ const T* row_major(const mx::array& in, mx::cpu::CommandEncoder& encoder) {
 // `out` takes `in`'s buffer when nothing else holds it (MLX's donation, as its slice_update
 // does); else `out` gets a buffer of its own and the returned work copies `in` [a, b, c, d]
 // (any strides) into it, to run before anything writes `out`.
-std::function<void()> reuse_or_copy(const mx::array& in, mx::array& out) {
+template <class T>
+std::function<void()> reuse_or_copy_as(const mx::array& in, mx::array& out) {
   if (in.is_donatable() && in.flags().row_contiguous) {
     out.copy_shared_buffer(in);
     return [] {};
   }
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  return [from = in.data<float>(), to = out.data<float>(), shape = in.shape(),
+  return [from = in.data<T>(), to = out.data<T>(), shape = in.shape(),
           strides = in.strides()] {
-    float* next = to;
+    T* next = to;
     for (int64_t a = 0; a < shape[0]; ++a) {
       for (int64_t b = 0; b < shape[1]; ++b) {
         for (int64_t c = 0; c < shape[2]; ++c) {
-          const float* row = from + a * strides[0] + b * strides[1] + c * strides[2];
+          const T* row = from + a * strides[0] + b * strides[1] + c * strides[2];
           for (int64_t d = 0; d < shape[3]; ++d) {
             *next++ = row[d * strides[3]];
           }
@@ -99,6 +108,11 @@ std::function<void()> reuse_or_copy(const mx::array& in, mx::array& out) {
       }
     }
   };
+}
+
+// A float32 or float16 cache (elements copied as 2-byte words: no conversion).
+std::function<void()> reuse_or_copy(const mx::array& in, mx::array& out) {
+  return in.dtype() == mx::float16 ? reuse_or_copy_as<uint16_t>(in, out) : reuse_or_copy_as<float>(in, out);
 }
 
 } // namespace
@@ -357,6 +371,10 @@ namespace {
 
 // Refuses y, a cache and the optional vectors that do not fit `shape` (capacity from the
 // cache), naming the op.
+bool cache_dtype_supported(mx::Dtype dtype) {
+  return dtype == mx::float32 || (half_cache_supported() && dtype == mx::float16);
+}
+
 void check_decode_inputs(const char* op, const mx::array& y, const mx::array& cache,
                          const mx::array& position, const std::optional<mx::array>& bias,
                          const std::optional<mx::array>& norm, const DecodeHeads& shape) {
@@ -365,14 +383,15 @@ void check_decode_inputs(const char* op, const mx::array& y, const mx::array& ca
   int64_t width = y.ndim() == 2 ? y.shape(1) : -1;
   auto fits = [&](int64_t offset, int64_t size) { return offset >= 0 && offset + size <= width; };
   bool cache_ok = cache.ndim() == 4 && cache.shape(0) == 1 && cache.shape(1) == shape.kv_heads &&
-                  cache.shape(3) == head_dim && cache.shape(2) > 0 && cache.dtype() == mx::float32;
+                  cache.shape(3) == head_dim && cache.shape(2) > 0 && cache_dtype_supported(cache.dtype());
   if (y.ndim() != 2 || y.shape(0) != 1 || shape.kv_heads < 1 || shape.heads % shape.kv_heads ||
       head_dim % 16 || !cache_ok || !fits(shape.q_off, q_size) || !fits(shape.k_off, kv_size) ||
       !fits(shape.v_off, kv_size) || (shape.gate_off >= 0 && !fits(shape.gate_off, q_size)) ||
       shape.rotary_dim % 2 || shape.rotary_dim > head_dim || shape.rotary_dim < 0) {
     std::ostringstream message;
     message << "[" << op << "] expected y [1, width] holding q, k, v (and gate) at their "
-            << "offsets, a float32 cache [1, " << shape.kv_heads << ", capacity, " << head_dim
+            << "offsets, a " << (half_cache_supported() ? "float32 or float16" : "float32")
+            << " cache [1, " << shape.kv_heads << ", capacity, " << head_dim
             << "], heads a multiple of kv_heads, head_dim of 16, an even rotary_dim <= head_dim;"
             << " got y " << y.shape() << ", cache " << cache.shape() << " " << cache.dtype()
             << ", heads " << shape.heads << "/" << shape.kv_heads;
@@ -403,7 +422,7 @@ mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::arra
   if (normed) {
     inputs.push_back(as_f32(*norm, stream));
   }
-  return mx::array(cache.shape(), mx::float32,
+  return mx::array(cache.shape(), cache.dtype(),
                    std::make_shared<CacheWrite>(stream, shape, key, bias.has_value(), normed),
                    inputs);
 }
@@ -418,8 +437,19 @@ void CacheWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   size_t i = 3;
   const float* bias = bias_ ? row_major<float>(inputs[i++], encoder) : nullptr;
   const float* norm = norm_ ? row_major<float>(inputs[i++], encoder) : nullptr;
-  encoder.dispatch([=, y = row_major<float>(inputs[0], encoder), position = inputs[2].data<int32_t>(),
-                    cache = outputs[0].data<float>(), shape = shape_, key = key_]() {
+  const float* y = row_major<float>(inputs[0], encoder);
+  const int32_t* position = inputs[2].data<int32_t>();
+#ifdef MUSER_HALF_CACHE
+  if (outputs[0].dtype() == mx::float16) {
+    encoder.dispatch([=, cache = reinterpret_cast<half*>(outputs[0].data<mx::float16_t>()),
+                      shape = shape_, key = key_]() {
+      copy();
+      write_cache(y, bias, norm, position[0], cache, shape, key);
+    });
+    return;
+  }
+#endif
+  encoder.dispatch([=, cache = outputs[0].data<float>(), shape = shape_, key = key_]() {
     copy();
     write_cache(y, bias, norm, position[0], cache, shape, key);
   });
@@ -447,7 +477,7 @@ mx::array attention_decode(const mx::array& y, const mx::array& keys, const mx::
                            const std::optional<mx::array>& q_norm, DecodeHeads shape,
                            int threads, mx::StreamOrDevice s) {
   check_decode_inputs("attention_decode", y, keys, position, bias, q_norm, shape);
-  if (values.shape() != keys.shape() || values.dtype() != mx::float32) {
+  if (values.shape() != keys.shape() || values.dtype() != keys.dtype()) {
     throw std::invalid_argument("[attention_decode] keys and values must be alike");
   }
   shape.capacity = keys.shape(2);
@@ -477,9 +507,20 @@ void AttentionDecode::eval_cpu(const std::vector<mx::array>& inputs,
   const float* bias = bias_ ? row_major<float>(inputs[i++], encoder) : nullptr;
   const float* q_norm = q_norm_ ? row_major<float>(inputs[i++], encoder) : nullptr;
   int threads = threads_ > 0 ? threads_ : all_cores();
-  encoder.dispatch([=, y = row_major<float>(inputs[0], encoder),
-                    keys = row_major<float>(inputs[1], encoder),
-                    values = row_major<float>(inputs[2], encoder), position = inputs[3].data<int32_t>(),
+  const float* y = row_major<float>(inputs[0], encoder);
+  const int32_t* position = inputs[3].data<int32_t>();
+#ifdef MUSER_HALF_CACHE
+  if (inputs[1].dtype() == mx::float16) {
+    encoder.dispatch([=, keys = reinterpret_cast<const half*>(row_major<mx::float16_t>(inputs[1], encoder)),
+                      values = reinterpret_cast<const half*>(row_major<mx::float16_t>(inputs[2], encoder)),
+                      out = outputs[0].data<float>(), shape = shape_]() {
+      attention_decode(y, bias, q_norm, position[0], keys, values, out, shape, threads);
+    });
+    return;
+  }
+#endif
+  encoder.dispatch([=, keys = row_major<float>(inputs[1], encoder),
+                    values = row_major<float>(inputs[2], encoder),
                     out = outputs[0].data<float>(), shape = shape_]() {
     attention_decode(y, bias, q_norm, position[0], keys, values, out, shape, threads);
   });

@@ -111,7 +111,11 @@ class GatedActivation : public mx::Primitive {
   bool gelu_;
 };
 
-// The cache `cache` float32 [1, kv_heads, capacity, head_dim] with this token's keys (key) or
+// Whether decode caches may hold float16 (the compiler has _Float16: vectors.h).
+bool half_cache_supported();
+
+// The cache `cache` float32 (or float16: half_cache_supported) [1, kv_heads, capacity, head_dim]
+// with this token's keys (key) or
 // values written at slot position % capacity (decode.h's write_cache): y float [1, width],
 // position int32 [1], bias and norm (keys only) float or none. The output reuses the cache's
 // buffer when nothing else holds it (MLX's donation), else copies it first.

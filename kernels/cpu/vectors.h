@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace muser::cpu {
 
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -36,5 +40,27 @@ template <typename V, typename T>
 inline void store(T* p, V v) {
   std::memcpy(p, &v, sizeof(V));
 }
+
+// A decode cache may hold IEEE half floats (where the compiler has _Float16): half the bytes
+// a long context's attention reads. load16 reads 16 floats, or 16 halves widened to floats.
+#if defined(__FLT16_MAX__)
+#define MUSER_HALF_CACHE 1
+using half = _Float16;
+typedef half f16x16 __attribute__((vector_size(32)));
+#endif
+
+inline f32x16 load16(const float* p) {
+  return load<f32x16>(p);
+}
+
+#ifdef MUSER_HALF_CACHE
+inline f32x16 load16(const half* p) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_cvtph_ps(load<__m256i>(p));  // one instruction (GCC's generic widening was scalar)
+#else
+  return __builtin_convertvector(load<f16x16>(p), f32x16);
+#endif
+}
+#endif
 
 }  // namespace muser::cpu

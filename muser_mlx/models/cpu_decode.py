@@ -16,7 +16,12 @@ formats.quantize_activations), of 256 for the K-quants (q8_K,
 formats.quantize_activations_super: a super-block then sums in integers). Each value is off by
 at most max|x| / 254 of its block: ~0.5-0.7 % of each product's output for normal activations,
 0.5-3.6 % of the logits of the tiny test models (README "The CPU decode step",
-tests/test_cpu_decode.py). The cache stays float32. `model(...)` keeps the exact products.
+tests/test_cpu_decode.py). `model(...)` keeps the exact products.
+
+The caches may be float32 or float16 (`generation_cache`: generate()'s, where the compiler has
+_Float16): a key or value is rounded to float16 as it is written and widened to float32 as
+attention reads it, so a long context's attention reads half the bytes (llama.cpp's default
+cache type; a GPU's caches are float16 too).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from muser_mlx import cpu_ext, kernels, ops
 # generate()'s CPU steps round every product's input to int8 (module docstring): faster
 # products (bench/RESULTS.md, issue 13, sessions 8 and 9).
 ROUNDED = True
+# generate()'s caches on the CPU, where this step serves: float16 (module docstring), or
+# float32 (as make_cache() on the CPU: the exact keys and values of the study path).
+GENERATION_CACHE_DTYPE = mx.float16
 
 
 class CPUDecodeStep:
@@ -43,7 +51,8 @@ class CPUDecodeStep:
         self._compiled = {}  # thread id -> compiled graph
 
     def __call__(self, token: mx.array, cache: list) -> mx.array:
-        """token: int32 [1, 1], in range (may be lazy); cache: model.make_cache() (float32).
+        """token: int32 [1, 1], in range (may be lazy); cache: model.make_cache() (float32) or
+        generation_cache(model) (float16).
         Returns float32 logits [vocab]; the caches hold the token afterwards."""
         c = self.model.config
         position = cache[0].offset
@@ -118,6 +127,14 @@ class CPUDecodeStep:
         x, h = cpu_ext.residual_norm(x, f, block.post_ffw_norm if sandwich else None, next_norm,
                                      post_eps, c.eps)
         return x, h, keys, values
+
+
+def generation_cache(model) -> list:
+    """A new cache for generation: float16 where this step serves and the extension takes
+    float16 caches (GENERATION_CACHE_DTYPE); elsewhere make_cache()'s own dtype."""
+    if serves(model) and cpu_ext.half_cache():
+        return model.make_cache(GENERATION_CACHE_DTYPE)
+    return model.make_cache()
 
 
 def rounds(model) -> bool:
