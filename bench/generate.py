@@ -69,7 +69,7 @@ def run(path: Path, prompt_tokens: int, new_tokens: int, runs: int, bandwidth: f
         llama_cpp: str | None) -> str:
     model, tokenizer = load(path)
     tokenizer.eos_token_ids = []
-    ids = (tokenizer.encode(TEXT * 40, add_special_tokens=False))[:prompt_tokens]
+    ids = (tokenizer.encode(TEXT * max(40, prompt_tokens // 20 + 1), add_special_tokens=False))[:prompt_tokens]
     prompt_tps = decode_tps = 0.0
     for attempt in range(runs + 1):  # the first run builds kernels and warms caches
         last = None

