@@ -1,6 +1,7 @@
 """`muser serve`: an OpenAI-compatible HTTP server over one model (mlx-lm's routes and fields).
 
-GET /v1/models, POST /v1/chat/completions and POST /v1/completions; `"stream": true` answers
+GET /v1/models (and /v1/models/{id}), POST /v1/chat/completions and POST /v1/completions, and
+llama.cpp's GET /health, POST /tokenize and /detokenize; `"stream": true` answers
 with server-sent events; logprobs (chat: logprobs/top_logprobs; completions: logprobs, echo). One model per process: requests take their turn in arrival order, and
 one thread runs the model (MLX evaluation is not made for concurrent threads). A client that
 goes away stops its generation at the next token, which frees the model for the next request.
@@ -313,9 +314,41 @@ def _event(payload) -> str:
 def create_app(service: ModelService) -> Starlette:
     model, tokenizer, model_id = service.model, service.tokenizer, service.model_id
 
+    card = {"id": model_id, "object": "model", "created": service.created, "owned_by": "muser_mlx"}
+
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": service.created, "owned_by": "muser_mlx"}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def one_model(request: Request):
+        name = request.path_params["name"]
+        if name != model_id:
+            raise RequestError(f"the model '{name}' does not exist: this server runs '{model_id}'",
+                               "model", status=404, code="model_not_found")
+        return JSONResponse(card)
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok"})
+
+    async def tokenize(request: Request):
+        """llama.cpp's /tokenize: {"content": text, "add_special": bool} -> {"tokens": ids}."""
+        body = await _body(request)
+        content = _typed(body, "content", (str,), "a string")
+        if content is None:
+            raise RequestError("'content' must be a string", "content")
+        add_special = _typed(body, "add_special", (bool,), "true or false")
+        return JSONResponse({"tokens": tokenizer.encode(content, add_special_tokens=bool(add_special))})
+
+    async def detokenize(request: Request):
+        """llama.cpp's /detokenize: {"tokens": ids} -> {"content": text}."""
+        body = await _body(request)
+        ids = body.get("tokens")
+        if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise RequestError("'tokens' must be a list of token ids", "tokens")
+        bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary ({tokenizer.vocab_size} tokens)",
+                               "tokens")
+        return JSONResponse({"content": tokenizer.decode(ids)})
 
     async def chat_completions(request: Request):
         body = await _body(request)
@@ -453,8 +486,12 @@ def create_app(service: ModelService) -> Starlette:
         return error_response(error.detail, error.status_code, "invalid_request_error")
 
     routes = [Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{name:path}", one_model, methods=["GET"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"])]
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/health", health, methods=["GET"]),  # llama.cpp's and mlx-lm's
+              Route("/tokenize", tokenize, methods=["POST"]),  # llama.cpp's
+              Route("/detokenize", detokenize, methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={RequestError: refused, HTTPException: http_error})
 
 

@@ -36,8 +36,10 @@ class Server:
     def client(self):
         return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=60)
 
-    def post(self, route: str, body: bytes, method="POST") -> tuple[int, dict]:
-        request = urllib.request.Request(self.url + route, data=body, method=method,
+    def post(self, route: str, body: bytes | None, method="POST", root=False) -> tuple[int, dict]:
+        """(status, JSON answer) of a request to /v1 + route (root: to route at the server's root)."""
+        base = self.url.removesuffix("/v1") if root else self.url
+        request = urllib.request.Request(base + route, data=body, method=method,
                                          headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
@@ -232,6 +234,40 @@ def test_an_echoed_prompt_is_scored_token_by_token(server, local):
     assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == answered.choices[0].logprobs.tokens
     assert [o for c in streamed for o in c.choices[0].logprobs.text_offset] == \
         answered.choices[0].logprobs.text_offset
+
+
+def test_health_model_card_tokenize_and_detokenize(server, local):
+    """llama.cpp's /health, /tokenize and /detokenize, and OpenAI's model retrieval."""
+    _, tokenizer = local
+    assert server.post("/health", None, method="GET", root=True) == (200, {"status": "ok"})
+    status, card = server.post("/models/tiny", None, method="GET")
+    assert status == 200 and card["id"] == "tiny" and card["object"] == "model"
+    assert server.client().models.retrieve("tiny").id == "tiny"
+    text = "the quick brown fox, 日本語"
+    status, answer = server.post("/tokenize", json.dumps({"content": text}).encode(), root=True)
+    assert status == 200 and answer["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    status, with_bos = server.post("/tokenize", json.dumps({"content": text, "add_special": True}).encode(), root=True)
+    assert with_bos["tokens"] == tokenizer.encode(text)
+    status, answer = server.post("/detokenize", json.dumps({"tokens": answer["tokens"]}).encode(), root=True)
+    assert status == 200 and answer["content"] == text
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/tokenize", b'{"content": 5}', "content"),
+    ("/tokenize", b'{}', "content"),
+    ("/tokenize", b'{"content": "x", "add_special": "yes"}', "add_special"),
+    ("/detokenize", b'{"tokens": [1, 100000]}', "tokens"),
+    ("/detokenize", b'{"tokens": "1 2"}', "tokens"),
+    ("/tokenize", b'not json', None),
+])
+def test_bad_tokenize_requests_get_openai_errors(server, route, body, param):
+    status, answer = server.post(route, body, root=True)
+    assert status == 400 and answer["error"]["param"] == param
+
+
+def test_an_unknown_model_card_is_not_found(server):
+    status, answer = server.post("/models/gpt-4o", None, method="GET")
+    assert status == 404 and answer["error"]["code"] == "model_not_found"
 
 
 BAD_REQUESTS = [  # (route, body, status, param)
