@@ -291,13 +291,19 @@ def rope(x, position, dims, base, traditional):
     return out
 
 
-@pytest.mark.parametrize("position, capacity", [(0, 16), (5, 16), (21, 8)])  # the last: a ring
+# (heads, kv_heads, position, capacity): a ring in the third; the last two long enough that the
+# keys are split in parts (PART_MIN_KEYS: 64), with groups of 6 q heads (two chunks of at most
+# 4 heads a task) and of 1.
+SHAPES = [(4, 2, 0, 16), (4, 2, 5, 16), (4, 2, 21, 8), (12, 2, 1500, 2048), (3, 3, 3000, 1024)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, position, capacity", SHAPES)
 @pytest.mark.parametrize("variant", ["plain", "bias", "qk_norm+gate", "traditional+partial", "no_rope"])
 @pytest.mark.parametrize("cache_dtype", ["float32", "float16"])  # float16: generate()'s caches
-def test_attention_decode_matches_numpy(rng, position, capacity, variant, cache_dtype):
+def test_attention_decode_matches_numpy(rng, heads, kv_heads, position, capacity, variant, cache_dtype):
     if cache_dtype == "float16" and not cpu_ext.half_cache():
         pytest.skip("the extension was built without _Float16")
-    heads, kv_heads, head_dim, eps, scale = 4, 2, 32, 1e-6, 0.3
+    head_dim, eps, scale = 32, 1e-6, 0.3
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     offsets = (2 * kv_size, 0, kv_size)  # y holds k, v, q, then the gate: any order will do
     gate = 2 * kv_size + q_size if "gate" in variant else None

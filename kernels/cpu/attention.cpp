@@ -283,32 +283,157 @@ void write_cache(const float* y, const float* bias, const float* norm, int64_t p
   }
 }
 
+// A decode step's attention, flash-decoding style: a task takes one kv head's group of q heads
+// (at most GROUP_HEADS of them) over one part of the keys, so each key and value row is read
+// once for the group (not once per head) and the parts keep every thread busy; the parts'
+// partial results (each head's largest score, sum of weights, unnormalized output) are merged
+// after.
+constexpr int GROUP_HEADS = 4;
+constexpr int64_t PART_MIN_KEYS = 64;
+
+// Scores of G heads (q [G, head_dim]) against keys [n, head_dim]: scores [G, n], each head's
+// largest in top[G].
+template <class C, int G>
+void group_scores(const float* q, const C* k, int64_t n, int64_t head_dim, float scale, float* scores,
+                  float* top) {
+  for (int g = 0; g < G; ++g) {
+    top[g] = -std::numeric_limits<float>::infinity();
+  }
+  for (int64_t s = 0; s < n; ++s) {
+    const C* k_row = k + s * head_dim;
+    f32x16 acc[G] = {};
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      f32x16 key = load16(k_row + d);
+      for (int g = 0; g < G; ++g) {
+        acc[g] += load<f32x16>(q + g * head_dim + d) * key;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float score = scale * hsum(acc[g]);
+      scores[g * n + s] = score;
+      top[g] = std::max(top[g], score);
+    }
+  }
+}
+
+// out [G, head_dim] (channels d0 .. d0 + 16 V) += the weighted sum of the value rows.
+template <class C, int G, int V>
+void group_values(const float* weights, const C* v, int64_t n, int64_t head_dim, int64_t d0, float* out) {
+  f32x16 acc[G][V] = {};
+  for (int64_t s = 0; s < n; ++s) {
+    const C* v_row = v + s * head_dim + d0;
+    for (int j = 0; j < V; ++j) {
+      f32x16 value = load16(v_row + 16 * j);
+      for (int g = 0; g < G; ++g) {
+        acc[g][j] += weights[g * n + s] * value;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < V; ++j) {
+      store(out + g * head_dim + d0 + 16 * j, acc[g][j]);
+    }
+  }
+}
+
+template <class C, int G>
+void group_part(const float* q, const C* k, const C* v, int64_t n, int64_t head_dim, float scale,
+                float* top, float* total, float* out, std::vector<float>& scores) {
+  scores.resize(G * n);
+  group_scores<C, G>(q, k, n, head_dim, scale, scores.data(), top);
+  for (int g = 0; g < G; ++g) {
+    float* w = scores.data() + g * n;
+    float sum = 0;
+    int64_t s = 0;
+    for (; s + 16 <= n; s += 16) {
+      f32x16 p = exp16(load<f32x16>(w + s) - top[g]);
+      store(w + s, p);
+      sum += hsum(p);
+    }
+    for (; s < n; ++s) {
+      w[s] = std::exp(w[s] - top[g]);
+      sum += w[s];
+    }
+    total[g] = sum;
+  }
+  int64_t d0 = 0;
+  for (; d0 + 64 <= head_dim; d0 += 64) {
+    group_values<C, G, 4>(scores.data(), v, n, head_dim, d0, out);
+  }
+  for (; d0 < head_dim; d0 += 16) {
+    group_values<C, G, 1>(scores.data(), v, n, head_dim, d0, out);
+  }
+}
+
+template <class C>
+void group_part_any(int heads, const float* q, const C* k, const C* v, int64_t n, int64_t head_dim,
+                    float scale, float* top, float* total, float* out, std::vector<float>& scores) {
+  switch (heads) {
+    case 1: return group_part<C, 1>(q, k, v, n, head_dim, scale, top, total, out, scores);
+    case 2: return group_part<C, 2>(q, k, v, n, head_dim, scale, top, total, out, scores);
+    case 3: return group_part<C, 3>(q, k, v, n, head_dim, scale, top, total, out, scores);
+    default: return group_part<C, 4>(q, k, v, n, head_dim, scale, top, total, out, scores);
+  }
+}
+
 template <class C>
 void attention_decode(const float* y, const float* bias, const float* q_norm, int64_t position,
                       const C* keys, const C* values, float* out,
                       const DecodeHeads& shape, int threads) {
   const int64_t heads = shape.heads, head_dim = shape.head_dim, capacity = shape.capacity;
   const int64_t seen = std::min(position + 1, capacity), group = heads / shape.kv_heads;
-  std::vector<float> cos, sin;
+  std::vector<float> cos, sin, q(heads * head_dim);
   rope_angles(position, shape, cos, sin);
+  for (int64_t h = 0; h < heads; ++h) {
+    prepare_head(q.data() + h * head_dim, y, shape.q_off + h * head_dim, bias, h * head_dim, q_norm, cos,
+                 sin, shape);
+  }
+  const int64_t chunks = (group + GROUP_HEADS - 1) / GROUP_HEADS;  // head chunks per kv head
+  const int64_t units = shape.kv_heads * chunks;
   int workers = seen * heads * head_dim >= (1 << 17) ? threads : 1;
-  ThreadPool::instance().run(static_cast<int>(heads), workers, [&](int task) {
+  // Parts of the keys: enough tasks for every worker (4 each), none shorter than PART_MIN_KEYS.
+  const int64_t parts = workers == 1 ? 1 : std::max<int64_t>(
+      1, std::min<int64_t>((4 * workers + units - 1) / units, seen / PART_MIN_KEYS));
+  std::vector<float> tops(parts * heads), totals(parts * heads), partial(parts * heads * head_dim);
+  ThreadPool::instance().run(static_cast<int>(units * parts), workers, [&](int task) {
     FlushSubnormals flush;
-    int64_t h = task;
-    std::vector<float> q(head_dim), scores;
-    prepare_head(q.data(), y, shape.q_off + h * head_dim, bias, h * head_dim, q_norm, cos, sin,
-                 shape);
-    const int64_t kv_offset = h / group * capacity * head_dim;
+    thread_local std::vector<float> scores;
+    const int64_t unit = task / parts, part = task % parts;
+    const int64_t kv = unit / chunks, h0 = kv * group + unit % chunks * GROUP_HEADS;
+    const int count = static_cast<int>(std::min<int64_t>(GROUP_HEADS, kv * group + group - h0));
+    const int64_t first = seen * part / parts, last = seen * (part + 1) / parts;
+    const int64_t offset = (kv * capacity + first) * head_dim;
+    group_part_any<C>(count, q.data() + h0 * head_dim, keys + offset, values + offset, last - first,
+                      head_dim, shape.scale, tops.data() + part * heads + h0,
+                      totals.data() + part * heads + h0, partial.data() + (part * heads + h0) * head_dim,
+                      scores);
+  });
+  for (int64_t h = 0; h < heads; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t part = 0; part < parts; ++part) {
+      top = std::max(top, tops[part * heads + h]);
+    }
+    float total = 0;
     float* out_row = out + h * head_dim;
-    attend_row(q.data(), keys + kv_offset, values + kv_offset, nullptr, out_row, seen, head_dim,
-               shape.scale, scores);
+    std::fill(out_row, out_row + head_dim, 0.0f);
+    for (int64_t part = 0; part < parts; ++part) {
+      float factor = std::exp(tops[part * heads + h] - top);
+      total += factor * totals[part * heads + h];
+      const float* o = partial.data() + (part * heads + h) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        out_row[d] += factor * o[d];
+      }
+    }
+    for (int64_t d = 0; d < head_dim; ++d) {
+      out_row[d] /= total;
+    }
     if (shape.gate_off >= 0) {
       const float* gate = y + shape.gate_off + h * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) {
         out_row[d] /= 1.0f + std::exp(-gate[d]);
       }
     }
-  });
+  }
 }
 
 template void write_cache<float>(const float*, const float*, const float*, int64_t, float*,
