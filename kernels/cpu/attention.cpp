@@ -1,7 +1,10 @@
 // Attention on the CPU: for each query row, the scores against every visible key, their
 // softmax, and the weighted sum of the value rows. A task of at least BLOCK_MIN_ROWS rows
-// scores 16 keys at a time for all its rows (attend_rows); fewer rows, and a decode token,
-// score one key at a time (attend_row: a dot product of head_dim floats each).
+// scores 16 keys at a time for all its rows (attend_rows); fewer rows score one key at a time
+// (attend_row: a dot product of head_dim floats each).
+// A decode token (attention_decode, below): tasks of one kv head's group of q heads over one
+// part of the keys (group_part: each key and value row read once for the group), the parts'
+// partial softmaxes merged after; the cache float32 or float16.
 //
 // Grid: batch x heads x tokens query rows, split into ROWS_PER_TASK-row tasks that `threads`
 // threads claim in turn (thread_pool.h); the rows of a task share one head, so its key and
