@@ -271,7 +271,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, seed: in
             end, finish = min(found)[0], "stop"
         elif finish is None:
             # Hold back an ending that could be the start of a stop string.
-            end -= max((_overlap(full, s) for s in stops), default=0)
+            end -= max((stop_overlap(full, s) for s in stops), default=0)
         text = full[emitted:max(end, emitted)]
         emitted = max(end, emitted)
         elapsed = time.perf_counter() - tic
@@ -320,7 +320,7 @@ def _take_back(ahead, cache) -> None:
             layer_cache.trim(1)
 
 
-def _overlap(text: str, stop: str) -> int:
+def stop_overlap(text: str, stop: str) -> int:
     """Length of the longest end of `text` that is a proper start of `stop`."""
     for size in range(min(len(stop) - 1, len(text)), 0, -1):
         if text.endswith(stop[:size]):

@@ -2,7 +2,8 @@
 
 GET /v1/models (and /v1/models/{id}), POST /v1/chat/completions and POST /v1/completions, and
 llama.cpp's GET /health, POST /tokenize and /detokenize; `"stream": true` answers
-with server-sent events; logprobs (chat: logprobs/top_logprobs; completions: logprobs, echo). One model per process: requests take their turn in arrival order, and
+with server-sent events; logprobs (chat: logprobs/top_logprobs; completions: logprobs, echo);
+a chat's tools through its template, tool calls in the answer as `tool_calls`. One model per process: requests take their turn in arrival order, and
 one thread runs the model (MLX evaluation is not made for concurrent threads). A client that
 goes away stops its generation at the next token, which frees the model for the next request.
 The last request's cache is kept: a request that starts with what it holds runs only the rest
@@ -33,7 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from muser_mlx.generate import DEFAULT_PREFILL_STEP, MODEL_LOCK, Sampling, continue_cache, load, stream_generate
+from muser_mlx.generate import (DEFAULT_PREFILL_STEP, MODEL_LOCK, Sampling, continue_cache, load, stop_overlap,
+                                stream_generate)
 from muser_mlx.tokenizer import TokenizerError
 
 DEFAULT_MAX_TOKENS = 512  # mlx-lm's default; a request may ask for up to the context
@@ -125,7 +127,8 @@ def logprob_options(body: dict, chat: bool) -> tuple[int | None, bool]:
 
 def chat_messages(body: dict) -> list[dict]:
     """OpenAI messages as the chat template takes them: content parts of type "text" are
-    joined into one string."""
+    joined into one string; an assistant message's `tool_calls` (its content may then be null)
+    keep their function's arguments as an object (templates write them out with tojson)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -135,14 +138,106 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestError(f"{where} must be an object with a string 'role'", "messages")
         content = message.get("content")
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if message["role"] != "assistant" or not isinstance(calls, list):
+                raise RequestError(f"{where}.tool_calls must be a list, in an assistant message", "messages")
+            calls = [_template_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(calls)]
+            content = "" if content is None else content
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                              and isinstance(p.get("text"), str) for p in content):
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"{where}.content must be a string or a list of text parts "
                                f"({{\"type\": \"text\", \"text\": ...}})", "messages")
-        rendered.append({**message, "content": content})
+        rendered.append({**message, "content": content, **({"tool_calls": calls} if calls is not None else {})})
     return rendered
+
+
+def _template_call(call, where: str) -> dict:
+    """An OpenAI tool call as chat templates read it: its function's arguments as an object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RequestError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                           f"\"arguments\"}}}}", "messages")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise RequestError(f"{where}.function.arguments is not JSON: {arguments[:60]!r}", "messages") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def chat_tools(body: dict) -> list[dict] | None:
+    """The request's `tools` (function definitions for the chat template), or None when there
+    are none or `tool_choice` is "none"."""
+    tools = body.get("tools")
+    if tools is None or body.get("tool_choice") == "none":
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise RequestError("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\", ...}}",
+                           "tools")
+    return tools or None
+
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class ToolCallText:
+    """A chat answer's text, with the tool calls it makes taken out: Hermes-style blocks,
+    <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the format of Qwen 2.5's and many
+    fine-tunes' templates, which mlx-lm's server reads too). add(piece) returns the content
+    that can go out now (a possible start of a block is held back); finish() returns the rest
+    and the calls, OpenAI's tool_calls. A block that is not such JSON stays in the content."""
+
+    def __init__(self):
+        self.pending, self.inside, self.calls = "", False, []
+
+    def add(self, piece: str) -> str:
+        self.pending += piece
+        out = ""
+        while True:
+            if self.inside:
+                end = self.pending.find(TOOL_CALL_CLOSE)
+                if end < 0:
+                    return out
+                body, self.pending = self.pending[:end], self.pending[end + len(TOOL_CALL_CLOSE):]
+                self.inside = False
+                if not self._call(body):
+                    out += TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE
+                continue
+            start = self.pending.find(TOOL_CALL_OPEN)
+            if start < 0:
+                cut = len(self.pending) - stop_overlap(self.pending, TOOL_CALL_OPEN)
+                out, self.pending = out + self.pending[:cut], self.pending[cut:]
+                return out
+            out, self.pending = out + self.pending[:start], self.pending[start + len(TOOL_CALL_OPEN):]
+            self.inside = True
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest, self.pending = self.pending, ""
+        if self.inside and not self._call(rest):  # an unclosed block (the answer was cut off)
+            rest = TOOL_CALL_OPEN + rest
+        elif self.inside:
+            rest = ""
+        self.inside = False
+        return rest, self.calls
+
+    def _call(self, body: str) -> bool:
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return False
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return False
+        arguments = call.get("arguments", call.get("parameters", {}))
+        self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                           "function": {"name": call["name"], "arguments": arguments if isinstance(arguments, str)
+                                        else json.dumps(arguments)}})
+        return True
 
 
 # --- the model's turns ----------------------------------------------------------------------------
@@ -354,11 +449,14 @@ def create_app(service: ModelService) -> Starlette:
         body = await _body(request)
         options = generation_options(body, model.config.context)
         top, _ = logprob_options(body, chat=True)
+        tools = chat_tools(body)
         try:
-            ids = tokenizer.apply_chat_template(chat_messages(body), tokenize=True)
+            ids = tokenizer.apply_chat_template(chat_messages(body), tokenize=True,
+                                                **({"tools": tools} if tools else {}))
         except TokenizerError as error:
             raise RequestError(str(error), "messages") from None
-        return await _complete(request, body, service.checked_prompt(ids, "messages"), options, True, top)
+        return await _complete(request, body, service.checked_prompt(ids, "messages"), options, True, top,
+                               tools=tools is not None)
 
     async def completions(request: Request):
         body = await _body(request)
@@ -398,9 +496,10 @@ def create_app(service: ModelService) -> Starlette:
         return body
 
     async def _complete(request: Request, body: dict, ids: list[int], options: dict, chat: bool,
-                        top: int | None, echoed: tuple | None = None):
+                        top: int | None, echoed: tuple | None = None, tools: bool = False):
         """Run a request and answer it. top: logprobs with that many alternatives (None: none);
-        echoed: (text, logprobs or None) of a completion's prompt to put before its answer."""
+        echoed: (text, logprobs or None) of a completion's prompt to put before its answer;
+        tools: a chat with tools, whose answer's tool calls become `tool_calls`."""
         kind = "chat.completion" if chat else "text_completion"
         reuse = _typed(body, "cache_prompt", (bool,), "true or false") is not False
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
@@ -408,7 +507,7 @@ def create_app(service: ModelService) -> Starlette:
         if _typed(body, "stream", (bool,), "true or false"):
             stream_options = _typed(body, "stream_options", (dict,), "an object") or {}
             usage = _typed(stream_options, "include_usage", (bool,), "true or false")
-            events = _stream(head, ids, options, reuse, chat, usage, top, echoed)
+            events = _stream(head, ids, options, reuse, chat, usage, top, echoed, tools)
             return EventStream(events, headers={"Cache-Control": "no-cache"})
         text, last, cached, tokens, entries = "", None, 0, [], []
         if options["max_tokens"] > 0:
@@ -423,7 +522,15 @@ def create_app(service: ModelService) -> Starlette:
         finish = last.finish_reason if last else "length"
         _log(head, len(ids), last, finish)
         if chat:
-            choice = {"message": {"role": "assistant", "content": text},
+            message = {"role": "assistant", "content": text}
+            if tools:
+                calls_text = ToolCallText()
+                content = calls_text.add(text)
+                rest, calls = calls_text.finish()
+                message = {"role": "assistant", "content": (content + rest) or (None if calls else "")}
+                if calls:
+                    message["tool_calls"], finish = calls, "tool_calls"
+            choice = {"message": message,
                       "logprobs": chat_logprobs(tokenizer, entries) if top is not None else None}
         else:
             choice = {"text": text, "logprobs": None}
@@ -437,14 +544,16 @@ def create_app(service: ModelService) -> Starlette:
                              "usage": _usage(len(ids), cached, last)})
 
     async def _stream(head: dict, ids: list[int], options: dict, reuse: bool, chat: bool, include_usage: bool,
-                      top: int | None, echoed: tuple | None):
+                      top: int | None, echoed: tuple | None, tools: bool = False):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         offset = 0  # characters of a completion's text sent so far (its logprobs' text_offset)
 
-        def chunk(text: str, finish_reason, first=False, tokens=(), entries=(), logprobs=None):
+        def chunk(text: str, finish_reason, first=False, tokens=(), entries=(), logprobs=None, calls=None):
             nonlocal offset
             if chat:
                 piece = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
+                if calls:
+                    piece["delta"] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
                 if top is not None:
                     piece["logprobs"] = chat_logprobs(tokenizer, list(entries))
             else:
@@ -462,12 +571,25 @@ def create_app(service: ModelService) -> Starlette:
                 yield chunk(echoed[0], None if options["max_tokens"] else "length", logprobs=echoed[1])
             tokens, entries = [], []  # those whose chunk is still to be sent (text held back)
             if options["max_tokens"] > 0:
+                calls_text = ToolCallText() if tools else None
                 async with aclosing(service.responses(ids, options, reuse, top)) as responses:
                     async for last, cached, entry in responses:
                         tokens.append(last.token)
                         entries.append(entry)
-                        if last.text or last.finish_reason:
-                            yield chunk(last.text, last.finish_reason, tokens=tokens, entries=entries)
+                        text, finish, calls = last.text, last.finish_reason, None
+                        if calls_text is not None:
+                            text = calls_text.add(text)
+                            if finish:
+                                rest, calls = calls_text.finish()
+                                text += rest
+                        if calls:
+                            if text:
+                                yield chunk(text, None, tokens=tokens, entries=entries)
+                                tokens, entries = [], []
+                            yield chunk("", "tool_calls", tokens=tokens, entries=entries, calls=calls)
+                            tokens, entries = [], []
+                        elif text or finish:
+                            yield chunk(text, finish, tokens=tokens, entries=entries)
                             tokens, entries = [], []
             ended = last.finish_reason if last else "length"
             if include_usage:

@@ -353,3 +353,112 @@ def test_a_client_that_goes_away_mid_stream_frees_the_model(server):
 def test_serve_reports_a_missing_model_file_without_a_traceback(tmp_path, capsys):
     assert cli.main(["serve", "--model", str(tmp_path / "missing.gguf"), "--port", "0"]) == 1
     assert "missing.gguf" in capsys.readouterr().err
+
+
+# --- tools ----------------------------------------------------------------------------------------
+
+from muser_mlx import server as server_module  # noqa: E402
+from muser_mlx.generate import GenerationResponse  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+CALLS = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+         '<tool_call>{"name": "now", "arguments": "{}"}</tool_call> done')
+
+
+def test_tool_call_blocks_become_tool_calls_however_the_text_is_split():
+    whole = server_module.ToolCallText()
+    content = whole.add(CALLS)
+    rest, calls = whole.finish()
+    assert content + rest == "Let me look. done"
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert calls[1]["function"]["arguments"] == "{}" and calls[0]["type"] == "function"
+    assert calls[0]["id"] != calls[1]["id"]
+    for size in (1, 2, 3, 7):
+        pieces = server_module.ToolCallText()
+        out = "".join(pieces.add(CALLS[i : i + size]) for i in range(0, len(CALLS), size))
+        rest, split = pieces.finish()
+        assert out + rest == "Let me look. done"
+        assert [c["function"] for c in split] == [c["function"] for c in calls]
+
+
+@pytest.mark.parametrize("text", ["a <tool_call>not json</tool_call> b", "a <tool_call>[1, 2]</tool_call>",
+                                  "ends with <tool_", 'cut off <tool_call>{"name": "f"'])
+def test_text_that_is_not_a_tool_call_stays_content(text):
+    calls_text = server_module.ToolCallText()
+    out = calls_text.add(text)
+    rest, calls = calls_text.finish()
+    assert out + rest == text and calls == []
+
+
+def test_chat_messages_take_tool_calls_and_tool_results():
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    rendered = server_module.chat_messages({"messages": messages})
+    assert rendered[1]["content"] == "" and rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert rendered[2] == messages[2]
+    for bad in ([{"role": "user", "content": "x", "tool_calls": []}],
+                [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}],
+                [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]):
+        with pytest.raises(server_module.RequestError) as refused:
+            server_module.chat_messages({"messages": bad})
+        assert refused.value.param == "messages"
+    assert server_module.chat_tools({"tools": TOOLS}) == TOOLS
+    assert server_module.chat_tools({"tools": TOOLS, "tool_choice": "none"}) is None
+    with pytest.raises(server_module.RequestError, match="'tools' must be"):
+        server_module.chat_tools({"tools": [{"type": "function"}]})
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|start|>system<|message|>{% for t in tools %}{{ t.function.name }};{% endfor %}<|eot|>{% endif %}"
+    "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} {{ c.function.arguments | tojson }}"
+    "</tool_call>{% endfor %}<|eot|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_with_tools_renders_them_and_answers_tool_calls(tmp_path, monkeypatch, stream):
+    """In process (Starlette's test client), the model's answer made up: the tools and the
+    earlier calls reach the template, and a tool call in the answer comes back as tool_calls."""
+    from starlette.testclient import TestClient
+
+    path = tiny_model(tmp_path / "t.gguf", "llama", np.random.default_rng(1), weights="Q8_0", context=512)
+    service = server_module.ModelService(path)
+    service.tokenizer.chat_template = TOOLS_TEMPLATE
+    prompts = []
+
+    def answer(model, tokenizer, prompt, cache=None, cached_ids=None, **options):
+        prompts.append(list(cached_ids) + list(prompt))
+        pieces = [CALLS[i : i + 5] for i in range(0, len(CALLS), 5)]
+        for n, piece in enumerate(pieces, start=1):
+            yield GenerationResponse(piece, 7, None, len(prompt), 1.0, n, 1.0, 0.0,
+                                     "stop" if n == len(pieces) else None)
+
+    monkeypatch.setattr(server_module, "stream_generate", answer)
+    messages = [{"role": "user", "content": "weather in paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    with TestClient(server_module.create_app(service)) as client:
+        reply = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "stream": stream})
+    assert reply.status_code == 200
+    text = service.tokenizer.decode(prompts[0])
+    assert "get_weather;" in text and '<tool_call>get_weather {"city": "Rome"}</tool_call>' in text and "sunny" in text
+    if stream:
+        events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+        content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+        calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
+        finishes = [e["choices"][0]["finish_reason"] for e in events]
+        assert finishes[-1] == "tool_calls" and set(finishes[:-1]) == {None}
+    else:
+        message = reply.json()["choices"][0]["message"]
+        content, calls = message["content"], message["tool_calls"]
+        assert reply.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert content == "Let me look. done"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"}), ("now", {})]
