@@ -279,7 +279,7 @@ def test_an_early_stop_leaves_the_last_token_unfed(tiny):
     tokens = [r.token for r in stream_generate(model, tokenizer, PROMPT, 12)]
     prompt = len(tokenizer.encode(PROMPT))
     tokenizer.eos_token_ids = [tokens[5]]
-    cache = model.make_cache()
+    cache = cpu_decode.generation_cache(model)  # the first run's kind (float16 on the CPU too)
     responses = list(stream_generate(model, tokenizer, PROMPT, 12, cache=cache))
     stopped_at = tokens.index(tokens[5]) + 1
     assert len(responses) == stopped_at and responses[-1].finish_reason == "stop"
@@ -289,7 +289,7 @@ def test_an_early_stop_leaves_the_last_token_unfed(tiny):
     # call (prefill), then one token per step as generation runs it (a GPU computes a call of more
     # than 8 rows through float16 products, a one-token step with q8x activations: only the same
     # calls agree to 1e-5).
-    fresh = model.make_cache()
+    fresh = cpu_decode.generation_cache(model)
     ids = tokenizer.encode(PROMPT)
     model(mx.array([ids[:-1]]), fresh)
     mx.eval(decode(model, mx.array([ids[-1:]]), fresh, prompt=True)[0])  # as prefill() runs it

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 from muser_mlx import cli
-from muser_mlx.generate import continue_cache, generate, load, stream_generate
+from muser_mlx import server as server_module
+from muser_mlx.generate import GenerationResponse, continue_cache, generate, load, stream_generate
+from muser_mlx.models import cpu_decode
 from muser_mlx.testing import tiny_model
 
 openai = pytest.importorskip("openai")
@@ -143,7 +145,7 @@ def test_a_prompt_that_extends_the_last_one_is_read_from_the_prompt_cache(server
     first = tokenizer.encode("the quick brown fox")
     plain = client.completions.create(model="tiny", prompt=first, max_tokens=6, extra_body={"cache_prompt": False})
     assert plain.usage.prompt_tokens_details.cached_tokens == 0
-    cache = model.make_cache()
+    cache = cpu_decode.generation_cache(model)  # as the server's
     tokens = [r.token for r in stream_generate(model, tokenizer, first, 6, cache=cache)]
     assert plain.choices[0].text == tokenizer.decode(tokens) and len(tokens) == 6
     fed = first + tokens[:-1]
@@ -357,8 +359,6 @@ def test_serve_reports_a_missing_model_file_without_a_traceback(tmp_path, capsys
 
 # --- tools ----------------------------------------------------------------------------------------
 
-from muser_mlx import server as server_module  # noqa: E402
-from muser_mlx.generate import GenerationResponse  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                            "parameters": {"type": "object",
