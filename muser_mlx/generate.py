@@ -303,11 +303,10 @@ def continue_cache(model, cache, cached_ids, ids) -> tuple[list, int]:
     whose products may round their inputs (cpu_decode.ROUNDED, int8 x on a GPU); the same
     tokens read as a prompt are not. A continued conversation can therefore differ from a fresh
     reading of it by that rounding, as llama.cpp's and mlx-lm's prompt caches do."""
-    if cache is None or len(cached_ids) != cache[0].offset:
-        return cpu_decode.generation_cache(model), 0
-    kept = min(common_prefix(cached_ids, ids), len(ids) - 1)
-    if kept > 0 and step_back(cache, kept):
-        return cache, kept
+    if cache is not None and len(cached_ids) == cache[0].offset:
+        kept = min(common_prefix(cached_ids, ids), len(ids) - 1)
+        if kept > 0 and step_back(cache, kept):
+            return cache, kept
     return cpu_decode.generation_cache(model), 0
 
 

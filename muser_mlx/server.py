@@ -219,11 +219,9 @@ class ToolCallText:
 
     def finish(self) -> tuple[str, list[dict]]:
         rest, self.pending = self.pending, ""
-        if self.inside and not self._call(rest):  # an unclosed block (the answer was cut off)
-            rest = TOOL_CALL_OPEN + rest
-        elif self.inside:
-            rest = ""
-        self.inside = False
+        if self.inside:  # an unclosed block (the answer was cut off): a call if it is whole JSON
+            self.inside = False
+            rest = "" if self._call(rest) else TOOL_CALL_OPEN + rest
         return rest, self.calls
 
     def _call(self, body: str) -> bool:
@@ -264,11 +262,16 @@ def token_logprobs(logprobs: mx.array, chosen: list[int], top: int) -> list[Toke
             for token, logprob, ids, lps in zip(chosen, picked, best, values)]
 
 
+def _token_text(tokenizer, token: int) -> str:
+    """A token's bytes as text (a piece of a character as U+FFFD)."""
+    return tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
+
 def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
     """OpenAI chat's choice.logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     def one(token: int, logprob: float) -> dict:
-        raw = tokenizer.token_bytes(token)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        return {"token": _token_text(tokenizer, token), "logprob": logprob,
+                "bytes": list(tokenizer.token_bytes(token))}
 
     return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                         for e in entries]}
@@ -280,7 +283,7 @@ def completion_logprobs(tokenizer, tokens: list[int], entries: list, offset: int
     has none (an echoed prompt's first)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(tokens, entries):
-        text = tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+        text = _token_text(tokenizer, token)
         out["tokens"].append(text)
         out["text_offset"].append(offset)
         offset += len(text)
@@ -288,7 +291,7 @@ def completion_logprobs(tokenizer, tokens: list[int], entries: list, offset: int
         if entry is None:
             out["top_logprobs"].append(None)
             continue
-        alternatives = {tokenizer.token_bytes(t).decode("utf-8", errors="replace"): lp for t, lp in entry.top}
+        alternatives = {_token_text(tokenizer, t): lp for t, lp in entry.top}
         alternatives.setdefault(text, entry.logprob)
         out["top_logprobs"].append(alternatives)
     return out
@@ -381,7 +384,7 @@ class ModelService:
         """On the model thread: close the steps (the one fed ahead of the last token is taken
         back) and keep the cache for the next request, if it holds exactly `fed`."""
         steps.close()
-        if failed or self._cache[0].offset != len(fed) or any(c.offset != len(fed) for c in self._cache):
+        if failed or any(c.offset != len(fed) for c in self._cache):
             self._cache, self._cached = None, []
         else:
             self._cached = fed
@@ -414,11 +417,14 @@ def create_app(service: ModelService) -> Starlette:
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def one_model(request: Request):
-        name = request.path_params["name"]
+    def served(name: str) -> None:
+        """Refuses (404) a model name other than this server's."""
         if name != model_id:
             raise RequestError(f"the model '{name}' does not exist: this server runs '{model_id}'",
                                "model", status=404, code="model_not_found")
+
+    async def one_model(request: Request):
+        served(request.path_params["name"])
         return JSONResponse(card)
 
     async def health(request: Request):
@@ -490,9 +496,8 @@ def create_app(service: ModelService) -> Starlette:
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
         name = _typed(body, "model", (str,), "a string")
-        if name is not None and name != model_id:
-            raise RequestError(f"the model '{name}' does not exist: this server runs '{model_id}'",
-                               "model", status=404, code="model_not_found")
+        if name is not None:
+            served(name)
         return body
 
     async def _complete(request: Request, body: dict, ids: list[int], options: dict, chat: bool,

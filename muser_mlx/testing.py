@@ -14,6 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
 from muser_mlx.formats import block_format, quantize, tensor_bytes
+from muser_mlx.tokenizer import bytes_to_unicode
 
 _INT_TYPES = {"u8": 0, "i8": 1, "u16": 2, "i16": 3, "u32": 4, "i32": 5, "u64": 10, "i64": 11}
 _PACK = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -153,19 +154,6 @@ CORPUS = (
     "in the beginning there was the word, and the word was with the model. "
     "def main():\n    return 42\n"
 )
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from each byte to a printable character (the alphabet of byte-level BPE)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    table, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def _learn_merges(words: list[list[str]], count: int) -> list[tuple[str, str]]:

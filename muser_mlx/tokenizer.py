@@ -68,19 +68,20 @@ END_OF_GENERATION_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", 
                            "<｜end▁of▁sentence｜>", "<|eot|>"}
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): bytes that print as
-    themselves keep their character; the others take chr(256 + n) in byte order."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {chr(b): b for b in kept}, 0
-    for b in range(256):
-        if b not in kept:
-            table[chr(256 + extra)] = b
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from each byte to a printable character (the alphabet of byte-level BPE)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
             extra += 1
     return table
 
 
-_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class GGUFTokenizer:

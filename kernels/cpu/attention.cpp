@@ -58,14 +58,14 @@ inline float hsum(f32x16 v) {
 // head_dim / 16 times: Gemma 3's 256 channels made that most of a prefill's attention), into D
 // vectors held in registers (out_row in memory made each key's adds wait for the last key's
 // stores: ~40 % of SmolLM2's decode attention samples). Keys of weight 0 (masked) are skipped.
-template <int D, class C>
-void weighted_sum(const float* weights, const C* v, int64_t stride, int64_t keys, float total,
+template <int D>
+void weighted_sum(const float* weights, const float* v, int64_t stride, int64_t keys, float total,
                   float* out_row) {
   f32x16 acc[D] = {};
   for (int64_t key = 0; key < keys; ++key) {
     if (weights[key] != 0.0f) {
       for (int d = 0; d < D; ++d) {
-        acc[d] += weights[key] * load16(v + key * stride + 16 * d);
+        acc[d] += weights[key] * load<f32x16>(v + key * stride + 16 * d);
       }
     }
   }
@@ -74,24 +74,21 @@ void weighted_sum(const float* weights, const C* v, int64_t stride, int64_t keys
   }
 }
 
-template <class C>
-using WeightedSumFn = void (*)(const float*, const C*, int64_t, int64_t, float, float*);
+using WeightedSumFn = void (*)(const float*, const float*, int64_t, int64_t, float, float*);
 
-template <class C, int... D>
-constexpr std::array<WeightedSumFn<C>, sizeof...(D)> weighted_sums(std::integer_sequence<int, D...>) {
-  return {weighted_sum<D + 1, C>...};
+template <int... D>
+constexpr std::array<WeightedSumFn, sizeof...(D)> weighted_sums(std::integer_sequence<int, D...>) {
+  return {weighted_sum<D + 1>...};
 }
 
-// WEIGHTED_SUMS<C>[D - 1]: 16 D channels, D <= 16 (wider heads: 256 channels at a time).
+// WEIGHTED_SUMS[D - 1]: 16 D channels, D <= 16 (wider heads: 256 channels at a time).
 constexpr int MAX_VECTORS = 16;
-template <class C>
-constexpr auto WEIGHTED_SUMS = weighted_sums<C>(std::make_integer_sequence<int, MAX_VECTORS>{});
+constexpr auto WEIGHTED_SUMS = weighted_sums(std::make_integer_sequence<int, MAX_VECTORS>{});
 
 // One query row's softmax and weighted sum, from its scores [keys] (masked: -inf) and their
 // maximum `top`: out_row [head_dim]; zeros when no key is visible. Overwrites scores with the
 // weights.
-template <class C>
-void finish_row(float* scores, float top, const C* v, float* out_row, int64_t keys,
+void finish_row(float* scores, float top, const float* v, float* out_row, int64_t keys,
                 int64_t head_dim) {
   std::fill(out_row, out_row + head_dim, 0.0f);
   if (top == -std::numeric_limits<float>::infinity()) {
@@ -113,14 +110,12 @@ void finish_row(float* scores, float top, const C* v, float* out_row, int64_t ke
   }
   for (int64_t d = 0; d < head_dim; d += 16 * MAX_VECTORS) {
     int vectors = static_cast<int>(std::min<int64_t>(MAX_VECTORS, (head_dim - d) / 16));
-    WEIGHTED_SUMS<C>[vectors - 1](scores, v + d, head_dim, keys, total, out_row + d);
+    WEIGHTED_SUMS[vectors - 1](scores, v + d, head_dim, keys, total, out_row + d);
   }
 }
 
-// One query row: q_row [head_dim], keys/values [keys, head_dim] (float, or half: a decode
-// step's cache), visible [keys] or null.
-template <class C>
-void attend_row(const float* q_row, const C* k, const C* v, const bool* visible,
+// One query row: q_row [head_dim], keys/values [keys, head_dim], visible [keys] or null.
+void attend_row(const float* q_row, const float* k, const float* v, const bool* visible,
                 float* out_row, int64_t keys, int64_t head_dim, float scale,
                 std::vector<float>& scores) {
   scores.assign(keys, -std::numeric_limits<float>::infinity());
@@ -129,10 +124,10 @@ void attend_row(const float* q_row, const C* k, const C* v, const bool* visible,
     if (visible && !visible[s]) {
       continue;
     }
-    const C* k_row = k + s * head_dim;
+    const float* k_row = k + s * head_dim;
     f32x16 acc = {};
     for (int64_t d = 0; d < head_dim; d += 16) {
-      acc += load<f32x16>(q_row + d) * load16(k_row + d);
+      acc += load<f32x16>(q_row + d) * load<f32x16>(k_row + d);
     }
     scores[s] = scale * hsum(acc);
     top = std::max(top, scores[s]);

@@ -369,12 +369,12 @@ bool GatedActivation::is_equivalent(const mx::Primitive& other) const {
 
 namespace {
 
-// Refuses y, a cache and the optional vectors that do not fit `shape` (capacity from the
-// cache), naming the op.
 bool cache_dtype_supported(mx::Dtype dtype) {
   return dtype == mx::float32 || (half_cache_supported() && dtype == mx::float16);
 }
 
+// Refuses y, a cache and the optional vectors that do not fit `shape` (capacity from the
+// cache), naming the op.
 void check_decode_inputs(const char* op, const mx::array& y, const mx::array& cache,
                          const mx::array& position, const std::optional<mx::array>& bias,
                          const std::optional<mx::array>& norm, const DecodeHeads& shape) {
@@ -439,20 +439,18 @@ void CacheWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   const float* norm = norm_ ? row_major<float>(inputs[i++], encoder) : nullptr;
   const float* y = row_major<float>(inputs[0], encoder);
   const int32_t* position = inputs[2].data<int32_t>();
-#ifdef MUSER_HALF_CACHE
-  if (outputs[0].dtype() == mx::float16) {
-    encoder.dispatch([=, cache = reinterpret_cast<half*>(outputs[0].data<mx::float16_t>()),
-                      shape = shape_, key = key_]() {
+  auto write = [&](auto* cache) {
+    encoder.dispatch([=, shape = shape_, key = key_]() {
       copy();
       write_cache(y, bias, norm, position[0], cache, shape, key);
     });
-    return;
+  };
+#ifdef MUSER_HALF_CACHE
+  if (outputs[0].dtype() == mx::float16) {
+    return write(reinterpret_cast<half*>(outputs[0].data<mx::float16_t>()));
   }
 #endif
-  encoder.dispatch([=, cache = outputs[0].data<float>(), shape = shape_, key = key_]() {
-    copy();
-    write_cache(y, bias, norm, position[0], cache, shape, key);
-  });
+  write(outputs[0].data<float>());
 }
 
 void CacheWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -509,21 +507,18 @@ void AttentionDecode::eval_cpu(const std::vector<mx::array>& inputs,
   int threads = threads_ > 0 ? threads_ : all_cores();
   const float* y = row_major<float>(inputs[0], encoder);
   const int32_t* position = inputs[3].data<int32_t>();
-#ifdef MUSER_HALF_CACHE
-  if (inputs[1].dtype() == mx::float16) {
-    encoder.dispatch([=, keys = reinterpret_cast<const half*>(row_major<mx::float16_t>(inputs[1], encoder)),
-                      values = reinterpret_cast<const half*>(row_major<mx::float16_t>(inputs[2], encoder)),
-                      out = outputs[0].data<float>(), shape = shape_]() {
+  auto attend = [&](const auto* keys, const auto* values) {
+    encoder.dispatch([=, out = outputs[0].data<float>(), shape = shape_]() {
       attention_decode(y, bias, q_norm, position[0], keys, values, out, shape, threads);
     });
-    return;
+  };
+#ifdef MUSER_HALF_CACHE
+  if (inputs[1].dtype() == mx::float16) {
+    return attend(reinterpret_cast<const half*>(row_major<mx::float16_t>(inputs[1], encoder)),
+                  reinterpret_cast<const half*>(row_major<mx::float16_t>(inputs[2], encoder)));
   }
 #endif
-  encoder.dispatch([=, keys = row_major<float>(inputs[1], encoder),
-                    values = row_major<float>(inputs[2], encoder),
-                    out = outputs[0].data<float>(), shape = shape_]() {
-    attention_decode(y, bias, q_norm, position[0], keys, values, out, shape, threads);
-  });
+  attend(row_major<float>(inputs[1], encoder), row_major<float>(inputs[2], encoder));
 }
 
 void AttentionDecode::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
