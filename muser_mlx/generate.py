@@ -145,12 +145,16 @@ def _prompt_ids(tokenizer, prompt) -> list[int]:
 def prefill(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP):
     """Run `ids` through the model in chunks of `step`; the last id goes alone, as a decode
     step (decode(..., prompt=True)). Returns that step's logits [vocab] and greedy token
-    (int32 [1], or None)."""
+    (int32 [1], or None).
+    On the CPU, where generate()'s steps round their products' inputs (cpu_decode.rounds), the
+    chunks' products round theirs too (ops.rounded_products: integer panels, ~2x the float
+    ones), as llama.cpp's CPU prompt does; the last id's step stays exact (decode)."""
     if step < 1:
         raise ValueError(f"prefill_step_size must be >= 1, got {step}")
+    rounds = cpu_decode.rounds(model)
     for start in range(0, len(ids) - 1, step):
         chunk = ids[start : min(start + step, len(ids) - 1)]
-        with MODEL_LOCK:
+        with MODEL_LOCK, ops.rounded_products(rounds):
             mx.eval(model.hidden(mx.array([chunk], dtype=mx.int32), cache))
     return decode(model, mx.array([ids[-1:]], dtype=mx.int32), cache, prompt=True)
 

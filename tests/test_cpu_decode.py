@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from muser_mlx import cpu_ext, ops
+from muser_mlx.ops import products
 from muser_mlx.generate import decode, prefill
 from muser_mlx.models import cpu_decode
 from muser_mlx.models.cpu_decode import CPUDecodeStep
@@ -188,25 +189,48 @@ def test_generate_runs_the_rounded_compiled_step_on_the_cpu(tiny, rng, monkeypat
 
 
 def test_the_prompts_last_token_takes_the_exact_step(tiny, rng, monkeypatch):
-    # prefill()'s last token runs the compiled step with exact products (the first token is
-    # chosen from exact logits); the generated tokens' steps round. Fails if either is swapped.
+    # prefill()'s chunks round their products (ops.rounded_products); its last token runs the
+    # compiled step with exact products (the first token is chosen from exact logits); the
+    # generated tokens' steps round. Fails if any of the three is swapped.
     _, model = tiny("llama", "Q4_K_M")
     asked = []
     linear = ops.linear
 
     def spy(x, weight, rounded=False):
-        asked.append((x.ndim, rounded))  # the step's x [1, hidden]; the chunk's [1, T, hidden]
+        # The step's x [1, hidden]; the chunk's [1, T, hidden]. Rounded: asked, or in the context.
+        asked.append((x.ndim, rounded or products._ROUNDING.get()))
         return linear(x, weight, rounded=rounded)
 
     monkeypatch.setattr(ops, "linear", spy)
     cache = model.make_cache()
     logits, _ = prefill(model, [int(i) for i in random_ids(rng, model, 5)], cache)
     steps = [rounded for ndim, rounded in asked if ndim == 2]
+    chunks = [rounded for ndim, rounded in asked if ndim == 3]
     assert steps and not any(steps)
+    assert chunks and all(chunks)
     asked.clear()
     decode(model, mx.array([[int(np.argmax(np.array(logits)))]], dtype=mx.int32), cache)
     assert asked and all(rounded for _, rounded in asked)
     assert cache[0].offset == 6
+
+
+@pytest.mark.parametrize("tokens", [5, 3 * WINDOW + 2], ids=["tiles", "panels"])  # > 8 rows: integer panels
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_rounded_prompt_chunks_match_the_reference_that_rounds(tiny, rng, architecture, tokens):
+    # generate()'s prompt chunks on the CPU (ops.rounded_products): every product's input rounded
+    # as the steps round it, so within the steps' bounds of the reference that rounds the same
+    # values, and of the exact one. The first position (no cache to carry a moved code) must sit
+    # nearer the reference that rounds: fails if the chunk's products ran exact.
+    file, model = tiny(architecture, "Q4_K_M")
+    ids = random_ids(rng, model, tokens)
+    with ops.rounded_products():
+        logits = np.array(model(mx.array(ids[None]), model.make_cache())[0])
+    exact = Reference(model.config, file.tensors).forward(ids)
+    rounded = Reference(model.config, file.tensors, decode_numerics=True, float16_cache=False, q8_k=True).forward(ids)
+    assert np.isfinite(logits).all()
+    assert relative_error(logits, rounded) <= ROUNDED_NUMERICS_BOUND
+    assert relative_error(logits, exact) <= ROUNDED_BOUND
+    assert relative_error(logits[0], exact[0]) > relative_error(logits[0], rounded[0])
 
 
 # --- the primitives ------------------------------------------------------------------------------

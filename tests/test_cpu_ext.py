@@ -137,7 +137,7 @@ def test_product_of_random_bytes_matches_reference(rng, ggml_type, tokens):
 
 
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("tokens", [1, 2, 7])
+@pytest.mark.parametrize("tokens", [1, 2, 7, 9, 13, 140])  # 9 on: integer panels (12 tokens a tile)
 @pytest.mark.parametrize("threads", [1, 3])
 def test_rounded_product_matches_the_reference_on_rounded_x(rng, ggml_type, tokens, threads):
     in_features, out_features = shape_for(rng, ggml_type)
@@ -200,13 +200,22 @@ def test_k_quant_products_round_x_per_256_values(rng, ggml_type):
     assert relative_error(out, per_row.astype(np.float64) @ weight.T) > 100 * per_256
 
 
-@pytest.mark.parametrize("tokens, in_features, message", [
-    (9, 64, "at most 8 rows of x of whole 32-value blocks"),
-])
-def test_the_rounded_product_refuses_more_than_8_rows(tokens, in_features, message):
-    raw = mx.zeros((4, in_features // 32 * 34), dtype=mx.uint8)
-    with pytest.raises(ValueError, match=message):
-        cpu_ext.linear(mx.zeros((tokens, in_features)), raw, GGMLType.Q8_0, 4, rounded=True)
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+def test_rounded_panels_over_several_slices_match_the_decode_tiles(rng, ggml_type):
+    # More than 8 tokens run as integer panels, 16 rows and a slice of at most 2048 values of
+    # each row at a time: rows past 2048 values (three slices), 37 rows (a short last panel),
+    # 150 tokens (past one 128-token group; a short last tile). Each token's row must be what the
+    # decode tiles give it alone (the same rounding of x, the same integer sums: only float32
+    # scaling in another order apart), and the reference's on the rounded x.
+    in_features = 2 * 2048 + 2 * BLOCK[ggml_type]
+    raw = random_byte_blocks(rng, ggml_type, 37, in_features)
+    weight = quants.dequantize(raw, ggml_type).astype(np.float64)
+    x = rng.standard_normal((150, in_features)).astype(np.float32)
+    out = product(x, raw, ggml_type, 37, 2, rounded=True)
+    assert np.isfinite(out).all(), "an output left unwritten"
+    assert relative_error(out, rounded(x, ggml_type) @ weight.T) <= BOUND
+    alone = np.concatenate([product(x[t : t + 5], raw, ggml_type, 37, 2, rounded=True) for t in range(0, 150, 5)])
+    assert relative_error(out, alone) <= BOUND
 
 
 @pytest.mark.parametrize("rounded_x", [False, True])

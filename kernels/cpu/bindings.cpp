@@ -28,7 +28,7 @@ Args:
     threads (int): threads inside the product; 0 for all of the machine's cores.
     rounded (bool): x rounded to int8 blocks (one scale max|x|/127 each, half away from
         zero) of 32 values, or of 256 for Q4_K, Q5_K and Q6_K, and multiplied with integer
-        dot products; at most 8 tokens.
+        dot products (more than 8 tokens: as integer panels).
 
 Returns:
     array: float32 [tokens, out_features].)");

@@ -947,9 +947,193 @@ struct RoundedTiles {
   constexpr RoundedTiles() : RoundedTiles(std::make_integer_sequence<int, ROUNDED_MAX_TOKENS>{}) {}
 };
 
+// ---------------------------------------------------------------------------------------------
+// Rounded panels (prefill, more than ROUNDED_MAX_TOKENS tokens): x rounded as the decode tiles
+// round it (per 32 values, per 256 for the K-quants), weights as unsigned byte codes, and the
+// products as integer dot products with one weight row per int32 lane: a panel of
+// IPANEL_ROWS rows holds a slice of their codes as [slice / 4][row][4 bytes], so one 64-byte
+// load and, per token, one broadcast of 4 of x's codes make 64 multiply-adds (AVX-512 VNNI
+// dpbusd: u8 x s8 summed by 4 into int32, no saturation). Each scale group's int32 sums are
+// converted and scaled once per (token, group): d_weight (a vector over rows) * d_x, plus the
+// group's offset m_weight * (d_x * the sum of x's codes in the group).
+// A row slice's panel is built once per PANEL_GROUP_TOKENS tokens, as the float panels are.
+// ---------------------------------------------------------------------------------------------
+
+constexpr int IPANEL_ROWS = 16;
+constexpr int IPANEL_TOKENS = 12;
+
+// A block's codes in value order as bytes, unsigned (Q8_0's code + 128), and its VALUES / GROUP
+// scales d and offsets m: value = d * code + m.
+template <class F>
+inline void block_codes(const uint8_t* b, uint8_t* codes, float* d, float* m) {
+  if constexpr (F::VALUES == 32) {
+    u8x32 c = F::codes32(b);
+    m[0] = 0;
+    F::scales(b, d, m);
+    if constexpr (F::SIGNED) {
+      c ^= 0x80;
+      m[0] = -128 * d[0];
+    }
+    std::memcpy(codes, &c, 32);
+  } else {
+    F::scales(b, d, m);
+    each_quarter([&](auto p) {
+      constexpr int P = decltype(p)::value;
+      u8x64 c = F::template codes64<P>(b);
+      std::memcpy(codes + 64 * P, &c, 64);
+    }, std::make_integer_sequence<int, 4>{});
+  }
+}
+
+// Lane r + 4 x's 4 codes dotted with lane r's 4 weight codes.
+inline i32x16 dot4(i32x16 acc, u8x64 w, int32_t x4) {
+#if defined(__AVX512VNNI__)
+  return (i32x16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x4));
+#else
+  i8x64 x = (i8x64)(i32x16{} + x4);
+  for (int i = 0; i < 64; ++i) {
+    acc[i / 4] += static_cast<int32_t>(w[i]) * static_cast<int32_t>(x[i]);
+  }
+  return acc;
+#endif
+}
+
+// x rounded for the panels: codes [tokens, in], scales [tokens, in / X] (X = 32, or 256 for
+// the K-quants), offsets [tokens, in / G] (the scale times the sum of each G codes, G the
+// format's group). Rounded by `threads` threads, tokens split among them.
+struct PanelRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, offsets;
+  int64_t in_features, block, group;
+
+  PanelRows(const float* x, int64_t tokens, int64_t in, int64_t x_block, int64_t g, int threads)
+      : codes(tokens * in), scales(tokens * in / x_block), offsets(tokens * in / g),
+        in_features(in), block(x_block), group(g) {
+    int tasks = static_cast<int>(std::min<int64_t>(tokens, threads));
+    ThreadPool::instance().run(tasks, threads, [&](int task) {
+      for (int64_t t = tokens * task / tasks; t < tokens * (task + 1) / tasks; ++t) {
+        for (int64_t b = t * in / x_block; b < (t + 1) * in / x_block; ++b) {
+          scales[b] = round_block(x + x_block * b, static_cast<int>(x_block), codes.data() + x_block * b);
+        }
+        for (int64_t j = t * in / g; j < (t + 1) * in / g; ++j) {
+          int32_t sum = 0;
+          for (int i = 0; i < g; ++i) {
+            sum += codes[g * j + i];
+          }
+          offsets[j] = scales[g * j / x_block] * static_cast<float>(sum);
+        }
+      }
+    });
+  }
+};
+
+// out[t * out_stride + r] (+= if `add`) for the panel's rows r < rows and tokens t < T of x
+// (codes, scales, offsets already at the slice's start), over `length` values.
+template <int T, int G>
+void ipanel_product(const uint8_t* codes, const float* d, const float* m, const PanelRows& x,
+                    int64_t token0, int64_t k0, int64_t length, float* out, int64_t out_stride,
+                    int rows, bool add) {
+  const int64_t in = x.in_features;
+  const int8_t* xc[T];
+  const float* xd[T];
+  const float* xo[T];
+  for (int t = 0; t < T; ++t) {
+    xc[t] = x.codes.data() + (token0 + t) * in + k0;
+    xd[t] = x.scales.data() + ((token0 + t) * in + k0) / x.block;
+    xo[t] = x.offsets.data() + ((token0 + t) * in + k0) / G;
+  }
+  const int shift = x.block == 256 ? 8 : 5;  // value -> x block
+  f32x16 acc[T] = {};
+  for (int64_t g = 0; g < length / G; ++g) {
+    i32x16 sums[T] = {};
+#pragma GCC unroll 8
+    for (int q = 0; q < G / 4; ++q) {
+      u8x64 w = load<u8x64>(codes + (g * (G / 4) + q) * 64);
+      for (int t = 0; t < T; ++t) {
+        int32_t x4;
+        std::memcpy(&x4, xc[t] + g * G + 4 * q, 4);
+        sums[t] = dot4(sums[t], w, x4);
+      }
+    }
+    f32x16 dv = load<f32x16>(d + g * IPANEL_ROWS), mv = load<f32x16>(m + g * IPANEL_ROWS);
+    for (int t = 0; t < T; ++t) {
+      acc[t] += __builtin_convertvector(sums[t], f32x16) * (dv * xd[t][(g * G) >> shift]) + mv * xo[t][g];
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    float* o = out + t * out_stride;
+    for (int r = 0; r < rows; ++r) {
+      o[r] = add ? o[r] + acc[t][r] : acc[t][r];
+    }
+  }
+}
+
+using IPanelFn = void (*)(const uint8_t*, const float*, const float*, const PanelRows&, int64_t,
+                          int64_t, int64_t, float*, int64_t, int, bool);
+
+template <int G, int... T>
+constexpr std::array<IPanelFn, sizeof...(T)> ipanel_products(std::integer_sequence<int, T...>) {
+  return {ipanel_product<T + 1, G>...};
+}
+
+template <class F>
+void linear_rounded_panels(const float* x, const uint8_t* weight, float* out, int64_t tokens,
+                           int64_t in_features, int64_t out_features, int threads) {
+  constexpr int G = F::GROUP, BLOCK_GROUPS = F::VALUES / G;
+  static constexpr auto fns = ipanel_products<G>(std::make_integer_sequence<int, IPANEL_TOKENS>{});
+  PanelRows rows_x(x, tokens, in_features, F::VALUES == 256 ? 256 : 32, G, threads);
+  int64_t row_bytes = in_features / F::VALUES * F::BYTES;
+  int64_t row_blocks = (out_features + IPANEL_ROWS - 1) / IPANEL_ROWS;
+  int tasks = static_cast<int>(std::min<int64_t>(row_blocks, TASKS_PER_THREAD * threads));
+  const int64_t slice = std::min(in_features, PANEL_SLICE / F::VALUES * F::VALUES);
+  ThreadPool::instance().run(tasks, threads, [&](int task) {
+    std::vector<uint8_t> codes(IPANEL_ROWS * slice, 0);
+    std::vector<float> d(slice / G * IPANEL_ROWS, 0.0f), m(slice / G * IPANEL_ROWS, 0.0f);
+    alignas(64) uint8_t block[F::VALUES];
+    float bd[BLOCK_GROUPS], bm[BLOCK_GROUPS];
+    int64_t first = row_blocks * task / tasks, last = row_blocks * (task + 1) / tasks;
+    for (int64_t t0 = 0; t0 < tokens; t0 += PANEL_GROUP_TOKENS) {
+      int64_t t_end = std::min(tokens, t0 + PANEL_GROUP_TOKENS);
+      for (int64_t k0 = 0; k0 < in_features; k0 += slice) {
+        int64_t length = std::min(slice, in_features - k0);
+        for (int64_t rb = first; rb < last; ++rb) {
+          int64_t row0 = rb * IPANEL_ROWS;
+          int rows = static_cast<int>(std::min<int64_t>(IPANEL_ROWS, out_features - row0));
+          if (rows < IPANEL_ROWS) {  // the lanes of missing rows: zero codes and scales
+            std::fill(codes.begin(), codes.end(), 0);
+            std::fill(d.begin(), d.end(), 0.0f);
+            std::fill(m.begin(), m.end(), 0.0f);
+          }
+          for (int r = 0; r < rows; ++r) {
+            const uint8_t* row = weight + (row0 + r) * row_bytes + k0 / F::VALUES * F::BYTES;
+            for (int64_t b = 0; b < length / F::VALUES; ++b) {
+              block_codes<F>(row + b * F::BYTES, block, bd, bm);
+              for (int q = 0; q < F::VALUES / 4; ++q) {
+                std::memcpy(&codes[((b * F::VALUES / 4 + q) * IPANEL_ROWS + r) * 4], block + 4 * q, 4);
+              }
+              for (int j = 0; j < BLOCK_GROUPS; ++j) {
+                d[(b * BLOCK_GROUPS + j) * IPANEL_ROWS + r] = bd[j];
+                m[(b * BLOCK_GROUPS + j) * IPANEL_ROWS + r] = bm[j];
+              }
+            }
+          }
+          for (int64_t t = t0; t < t_end; t += IPANEL_TOKENS) {
+            int count = static_cast<int>(std::min<int64_t>(IPANEL_TOKENS, t_end - t));
+            fns[count - 1](codes.data(), d.data(), m.data(), rows_x, t, k0, length,
+                           out + t * out_features + row0, out_features, rows, k0 > 0);
+          }
+        }
+      }
+    }
+  });
+}
+
 template <class F>
 void linear_rounded_format(const float* x, const uint8_t* weight, float* out, int64_t tokens,
                            int64_t in_features, int64_t out_features, int threads) {
+  if (tokens > ROUNDED_MAX_TOKENS) {
+    return linear_rounded_panels<F>(x, weight, out, tokens, in_features, out_features, threads);
+  }
   static constexpr RoundedTiles<F> tiles;
   typename RoundedTiles<F>::Rows rounded(x, tokens, in_features);
   int64_t row_bytes = in_features / F::VALUES * F::BYTES;

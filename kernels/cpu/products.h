@@ -38,10 +38,10 @@ void linear_from_blocks(const float* x, const uint8_t* weight, float* out, int g
                         int64_t tokens, int64_t in_features, int64_t out_features,
                         int threads);
 
-// Products of at most this many rows of x may be rounded (linear_rounded_from_blocks).
+// Rounded products of at most this many rows of x run as decode tiles; more as integer panels.
 constexpr int ROUNDED_MAX_TOKENS = 8;
 
-// As linear_from_blocks for tokens <= ROUNDED_MAX_TOKENS and in_features a multiple of 32,
+// As linear_from_blocks for in_features a multiple of 32,
 // with x rounded first: each block of x to int8 codes round(x / d), half away from zero, with
 // d = max |x| / 127 of the block (0 where d is 0); blocks of 32 values for the 32-value formats
 // (muser_mlx.formats.quantize_activations, llama.cpp's q8_0), of 256 for Q4_K, Q5_K and Q6_K

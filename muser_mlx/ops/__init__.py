@@ -16,7 +16,7 @@ from muser_mlx.ops.fused_products import (PRODUCT_CONFIG, PRODUCT_CONFIG_BY_WIDT
                                           NoProductKernelError, Product, ProductConfig, gelu_tanh,
                                           greedy, product, product_glu)
 from muser_mlx.ops.products import (MATVEC_KERNELS, MatvecKernel, dequantize_weight, linear, linear_path,
-                                    paced_products)
+                                    paced_products, rounded_products)
 from muser_mlx.ops.norm import residual_norm, residual_norm_quant
 
 __all__ = [
@@ -25,5 +25,5 @@ __all__ = [
     "embedding_unchecked", "GatedProduct", "gelu_tanh", "greedy", "linear", "linear_path",
     "make_resident", "MatvecKernel", "NoProductKernelError", "paced_products", "product", "Product", "product_glu",
     "ProductConfig", "qk_norm_rope", "qk_norm_rope_mlx", "quantize_rows", "residual_norm",
-    "residual_norm_quant", "split_heads",
+    "residual_norm_quant", "rounded_products", "split_heads",
 ]

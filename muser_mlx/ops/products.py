@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import functools
 import logging
 import math
@@ -79,13 +80,31 @@ def linear_path(ggml_type, tokens: int, backend: str | None = None) -> str:
     return "matvec"
 
 
+_ROUNDING = contextvars.ContextVar("muser_mlx_rounded_products", default=False)
+
+
+@contextlib.contextmanager
+def rounded_products(enabled: bool = True):
+    """Within it (when `enabled`), every product the compiled CPU extension serves rounds its
+    input as `linear(..., rounded=True)` does; other paths are unchanged. generate()'s prompt
+    chunks on the CPU (generate.prefill), as llama.cpp's CPU prompt does: more than 8 rows run
+    as integer panels, ~2x the float panels. A context variable: it holds for the thread (or
+    task) that entered it and the graph built there."""
+    token = _ROUNDING.set(enabled)
+    try:
+        yield
+    finally:
+        _ROUNDING.reset(token)
+
+
 def linear(x, weight, rounded: bool = False) -> mx.array:
     """x @ W.T for a GGUF weight kept as raw blocks.
 
     x: [..., in] float (f32, f16 or bf16); weight: GGUF tensor of GGUF shape [in, out]
     returns float32 [..., out].
     rounded: multiply x rounded to int8: the CPU's one-token decode step
-    (models/cpu_decode.py). The compiled CPU product rounds x itself, per 32 values for the
+    (models/cpu_decode.py); inside `rounded_products()` every product the CPU extension serves
+    (generate()'s prompt chunks). The compiled CPU product rounds x itself, per 32 values for the
     32-value formats (q8_0, formats.quantize_activations) and per 256 for the K-quants (q8_K,
     formats.quantize_activations_super), and multiplies with integer dot products; any other
     path (no extension) rounds per 32 values and multiplies the rounded values.
@@ -102,6 +121,8 @@ def linear(x, weight, rounded: bool = False) -> mx.array:
     x = x if x.dtype == mx.float32 else x.astype(mx.float32)
     path = linear_path(weight.ggml_type, math.prod(lead))
     fmt = block_format(weight.ggml_type)
+    if not rounded and path == "cpu_gguf_linear" and in_features % Q8X_BLOCK == 0 and _ROUNDING.get():
+        rounded = True  # inside rounded_products()
     if rounded:
         if in_features % Q8X_BLOCK:
             raise ValueError(f"weight {weight.name!r}: {in_features} input features are not whole "
