@@ -305,8 +305,9 @@ def continue_cache(model, cache, cached_ids, ids) -> tuple[list, int]:
     is replaced by a new one, kept = 0. Feed `ids[kept:]` with `cache=cache`.
     Numerics: the positions a cache took from generated tokens were computed by decode steps,
     whose products may round their inputs (cpu_decode.ROUNDED, int8 x on a GPU); the same
-    tokens read as a prompt are not. A continued conversation can therefore differ from a fresh
-    reading of it by that rounding, as llama.cpp's and mlx-lm's prompt caches do."""
+    tokens read as a prompt are rounded only on the CPU, and in other chunks. A continued
+    conversation can therefore differ from a fresh reading of it by that rounding, as
+    llama.cpp's and mlx-lm's prompt caches do."""
     if cache is not None and len(cached_ids) == cache[0].offset:
         kept = min(common_prefix(cached_ids, ids), len(ids) - 1)
         if kept > 0 and step_back(cache, kept):

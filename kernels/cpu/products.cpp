@@ -722,6 +722,30 @@ inline i32x8 madd16(i16x16 a, i16x16 b) {
 // Rounds `values` [count] to codes round(x / d), half away from zero, with d = max |x| / 127
 // (0 where d is 0), as formats.quantize_activations (x / d, not x * (1 / d)); returns d.
 inline float round_block(const float* values, int count, int8_t* codes) {
+#if defined(__AVX512F__)
+  if (count % 16 == 0) {  // the same float operations, 16 values at a time
+    const __m512i sign = _mm512_set1_epi32(INT32_MIN);
+    __m512 top16 = _mm512_setzero_ps();
+    for (int i = 0; i < count; i += 16) {
+      top16 = _mm512_max_ps(top16, _mm512_abs_ps(_mm512_loadu_ps(values + i)));
+    }
+    float d = _mm512_reduce_max_ps(top16) / 127.0f;
+    if (!(d > 0)) {
+      std::memset(codes, 0, count);
+      return d;
+    }
+    const __m512 d16 = _mm512_set1_ps(d), half = _mm512_set1_ps(0.5f);
+    for (int i = 0; i < count; i += 16) {
+      __m512 v = _mm512_loadu_ps(values + i);
+      __m512 magnitude = _mm512_roundscale_ps(
+          _mm512_add_ps(_mm512_abs_ps(_mm512_div_ps(v, d16)), half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+      __m512 code = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude),
+                                                        _mm512_and_si512(_mm512_castps_si512(v), sign)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(code)));
+    }
+    return d;
+  }
+#endif
   float top = 0;
   for (int i = 0; i < count; ++i) {
     top = std::max(top, std::fabs(values[i]));
