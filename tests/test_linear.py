@@ -107,6 +107,28 @@ def test_linear_refuses_a_mismatched_input(rng, tmp_path):
 
 
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+def test_rounded_products_round_what_the_cpu_extension_serves(rng, tmp_path, ggml_type):
+    # Inside ops.rounded_products() (generate()'s prompt chunks on the CPU) a product the compiled
+    # extension serves is linear(..., rounded=True)'s, bit for bit (40 rows: integer panels);
+    # any other path keeps x as given; after the context nothing rounds.
+    in_features = max(formats.FORMATS[ggml_type].block_size, 256)
+    path, _ = weight_file(tmp_path, rng, ggml_type, in_features, 21)
+    x = mx.array(rng.standard_normal((40, in_features)).astype(np.float32))
+    with mx.stream(mx.cpu), gguf.read(path) as model:
+        weight = model.tensors["w"]
+        exact = np.array(ops.linear(x, weight))
+        with ops.rounded_products():
+            inside = np.array(ops.linear(x, weight))
+        after = np.array(ops.linear(x, weight))
+        serves = ops.linear_path(ggml_type, 40) == "cpu_gguf_linear"
+        expected = np.array(ops.linear(x, weight, rounded=True)) if serves else exact
+    np.testing.assert_array_equal(inside, expected)
+    np.testing.assert_array_equal(after, exact)
+    if serves:
+        assert relative_error(inside, exact) > 1e-4  # the rounding shows: ~0.5 % of the output
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_cpu_products_split_into_pieces_on_two_streams_match_reference(rng, tmp_path, monkeypatch,
                                                                         ggml_type, tokens):
