@@ -204,17 +204,17 @@ def test_k_quant_products_round_x_per_256_values(rng, ggml_type):
 def test_rounded_panels_over_several_slices_match_the_decode_tiles(rng, ggml_type):
     # More than 8 tokens run as integer panels, 16 rows and a slice of at most 2048 values of
     # each row at a time: rows past 2048 values (three slices), 37 rows (a short last panel),
-    # 150 tokens (past one 128-token group; a short last tile). Each token's row must be what the
+    # 300 tokens (past one 256-token group; a short last tile). Each token's row must be what the
     # decode tiles give it alone (the same rounding of x, the same integer sums: only float32
     # scaling in another order apart), and the reference's on the rounded x.
     in_features = 2 * 2048 + 2 * BLOCK[ggml_type]
     raw = random_byte_blocks(rng, ggml_type, 37, in_features)
     weight = quants.dequantize(raw, ggml_type).astype(np.float64)
-    x = rng.standard_normal((150, in_features)).astype(np.float32)
+    x = rng.standard_normal((300, in_features)).astype(np.float32)
     out = product(x, raw, ggml_type, 37, 2, rounded=True)
     assert np.isfinite(out).all(), "an output left unwritten"
     assert relative_error(out, rounded(x, ggml_type) @ weight.T) <= BOUND
-    alone = np.concatenate([product(x[t : t + 5], raw, ggml_type, 37, 2, rounded=True) for t in range(0, 150, 5)])
+    alone = np.concatenate([product(x[t : t + 5], raw, ggml_type, 37, 2, rounded=True) for t in range(0, 300, 5)])
     assert relative_error(out, alone) <= BOUND
 
 

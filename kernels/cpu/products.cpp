@@ -980,11 +980,53 @@ struct RoundedTiles {
 // dpbusd: u8 x s8 summed by 4 into int32, no saturation). Each scale group's int32 sums are
 // converted and scaled once per (token, group): d_weight (a vector over rows) * d_x, plus the
 // group's offset m_weight * (d_x * the sum of x's codes in the group).
-// A row slice's panel is built once per PANEL_GROUP_TOKENS tokens, as the float panels are.
+// A row slice's panel is built once per IPANEL_GROUP_TOKENS tokens.
 // ---------------------------------------------------------------------------------------------
 
 constexpr int IPANEL_ROWS = 16;
 constexpr int IPANEL_TOKENS = 12;
+// A panel serves this many tokens (x's codes for them, 512 KB of a 2048-value slice, stay in L2).
+constexpr int IPANEL_GROUP_TOKENS = 256;
+
+// out [16 words][16 rows]: word w of line `line` (bytes 64 line .. 64 line + 63) of each row's
+// codes, i.e. the 16 x 16 matrix of 4-byte words transposed.
+template <size_t UNIT>
+inline void transpose_words(const uint8_t (&rows)[IPANEL_ROWS][UNIT], int64_t line, uint8_t* out) {
+#if defined(__AVX512F__)
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) {
+    r[i] = _mm512_loadu_si512(rows[i] + 64 * line);
+  }
+  for (int i = 0; i < 16; i += 2) {  // (a0 b0 a1 b1 | a4 b4 a5 b5 | ...), (a2 b2 a3 b3 | ...)
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + k]: words k, k + 4, k + 8, k + 12 of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // 128-bit lanes: t[h + k] = (words k, k + 8 of rows h .. h + 3; the same of rows h + 4 ..
+  // h + 7), t[h + 4 + k] the same for words k + 4, k + 12 (h = 0, 8; k < 4).
+  for (int h = 0; h < 16; h += 8) {
+    for (int k = 0; k < 4; ++k) {
+      t[h + k] = _mm512_shuffle_i32x4(r[h + k], r[h + 4 + k], 0x88);
+      t[h + 4 + k] = _mm512_shuffle_i32x4(r[h + k], r[h + 4 + k], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {  // words k and k + 8 of rows 0 .. 15
+    _mm512_storeu_si512(out + 64 * k, _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88));
+    _mm512_storeu_si512(out + 64 * (k + 8), _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd));
+  }
+#else
+  for (int r = 0; r < IPANEL_ROWS; ++r) {
+    for (int w = 0; w < 16; ++w) {
+      std::memcpy(out + (w * IPANEL_ROWS + r) * 4, rows[r] + 64 * line + 4 * w, 4);
+    }
+  }
+#endif
+}
 
 // A block's codes in value order as bytes, unsigned (Q8_0's code + 128), and its VALUES / GROUP
 // scales d and offsets m: value = d * code + m.
@@ -1111,34 +1153,46 @@ void linear_rounded_panels(const float* x, const uint8_t* weight, float* out, in
   int tasks = static_cast<int>(std::min<int64_t>(row_blocks, TASKS_PER_THREAD * threads));
   const int64_t slice = std::min(in_features, PANEL_SLICE / F::VALUES * F::VALUES);
   ThreadPool::instance().run(tasks, threads, [&](int task) {
-    std::vector<uint8_t> codes(IPANEL_ROWS * slice, 0);
+    // Rows are decoded UNIT values at a time into `rows_codes` [row][UNIT] (UNIT: whole blocks
+    // and whole 64-byte lines), then moved into the panel as 16 x 16 transpositions of 4-byte
+    // words; the panel is padded to whole units.
+    constexpr int64_t UNIT = F::VALUES > 64 ? F::VALUES : 64, UNIT_BLOCKS = UNIT / F::VALUES;
+    const int64_t padded = (slice + UNIT - 1) / UNIT * UNIT;
+    std::vector<uint8_t> codes(IPANEL_ROWS * padded, 0);
     std::vector<float> d(slice / G * IPANEL_ROWS, 0.0f), m(slice / G * IPANEL_ROWS, 0.0f);
-    alignas(64) uint8_t block[F::VALUES];
+    alignas(64) uint8_t rows_codes[IPANEL_ROWS][UNIT] = {};
     float bd[BLOCK_GROUPS], bm[BLOCK_GROUPS];
     int64_t first = row_blocks * task / tasks, last = row_blocks * (task + 1) / tasks;
-    for (int64_t t0 = 0; t0 < tokens; t0 += PANEL_GROUP_TOKENS) {
-      int64_t t_end = std::min(tokens, t0 + PANEL_GROUP_TOKENS);
+    for (int64_t t0 = 0; t0 < tokens; t0 += IPANEL_GROUP_TOKENS) {
+      int64_t t_end = std::min(tokens, t0 + IPANEL_GROUP_TOKENS);
       for (int64_t k0 = 0; k0 < in_features; k0 += slice) {
-        int64_t length = std::min(slice, in_features - k0);
+        int64_t length = std::min(slice, in_features - k0), blocks = length / F::VALUES;
         for (int64_t rb = first; rb < last; ++rb) {
           int64_t row0 = rb * IPANEL_ROWS;
           int rows = static_cast<int>(std::min<int64_t>(IPANEL_ROWS, out_features - row0));
           if (rows < IPANEL_ROWS) {  // the lanes of missing rows: zero codes and scales
-            std::fill(codes.begin(), codes.end(), 0);
+            std::memset(rows_codes, 0, sizeof rows_codes);
             std::fill(d.begin(), d.end(), 0.0f);
             std::fill(m.begin(), m.end(), 0.0f);
           }
-          for (int r = 0; r < rows; ++r) {
-            const uint8_t* row = weight + (row0 + r) * row_bytes + k0 / F::VALUES * F::BYTES;
-            for (int64_t b = 0; b < length / F::VALUES; ++b) {
-              block_codes<F>(row + b * F::BYTES, block, bd, bm);
-              for (int q = 0; q < F::VALUES / 4; ++q) {
-                std::memcpy(&codes[((b * F::VALUES / 4 + q) * IPANEL_ROWS + r) * 4], block + 4 * q, 4);
+          for (int64_t unit = 0; unit * UNIT_BLOCKS < blocks; ++unit) {
+            for (int r = 0; r < rows; ++r) {
+              const uint8_t* row = weight + (row0 + r) * row_bytes + k0 / F::VALUES * F::BYTES;
+              for (int64_t u = 0; u < UNIT_BLOCKS; ++u) {
+                int64_t b = unit * UNIT_BLOCKS + u;
+                if (b >= blocks) {  // a slice of an odd number of 32-value blocks
+                  std::memset(rows_codes[r] + u * F::VALUES, 0, F::VALUES);
+                  continue;
+                }
+                block_codes<F>(row + b * F::BYTES, rows_codes[r] + u * F::VALUES, bd, bm);
+                for (int j = 0; j < BLOCK_GROUPS; ++j) {
+                  d[(b * BLOCK_GROUPS + j) * IPANEL_ROWS + r] = bd[j];
+                  m[(b * BLOCK_GROUPS + j) * IPANEL_ROWS + r] = bm[j];
+                }
               }
-              for (int j = 0; j < BLOCK_GROUPS; ++j) {
-                d[(b * BLOCK_GROUPS + j) * IPANEL_ROWS + r] = bd[j];
-                m[(b * BLOCK_GROUPS + j) * IPANEL_ROWS + r] = bm[j];
-              }
+            }
+            for (int64_t line = 0; line < UNIT / 64; ++line) {
+              transpose_words(rows_codes, line, codes.data() + (unit * UNIT / 64 + line) * 16 * 64);
             }
           }
           for (int64_t t = t0; t < t_end; t += IPANEL_TOKENS) {
