@@ -165,8 +165,9 @@ def decode(model, token: mx.array, cache, prompt: bool = False):
     picks the greedy token too), the compiled CPU step on the CPU (models/cpu_decode.py), else
     the model's general step.
     prompt: the prompt's last token. On the CPU its step keeps the exact products, so the first
-    token is chosen from exact logits, like the prompt's other tokens' states; the generated
-    tokens' steps round their products' inputs (cpu_decode.ROUNDED). The rounding moves
+    token is chosen from exact logits (the prompt's other tokens' states were computed with
+    rounded products: prefill); the generated tokens' steps round their products' inputs
+    (cpu_decode.ROUNDED). The rounding moves
     SmolLM2's logits by 2-5 %, which flipped a near tie (0.08 apart, std 3.4) between the two
     likeliest first tokens of a chat answer."""
     if model.fused:
