@@ -81,6 +81,12 @@ constexpr int TASKS_PER_THREAD = 4;
 inline f32x16 to_float(u8x16 codes) {
 #if defined(__AVX512F__)
   return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)codes));
+#elif defined(__AVX2__)
+  __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32((__m128i)codes)),
+                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)codes, 8)))};
+  f32x16 out;
+  std::memcpy(&out, halves, 64);
+  return out;
 #else
   return __builtin_convertvector(__builtin_convertvector(codes, i32x16), f32x16);
 #endif
@@ -89,6 +95,12 @@ inline f32x16 to_float(u8x16 codes) {
 inline f32x16 int8_to_float(const uint8_t* p) {
 #if defined(__AVX512F__)
   return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))),
+                      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
+  f32x16 out;
+  std::memcpy(&out, halves, 64);
+  return out;
 #else
   return __builtin_convertvector(__builtin_convertvector(load<i8x16>(p), i32x16), f32x16);
 #endif
@@ -493,9 +505,19 @@ void decode_row(const uint8_t* row, int64_t in_features, float* panel_row) {
 
 // out[t * out_stride + r] (+= if `add`) for R rows of `panel` [R, length] and the chunk's
 // PANEL_TOKENS tokens of x_t [length, PANEL_TOKENS]; tokens >= `tokens` are padding.
+// Rows whose accumulators (2 vectors of 16 floats a row) the registers hold at once: all of a
+// panel's with AVX-512's 32 registers; two elsewhere (AVX2 or NEON, where a 16-float vector
+// takes two or four registers: 8 rows spilled every accumulator, ~4 GFLOP/s).
+#if defined(__AVX512F__)
+constexpr int PANEL_ROWS_AT_ONCE = PANEL_ROWS;
+#else
+constexpr int PANEL_ROWS_AT_ONCE = 2;
+#endif
+
 template <int R>
-void panel_product(const float* panel, const float* x_t, int64_t length, int tokens, float* out,
-                   int64_t out_stride, bool add) {
+void panel_rows(const float* panel, const float* x_t, int64_t length, int tokens, float* out,
+                int64_t out_stride, bool add) {
+#if defined(__AVX512F__)
   f32x16 acc[R][2] = {};
   for (int64_t k = 0; k < length; ++k) {
     f32x16 x0 = load<f32x16>(x_t + k * PANEL_TOKENS), x1 = load<f32x16>(x_t + k * PANEL_TOKENS + 16);
@@ -505,11 +527,42 @@ void panel_product(const float* panel, const float* x_t, int64_t length, int tok
       acc[r][1] += w * x1;
     }
   }
+  auto result = [&](int r, int t) { return acc[r][t / 16][t % 16]; };
+#else
+  // 8-float vectors: GCC builds a scalar's splat into a 16-float vector through the stack where
+  // that is not one register (AVX2: ~5 GFLOP/s).
+  f32x8 acc[R][4] = {};
+  for (int64_t k = 0; k < length; ++k) {
+    f32x8 x[4];
+    for (int q = 0; q < 4; ++q) {
+      x[q] = load<f32x8>(x_t + k * PANEL_TOKENS + 8 * q);
+    }
+    for (int r = 0; r < R; ++r) {
+      f32x8 w = f32x8{} + panel[r * length + k];
+      for (int q = 0; q < 4; ++q) {
+        acc[r][q] += w * x[q];
+      }
+    }
+  }
+  auto result = [&](int r, int t) { return acc[r][t / 8][t % 8]; };
+#endif
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < tokens; ++t) {
       float& o = out[t * out_stride + r];
-      o = add ? o + acc[r][t / 16][t % 16] : acc[r][t / 16][t % 16];
+      o = add ? o + result(r, t) : result(r, t);
     }
+  }
+}
+
+template <int R>
+void panel_product(const float* panel, const float* x_t, int64_t length, int tokens, float* out,
+                   int64_t out_stride, bool add) {
+  constexpr int WHOLE = R / PANEL_ROWS_AT_ONCE * PANEL_ROWS_AT_ONCE;
+  for (int r = 0; r < WHOLE; r += PANEL_ROWS_AT_ONCE) {
+    panel_rows<PANEL_ROWS_AT_ONCE>(panel + r * length, x_t, length, tokens, out + r, out_stride, add);
+  }
+  if constexpr (R > WHOLE) {
+    panel_rows<R - WHOLE>(panel + WHOLE * length, x_t, length, tokens, out + WHOLE, out_stride, add);
   }
 }
 
@@ -984,7 +1037,22 @@ struct RoundedTiles {
 // ---------------------------------------------------------------------------------------------
 
 constexpr int IPANEL_ROWS = 16;
+// Tokens per tile: each takes two vectors of accumulators (int32 sums, float32 results), 2
+// registers with AVX-512, 4 elsewhere.
+#if defined(__AVX512F__)
 constexpr int IPANEL_TOKENS = 12;
+#else
+constexpr int IPANEL_TOKENS = 3;
+#endif
+// Where the dot products multiply unsigned weight codes (VNNI dpbusd), Q8_0's codes enter the
+// panels + 128 (m = -128 d); elsewhere signed (AVX2's maddubs would saturate on codes above
+// 128: its int16 pair sums hold 2 x 128 x 127 at most, so a code's magnitude is taken, its sign
+// moved onto x).
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+constexpr bool PANEL_SIGNED_CODES = false;
+#else
+constexpr bool PANEL_SIGNED_CODES = true;
+#endif
 // A panel serves this many tokens (x's codes for them, 512 KB of a 2048-value slice, stay in L2).
 constexpr int IPANEL_GROUP_TOKENS = 256;
 
@@ -1036,7 +1104,7 @@ inline void block_codes(const uint8_t* b, uint8_t* codes, float* d, float* m) {
     u8x32 c = F::codes32(b);
     m[0] = 0;
     F::scales(b, d, m);
-    if constexpr (F::SIGNED) {
+    if constexpr (F::SIGNED && !PANEL_SIGNED_CODES) {
       c ^= 0x80;
       m[0] = -128 * d[0];
     }
@@ -1051,14 +1119,36 @@ inline void block_codes(const uint8_t* b, uint8_t* codes, float* d, float* m) {
   }
 }
 
-// Lane r + 4 x's 4 codes dotted with lane r's 4 weight codes.
+// acc + lane r: weight row r's 4 codes (bytes 4r .. 4r + 3 of w; unsigned, or signed where
+// SIGNED) dotted with x's 4 codes (x4). Unsigned codes are at most 63 where maddubs takes
+// them (Q8_0's + 128 codes only meet VNNI: PANEL_SIGNED_CODES).
+template <bool SIGNED>
 inline i32x16 dot4(i32x16 acc, u8x64 w, int32_t x4) {
 #if defined(__AVX512VNNI__)
+  static_assert(!SIGNED);
   return (i32x16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x4));
+#elif defined(__AVX2__)
+  __m256i halves[2], w2[2];
+  std::memcpy(halves, &acc, 64);
+  std::memcpy(w2, &w, 64);
+  const __m256i x = _mm256_set1_epi32(x4);
+  for (int h = 0; h < 2; ++h) {
+#if defined(__AVXVNNI__)
+    static_assert(!SIGNED);
+    halves[h] = _mm256_dpbusd_avx_epi32(halves[h], w2[h], x);
+#else
+    __m256i pairs = SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(w2[h]), _mm256_sign_epi8(x, w2[h]))
+                           : _mm256_maddubs_epi16(w2[h], x);
+    halves[h] = _mm256_add_epi32(halves[h], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+  }
+  std::memcpy(&acc, halves, 64);
+  return acc;
 #else
   i8x64 x = (i8x64)(i32x16{} + x4);
   for (int i = 0; i < 64; ++i) {
-    acc[i / 4] += static_cast<int32_t>(w[i]) * static_cast<int32_t>(x[i]);
+    int32_t code = SIGNED ? static_cast<int8_t>(w[i]) : w[i];
+    acc[i / 4] += code * static_cast<int32_t>(x[i]);
   }
   return acc;
 #endif
@@ -1095,7 +1185,7 @@ struct PanelRows {
 
 // out[t * out_stride + r] (+= if `add`) for the panel's rows r < rows and tokens t < T of x
 // (codes, scales, offsets already at the slice's start), over `length` values.
-template <int T, int G>
+template <int T, int G, bool SIGNED>
 void ipanel_product(const uint8_t* codes, const float* d, const float* m, const PanelRows& x,
                     int64_t token0, int64_t k0, int64_t length, float* out, int64_t out_stride,
                     int rows, bool add) {
@@ -1118,7 +1208,7 @@ void ipanel_product(const uint8_t* codes, const float* d, const float* m, const 
       for (int t = 0; t < T; ++t) {
         int32_t x4;
         std::memcpy(&x4, xc[t] + g * G + 4 * q, 4);
-        sums[t] = dot4(sums[t], w, x4);
+        sums[t] = dot4<SIGNED>(sums[t], w, x4);
       }
     }
     f32x16 dv = load<f32x16>(d + g * IPANEL_ROWS), mv = load<f32x16>(m + g * IPANEL_ROWS);
@@ -1137,16 +1227,17 @@ void ipanel_product(const uint8_t* codes, const float* d, const float* m, const 
 using IPanelFn = void (*)(const uint8_t*, const float*, const float*, const PanelRows&, int64_t,
                           int64_t, int64_t, float*, int64_t, int, bool);
 
-template <int G, int... T>
+template <int G, bool SIGNED, int... T>
 constexpr std::array<IPanelFn, sizeof...(T)> ipanel_products(std::integer_sequence<int, T...>) {
-  return {ipanel_product<T + 1, G>...};
+  return {ipanel_product<T + 1, G, SIGNED>...};
 }
 
 template <class F>
 void linear_rounded_panels(const float* x, const uint8_t* weight, float* out, int64_t tokens,
                            int64_t in_features, int64_t out_features, int threads) {
   constexpr int G = F::GROUP, BLOCK_GROUPS = F::VALUES / G;
-  static constexpr auto fns = ipanel_products<G>(std::make_integer_sequence<int, IPANEL_TOKENS>{});
+  static constexpr auto fns = ipanel_products<G, F::SIGNED && PANEL_SIGNED_CODES>(
+      std::make_integer_sequence<int, IPANEL_TOKENS>{});
   PanelRows rows_x(x, tokens, in_features, F::VALUES == 256 ? 256 : 32, G, threads);
   int64_t row_bytes = in_features / F::VALUES * F::BYTES;
   int64_t row_blocks = (out_features + IPANEL_ROWS - 1) / IPANEL_ROWS;
