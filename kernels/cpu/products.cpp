@@ -290,6 +290,15 @@ inline SuperScales k4_super_scales(const uint8_t* b) {
 // 8 - max(LOW, HIGH) low bits.
 template <int LOW, int HIGH>
 inline u8x64 shifted_halves(u8x32 q) {
+#if !defined(__AVX512BW__)
+  // No 16-bit shift by lane (AVX2 has none: GCC shifted word by word): two shifts by a constant.
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  u8x32 low = (u8x32)((u16x16)q >> LOW), high = (u8x32)((u16x16)q >> HIGH);
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+                                 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47,
+                                 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63);
+#endif
   u8x64 both = __builtin_shufflevector(q, q, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                                        16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
                                        31, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
