@@ -820,26 +820,37 @@ inline float round_block(const float* values, int count, int8_t* codes) {
   return d;
 }
 
-// x rounded per 32 (q8_0): codes [tokens, in], scales [tokens, in / 32] (max |x| / 127 of each
-// 32 values), sums [tokens, in / 32] (scale * the sum of each 32 codes: the rounded x's sums).
+// x rounded per block of `x_block` values: codes [tokens, in], scales [tokens, in / x_block]
+// (max |x| / 127 of each block), offsets [tokens, in / g] (the scale times the sum of each g
+// codes: the rounded x's sums over a weight format's group), rounded by `threads` threads,
+// tokens split among them. The decode tiles of the 32-value formats read it per 32 (q8_0, one
+// thread: x_block = g = 32); the integer panels per 32 or 256 (q8_K) with the format's group.
 struct RoundedRows {
   std::vector<int8_t> codes;
-  std::vector<float> scales, sums;
-  int64_t in_features;
+  std::vector<float> scales, offsets;
+  int64_t in_features, block;
 
-  RoundedRows(const float* x, int64_t tokens, int64_t in) :
-      codes(tokens * in), scales(tokens * in / 32), sums(tokens * in / 32), in_features(in) {
-    for (int64_t block = 0; block < tokens * in / 32; ++block) {
-      int8_t* block_codes = codes.data() + 32 * block;
-      float d = round_block(x + 32 * block, 32, block_codes);
-      int32_t sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        sum += block_codes[i];
+  RoundedRows(const float* x, int64_t tokens, int64_t in, int64_t x_block, int64_t g, int threads)
+      : codes(tokens * in), scales(tokens * in / x_block), offsets(tokens * in / g),
+        in_features(in), block(x_block) {
+    int tasks = static_cast<int>(std::min<int64_t>(tokens, threads));
+    ThreadPool::instance().run(tasks, threads, [&](int task) {
+      for (int64_t t = tokens * task / tasks; t < tokens * (task + 1) / tasks; ++t) {
+        for (int64_t b = t * in / x_block; b < (t + 1) * in / x_block; ++b) {
+          scales[b] = round_block(x + x_block * b, static_cast<int>(x_block), codes.data() + x_block * b);
+        }
+        for (int64_t j = t * in / g; j < (t + 1) * in / g; ++j) {
+          int32_t sum = 0;
+          for (int i = 0; i < g; ++i) {
+            sum += codes[g * j + i];
+          }
+          offsets[j] = scales[g * j / x_block] * static_cast<float>(sum);
+        }
       }
-      scales[block] = d;
-      sums[block] = d * static_cast<float>(sum);
-    }
+    });
   }
+  // The decode tiles' x (32-value formats): per 32, one thread.
+  RoundedRows(const float* x, int64_t tokens, int64_t in) : RoundedRows(x, tokens, in, 32, 32, 1) {}
 };
 
 // x rounded per 256 (q8_K): codes [tokens, in], scales [tokens, in / 256], sums16 [tokens,
@@ -915,7 +926,7 @@ void tile_rounded(const uint8_t* weight, int64_t row_bytes, const RoundedRows& x
       xd[c] = x.scales[x_block];
       if constexpr (F::OFFSET) {
         for (int r = 0; r < R; ++r) {
-          offsets[r][c] += m[r] * x.sums[x_block];
+          offsets[r][c] += m[r] * x.offsets[x_block];
         }
       }
     }
@@ -1013,7 +1024,7 @@ template <class Rows>
 using RoundedTileFn = void (*)(const uint8_t*, int64_t, const Rows&, float*, int64_t);
 
 // Tiles of DECODE_ROWS rows (or 1, for a short last block) by 1..ROUNDED_MAX_TOKENS tokens:
-// tile_super for K-quants (x as SuperRows), tile_rounded for the rest (x as RoundedRows).
+// tile_super for K-quants (x as SuperRows), tile_rounded for the rest (x as RoundedRows per 32).
 template <class F>
 struct RoundedTiles {
   static constexpr bool SUPER = F::VALUES == 256;
@@ -1163,39 +1174,10 @@ inline i32x16 dot4(i32x16 acc, u8x64 w, int32_t x4) {
 #endif
 }
 
-// x rounded for the panels: codes [tokens, in], scales [tokens, in / X] (X = 32, or 256 for
-// the K-quants), offsets [tokens, in / G] (the scale times the sum of each G codes, G the
-// format's group). Rounded by `threads` threads, tokens split among them.
-struct PanelRows {
-  std::vector<int8_t> codes;
-  std::vector<float> scales, offsets;
-  int64_t in_features, block, group;
-
-  PanelRows(const float* x, int64_t tokens, int64_t in, int64_t x_block, int64_t g, int threads)
-      : codes(tokens * in), scales(tokens * in / x_block), offsets(tokens * in / g),
-        in_features(in), block(x_block), group(g) {
-    int tasks = static_cast<int>(std::min<int64_t>(tokens, threads));
-    ThreadPool::instance().run(tasks, threads, [&](int task) {
-      for (int64_t t = tokens * task / tasks; t < tokens * (task + 1) / tasks; ++t) {
-        for (int64_t b = t * in / x_block; b < (t + 1) * in / x_block; ++b) {
-          scales[b] = round_block(x + x_block * b, static_cast<int>(x_block), codes.data() + x_block * b);
-        }
-        for (int64_t j = t * in / g; j < (t + 1) * in / g; ++j) {
-          int32_t sum = 0;
-          for (int i = 0; i < g; ++i) {
-            sum += codes[g * j + i];
-          }
-          offsets[j] = scales[g * j / x_block] * static_cast<float>(sum);
-        }
-      }
-    });
-  }
-};
-
 // out[t * out_stride + r] (+= if `add`) for the panel's rows r < rows and tokens t < T of x
 // (codes, scales, offsets already at the slice's start), over `length` values.
 template <int T, int G, bool SIGNED>
-void ipanel_product(const uint8_t* codes, const float* d, const float* m, const PanelRows& x,
+void ipanel_product(const uint8_t* codes, const float* d, const float* m, const RoundedRows& x,
                     int64_t token0, int64_t k0, int64_t length, float* out, int64_t out_stride,
                     int rows, bool add) {
   const int64_t in = x.in_features;
@@ -1233,7 +1215,7 @@ void ipanel_product(const uint8_t* codes, const float* d, const float* m, const 
   }
 }
 
-using IPanelFn = void (*)(const uint8_t*, const float*, const float*, const PanelRows&, int64_t,
+using IPanelFn = void (*)(const uint8_t*, const float*, const float*, const RoundedRows&, int64_t,
                           int64_t, int64_t, float*, int64_t, int, bool);
 
 template <int G, bool SIGNED, int... T>
@@ -1247,7 +1229,7 @@ void linear_rounded_panels(const float* x, const uint8_t* weight, float* out, in
   constexpr int G = F::GROUP, BLOCK_GROUPS = F::VALUES / G;
   static constexpr auto fns = ipanel_products<G, F::SIGNED && PANEL_SIGNED_CODES>(
       std::make_integer_sequence<int, IPANEL_TOKENS>{});
-  PanelRows rows_x(x, tokens, in_features, F::VALUES == 256 ? 256 : 32, G, threads);
+  RoundedRows rows_x(x, tokens, in_features, F::VALUES == 256 ? 256 : 32, G, threads);
   int64_t row_bytes = in_features / F::VALUES * F::BYTES;
   int64_t row_blocks = (out_features + IPANEL_ROWS - 1) / IPANEL_ROWS;
   int tasks = static_cast<int>(std::min<int64_t>(row_blocks, TASKS_PER_THREAD * threads));

@@ -121,8 +121,7 @@ def linear(x, weight, rounded: bool = False) -> mx.array:
     x = x if x.dtype == mx.float32 else x.astype(mx.float32)
     path = linear_path(weight.ggml_type, math.prod(lead))
     fmt = block_format(weight.ggml_type)
-    if not rounded and path == "cpu_gguf_linear" and in_features % Q8X_BLOCK == 0 and _ROUNDING.get():
-        rounded = True  # inside rounded_products()
+    rounded = rounded or (path == "cpu_gguf_linear" and _ROUNDING.get())  # inside rounded_products()
     if rounded:
         if in_features % Q8X_BLOCK:
             raise ValueError(f"weight {weight.name!r}: {in_features} input features are not whole "
