@@ -1,22 +1,25 @@
 // kernel: attention_combine
-// inputs: partial_o partial_stats y
+// inputs: partial y
 // outputs: oq od os
 //
 // One decode token's attention, second pass: the splits of kernel attention_decode merged,
 // the attention gate applied (GATE 1: o * sigmoid(y[G_OFF + h * HEAD_DIM + e]), the gate
 // projection's output), and the result written as q8x for the output projection:
 //   o[h, e] = sum_s e^(m_s - M) partial_o[h, s, e] / sum_s e^(m_s - M) l_s,  M = max_s m_s.
-// partial_o f32 [HEADS, SPLITS, HEAD_DIM]; partial_stats f32 [HEADS, SPLITS, 2] (m, l); y f32
-// [Y_WIDTH]. oq int8 [HEADS * HEAD_DIM], od [HEADS * HEAD_DIM / 32], os [HEADS * HEAD_DIM / 8].
+// partial f32 [HEADS * SPLITS * (HEAD_DIM + 2)]: partial_o [HEADS, SPLITS, HEAD_DIM], then
+// partial_stats [HEADS, SPLITS, 2] (m, l) (one array: each array of a launch is host work at
+// every step); y f32 [Y_WIDTH]. oq int8 [HEADS * HEAD_DIM], od [HEADS * HEAD_DIM / 32], os [HEADS * HEAD_DIM / 8].
 // Grid: one SIMD group per 32 channels of one head (one q8x block): HEADS * HEAD_DIM / 32
 // SIMD groups; lane l takes channel l of the block and every split's weight.
 // Bytes per call: HEADS * SPLITS * (HEAD_DIM + 2) * 4 read, HEADS * HEAD_DIM * 1.375 written.
 // Bounds: SIMD groups past the last block (CUDA's surplus) return whole.
-// SPLITS is partial_stats' second dimension, read at run time.
+// SPLITS comes from partial's length, read at run time.
 // SPLITS is at most 128 (ops.attention sizes the splits so).
 // Template constants: HEADS, HEAD_DIM, GATE, G_OFF.
 const int MAX_SPLITS = 128;
-const uint SPLITS = uint(partial_stats_shape[1]);
+const uint SPLITS = uint(partial_shape[0]) / uint(HEADS * (HEAD_DIM + 2));
+const device float* partial_o = partial;
+const device float* partial_stats = partial + size_t(HEADS) * SPLITS * size_t(HEAD_DIM);
 uint lane = thread_index_in_simdgroup;
 uint block = thread_position_in_grid.x / 32u;
 if (block >= uint(HEADS * HEAD_DIM / 32)) {

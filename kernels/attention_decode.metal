@@ -1,6 +1,6 @@
 // kernel: attention_decode
 // inputs: y q_weight k_weight bias inv_freq state k_cache v_cache params after
-// outputs: partial_o partial_stats
+// outputs: partial
 //
 // One decode token's attention, first pass (flash-decoding), fused with what precedes it: the
 // per-head norm and RoPE of q and k (kernel qk_norm_rope's work) and the KV-cache write.
@@ -27,9 +27,11 @@
 // of every head, the probabilities broadcast by simd_shuffle. A block's key and value rows are
 // all loaded before any is used, the first block's before q is prepared: at a short context
 // the SIMD group waits for memory about once.
-//   partial_o f32 [HEADS, SPLITS, HEAD_DIM]: sum_slots e^(score - m) v (not yet divided);
-//   partial_stats f32 [HEADS, SPLITS, 2]: (m, l); an empty split writes (-3e38, 0) and no o
-//   (attention_combine reads o only of the splits that hold keys: the first ones).
+// partial f32 [HEADS * SPLITS * (HEAD_DIM + 2)] holds two arrays (one output: each array of a
+// launch is host work at every step):
+//   partial_o [HEADS, SPLITS, HEAD_DIM]: sum_slots e^(score - m) v (not yet divided);
+//   partial_stats [HEADS, SPLITS, 2] after it: (m, l); an empty split writes (-3e38, 0) and
+//   no o (attention_combine reads o only of the splits that hold keys: the first ones).
 // Kernel attention_combine merges the splits.
 // Grid: KV_HEADS * (GROUP / HEAD_GROUP) * SPLITS SIMD groups, up to 4 per threadgroup, each on
 // its own (no threadgroup barrier).
@@ -52,6 +54,8 @@ const int CHANNELS = HEAD_DIM / 32;  // value channels per lane
 const int KEY_CHUNKS = HEAD_DIM / 8;  // 16-byte loads per key row
 const uint CAPACITY = uint(k_cache_shape[2]);
 const uint SPLITS = (CAPACITY + uint(SPLIT) - 1u) / uint(SPLIT);
+device float* partial_o = partial;
+device float* partial_stats = partial + size_t(HEADS) * SPLITS * size_t(HEAD_DIM);
 threadgroup float4 q_tiles[4 * HEAD_GROUP * HEAD_DIM / 4];
 threadgroup float kv_tiles[4 * 2 * HEAD_DIM];
 threadgroup float p_tiles[4 * HEAD_GROUP * 32];

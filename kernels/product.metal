@@ -1,14 +1,16 @@
 // kernel: product
 // inputs: weight_a weight_b xq xd xs params
-// outputs: y best
+// outputs: y
 //
 // y = x W.T for activations given as int8 blocks (q8x: xq, xd, xs; see blocks.metal) and up
 // to two weights of their own formats (Q4_K, Q6_K or Q8_0), a few tokens at a time (decode):
 //   EPILOGUE 0: y [TOKENS, OUT_A + OUT_B] = [x A.T | x B.T] (no B when OUT_B is 0: q/gate and
 //               k/v of one layer are one launch even when their formats differ).
 //   EPILOGUE 1: the LM head. y [TOKENS, OUT_A] = c * tanh(s * x A.T / c) with s = params[0]
-//               and c = params[1] (c = 0: s * x A.T), and best [TOKENS, threadgroups, 2]: each
-//               threadgroup's largest value and its row (the first on ties), for kernel argmax.
+//               and c = params[1] (c = 0: s * x A.T), then after it in y (one output: each
+//               array of a launch is host work at every step) best [TOKENS, threadgroups, 2]:
+//               each threadgroup's largest value and its row (the first on ties), for kernel
+//               argmax.
 // weight_a, weight_b: raw GGUF bytes [OUT, ROW_BYTES] uint8 (4-byte aligned); xq int8
 // [TOKENS, IN]; xd f32 [TOKENS, IN/32]; xs f32 [TOKENS, IN/8]; params f32 [2].
 // Grid: one SIMD group per ROWS consecutive rows of A, then of B: ceil(OUT_A / ROWS) +
@@ -43,6 +45,7 @@ if (in_a) {
   muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL>(weight_b, first_row, xq, xd, xs, lane, acc);
 }
 const uint WIDTH = EPILOGUE == 0 ? uint(OUT_A + OUT_B) : uint(OUT_A);
+device float* best = y + uint(TOKENS) * WIDTH;  // EPILOGUE 1 only
 uint rows = in_a ? uint(OUT_A) : uint(OUT_B);
 uint column = in_a ? first_row : uint(OUT_A) + first_row;
 for (int t = 0; t < TOKENS; ++t) {

@@ -183,7 +183,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     splits = -(-capacity // split)  # at most ATTENTION_SPLITS
     dims = rope["dims"] if rope is not None else 0
     unused = kernels.parameters(0.0)
-    partial_o, partial_stats = kernels.launch(
+    (partial,) = kernels.launch(
         "attention_decode",
         inputs=[y, q_weight if q_weight is not None else unused, k_weight if k_weight is not None else unused,
                 bias if bias is not None else unused, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
@@ -195,12 +195,12 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                   ("FAST_BLOCKS", int(bool(ATTENTION_FAST_BLOCKS)))],
         grid=(32 * kv_heads * (group // head_group) * splits, 1, 1),
         threadgroup=(128, 1, 1),
-        output_shapes=[(heads, splits, head_dim), (heads, splits, 2)],
-        output_dtypes=[mx.float32, mx.float32],
+        output_shapes=[(heads * splits * (head_dim + 2),)],  # o [heads, splits, head_dim], then (m, l)
+        output_dtypes=[mx.float32],
     )
     codes, scales, sums = kernels.launch(
         "attention_combine",
-        inputs=[partial_o, partial_stats, y],
+        inputs=[partial, y],
         template=[("HEADS", heads), ("HEAD_DIM", head_dim), ("GATE", int(gate is not None)),
                   ("G_OFF", gate or 0)],
         grid=(heads * head_dim, 1, 1),  # a SIMD group per 32 channels

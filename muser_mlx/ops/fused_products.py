@@ -87,8 +87,9 @@ class Product:
     second: another weight of the same input (any of those formats): one launch computes both,
     returning [..., out + out2] (first's columns, then second's).
     head: (logit scale s, softcap c) for the LM head: returns (c * tanh(s * x W.T / c) [..., out],
-    best [rows, groups, 2]), the per-threadgroup maxima kernel argmax reduces (`greedy`); c = 0:
-    no softcap. On the CPU: the same math on x's dequantized values (MLX ops)."""
+    best [rows, groups, 2]), the per-threadgroup maxima kernel argmax reduces (`greedy`), both
+    views of the launch's one output; c = 0: no softcap. On the CPU: the same math on x's
+    dequantized values (MLX ops)."""
 
     def __init__(self, weight, second=None, head: tuple[float, float] | None = None, tokens: int = 1):
         ggml_type = _format(weight, "product")
@@ -134,17 +135,20 @@ class Product:
         if kernels.backend() == "cpu":
             return self._mlx(x)
         template, grid, threadgroup, groups = self.launch_arguments()
-        y, best = kernels.launch(
+        values = self.tokens * self.out_features
+        (y,) = kernels.launch(
             "product",
             inputs=[self.weight.data, (self.second if self.second is not None else self.weight).data, *x,
                     self.parameters],
             template=template,
             grid=grid,
             threadgroup=threadgroup,
-            output_shapes=[(*lead, self.out_features), (self.tokens, groups, 2) if self.head else (1,)],
-            output_dtypes=[mx.float32, mx.float32],
+            output_shapes=[(values + self.tokens * groups * 2,) if self.head else (*lead, self.out_features)],
+            output_dtypes=[mx.float32],
         )
-        return (y, best) if self.head is not None else y
+        if self.head is None:
+            return y
+        return y[:values].reshape(*lead, self.out_features), y[values:].reshape(self.tokens, groups, 2)
 
     def _mlx(self, x: Q8X):
         """The CPU rendering."""
