@@ -53,6 +53,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import mlx.core as mx
@@ -250,10 +251,15 @@ def threaded_decode_ms(step, model, cache, steps: int) -> float:
     pipelined_decode_ms one thread does both in turn, so on a slow host a step costs the host
     build + queue (RESULTS.md, sessions 13-15). The steps run on a stream any thread may use
     (mx.new_thread_unsafe_stream); only the queuing thread evaluates."""
-    stream = mx.new_thread_unsafe_stream(mx.default_device())
+    # main() made this stream (thread-unsafe: any thread may use it) the default before the
+    # model was loaded, so no array of the step belongs to a thread's own stream: evaluating
+    # such an array from the queuing thread fails ("There is no Stream(gpu, 0) in current
+    # thread", H200, session 18).
+    stream = mx.default_stream(mx.default_device())
     jobs, done = queue.Queue(), queue.Queue()
 
     def queuing():
+        mx.set_default_stream(stream)
         while (job := jobs.get()) is not None:
             to_queue, to_wait = job
             try:
@@ -348,6 +354,8 @@ def main() -> None:
     if args.prefill_chunks == 1 or args.prefill_chunks < 0:
         parser.error("--prefill-chunks: 0 (no prefill figure) or at least 2 (the first chunk builds the "
                      f"kernels and is not timed), got {args.prefill_chunks}")
+    if args.threaded:  # every array on one stream any thread may use (threaded_decode_ms)
+        mx.set_default_stream(mx.new_thread_unsafe_stream(mx.default_device()))
     rng = np.random.default_rng(0)
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
     print(f"device: {mx.default_device()}", flush=True)
@@ -411,7 +419,8 @@ def main() -> None:
                 model._compiled_decode = {}  # traced again, on the queuing thread's stream
                 try:
                     timed("threaded", fused_step, threaded_decode_ms)
-                except Exception as error:  # not yet run on a GPU: report it, keep the other figures
+                except Exception as error:  # report it, keep the other figures
+                    traceback.print_exc()
                     print(f"  threaded run failed: {type(error).__name__}: {error}", flush=True)
                     del runs["threaded"]
             model._compiled_decode = {}
