@@ -171,6 +171,15 @@ inline u8x32 nibbles32(const uint8_t* qs) {
 inline u8x32 fifth_bits32(const uint8_t* qh) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
   return (u8x32)_mm256_maskz_set1_epi8(u32(qh), 16);
+#elif defined(__AVX2__)
+  // Byte i: byte i / 8 of qh (the 4 bytes in every 32-bit lane, picked by an in-lane shuffle),
+  // then whether its bit i % 8 is set. (GCC built the generic version below through the stack:
+  // a store-forwarding stall each block, Q5_0 decode 7x slower than AVX-512's.)
+  const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(u32(qh))), which);
+  return (u8x32)_mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
 #else
   // Byte i holds byte i / 8 of qh, all of whose bits but i % 8 are then set by `others`.
   u8x4 bytes;
@@ -309,6 +318,29 @@ inline u8x64 shifted_halves(u8x32 q) {
   return (u8x64)((u16x32)both >> shifts);
 }
 
+// Without AVX-512BW a 64-byte vector is two registers, and GCC lowered the 64-byte shuffles
+// and byte shifts of codes64 / pair_scales element by element through the stack (a Q4_K decode
+// tile: 3,179 instructions, 512 of them vpextrb; 5-9x slower than AVX-512's). There the
+// super-block path takes 64 codes as two 32-byte halves (values 64p .. 64p + 31, then the
+// next 32), each made with 32-byte operations only.
+struct Halves {
+  u8x32 lo, hi;
+};
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+// q's 16-bit words shifted right by S, as bytes: bits of a word's upper byte enter its lower
+// byte from the top (mask the result to its low 8 - S bits).
+template <int S>
+inline u8x32 word_shift(u8x32 q) {
+  return (u8x32)((u16x16)q >> S);
+}
+
+// 16 x each byte of q (every byte at most 15): a 16-bit shift, which carries no bit across bytes.
+inline u8x32 times16(u8x32 q) {
+  return (u8x32)((u16x16)q << 4);
+}
+
 // Sub-blocks 2i and 2i+1: the low and high nibbles of bytes 32i..32i+31; chunk j is half j % 2
 // of sub-block j / 2.
 inline u8x16 k4_nibbles(const uint8_t* qs, int j) {
@@ -328,6 +360,11 @@ struct Q4_KFormat {
   static u8x64 codes64(const uint8_t* b) {
     return shifted_halves<0, 4>(load<u8x32>(b + 16 + 32 * P)) & 15;
   }
+  template <int P>
+  static Halves halves(const uint8_t* b) {  // codes64<P> as two halves
+    u8x32 q = load<u8x32>(b + 16 + 32 * P);
+    return {q & 15, word_shift<4>(q) & 15};
+  }
 };
 
 struct Q5_KFormat {
@@ -344,6 +381,11 @@ struct Q5_KFormat {
   static u8x64 codes64(const uint8_t* b) {
     u8x64 low = shifted_halves<0, 4>(load<u8x32>(b + 48 + 32 * P)) & 15;
     return low | ((shifted_halves<2 * P, 2 * P + 1>(load<u8x32>(b + 16)) & 1) << 4);
+  }
+  template <int P>
+  static Halves halves(const uint8_t* b) {
+    u8x32 q = load<u8x32>(b + 48 + 32 * P), qh = load<u8x32>(b + 16);
+    return {(q & 15) | times16(word_shift<2 * P>(qh) & 1), (word_shift<4>(q) & 15) | times16(word_shift<2 * P + 1>(qh) & 1)};
   }
 };
 
@@ -380,6 +422,14 @@ struct Q6_KFormat {
     u8x64 ql = load<u8x64>(b + 64 * half);
     u8x64 low = k ? ql >> 4 : ql & 15;
     return low | ((shifted_halves<4 * k, 4 * k + 2>(load<u8x32>(b + 128 + 32 * half)) & 3) << 4);
+  }
+  template <int P>
+  static Halves halves(const uint8_t* b) {
+    constexpr int half = P / 2, k = P % 2;
+    u8x32 ql0 = load<u8x32>(b + 64 * half), ql1 = load<u8x32>(b + 64 * half + 32);
+    u8x32 qh = load<u8x32>(b + 128 + 32 * half);
+    u8x32 low0 = k ? word_shift<4>(ql0) & 15 : ql0 & 15, low1 = k ? word_shift<4>(ql1) & 15 : ql1 & 15;
+    return {low0 | times16(word_shift<4 * k>(qh) & 3), low1 | times16(word_shift<4 * k + 2>(qh) & 3)};
   }
 };
 
@@ -768,6 +818,25 @@ inline i32x16 dot_scaled(i32x16 acc, u8x64 w, i8x64 x, i16x32 scales) {
 #endif
 }
 
+// dot_scaled for one 32-byte half (Halves): acc + lane k: the sum over values 4k .. 4k + 3 of
+// scales[value / 2] * w * x (the same bounds).
+inline i32x8 dot_scaled8(i32x8 acc, u8x32 w, i8x32 x, i16x16 scales) {
+#if defined(__AVX2__)
+  __m256i pairs = _mm256_maddubs_epi16((__m256i)w, (__m256i)x);
+#if defined(__AVXVNNI__)
+  return (i32x8)_mm256_dpwssd_avx_epi32((__m256i)acc, pairs, (__m256i)scales);
+#else
+  return acc + (i32x8)_mm256_madd_epi16(pairs, (__m256i)scales);
+#endif
+#else
+  for (int i = 0; i < 32; ++i) {
+    acc[i / 4] += static_cast<int32_t>(scales[i / 2]) * static_cast<int32_t>(w[i]) *
+                  static_cast<int32_t>(x[i]);
+  }
+  return acc;
+#endif
+}
+
 // Lane k: a[2k] * b[2k] + a[2k + 1] * b[2k + 1].
 inline i32x8 madd16(i16x16 a, i16x16 b) {
 #if defined(__AVX2__)
@@ -958,6 +1027,26 @@ inline i16x32 pair_scales(i16x16 s) {
                                  4 * P + 3, 4 * P + 3, 4 * P + 3, 4 * P + 3, 4 * P + 3, 4 * P + 3);
 }
 
+// pair_scales' half: words 0-7 scales16[A], words 8-15 scales16[A + 1] (A even).
+template <int A>
+inline i16x16 scale_pair(i16x16 s) {
+  static_assert(A % 2 == 0 && A < 16);
+#if defined(__AVX2__)
+  // Both in one 128-bit half of s: broadcast it to both lanes, then pick one word a lane.
+  __m128i part = A < 8 ? _mm256_castsi256_si128((__m256i)s) : _mm256_extracti128_si256((__m256i)s, 1);
+  constexpr int a = A % 8, b = (A + 1) % 8;
+  const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(static_cast<short>((2 * b) | ((2 * b + 1) << 8))),
+                                        _mm_set1_epi16(static_cast<short>((2 * a) | ((2 * a + 1) << 8))));
+  return (i16x16)_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(part), pick);
+#else
+  i16x16 out;
+  for (int w = 0; w < 16; ++w) {
+    out[w] = s[A + w / 8];
+  }
+  return out;
+#endif
+}
+
 template <class Fn, int... P>
 inline void each_quarter(Fn&& fn, std::integer_sequence<int, P...>) {
   (fn(std::integral_constant<int, P>{}), ...);
@@ -969,7 +1058,11 @@ void tile_super(const uint8_t* weight, int64_t row_bytes, const SuperRows& x, fl
                 int64_t out_stride) {
   static_assert(F::VALUES == 256);
   const int64_t in = x.in_features, blocks = in / 256;
+#if defined(__AVX512BW__)
   f32x16 acc[R][C] = {};
+#else
+  f32x8 acc[R][C] = {};
+#endif
   f32x8 offsets[R][C] = {};
   for (int64_t block = 0; block < blocks; ++block) {
     const uint8_t* b[R];
@@ -989,6 +1082,7 @@ void tile_super(const uint8_t* weight, int64_t row_bytes, const SuperRows& x, fl
         offsets[r][c] += __builtin_convertvector(madd16(s[r].offsets16, sums), f32x8) * (s[r].o * xd[c]);
       }
     }
+#if defined(__AVX512BW__)
     i32x16 dots[R][C] = {};
     each_quarter([&](auto p) {
       constexpr int P = decltype(p)::value;
@@ -1009,12 +1103,40 @@ void tile_super(const uint8_t* weight, int64_t row_bytes, const SuperRows& x, fl
         acc[r][c] += __builtin_convertvector(dots[r][c], f32x16) * (s[r].d * xd[c]);
       }
     }
+#else
+    // Halves: 32-byte operations only (see Halves); both halves sum into one int32 vector.
+    i32x8 dots[R][C] = {};
+    each_quarter([&](auto p) {
+      constexpr int P = decltype(p)::value;
+      i8x32 lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        lo[c] = load<i8x32>(xc[c] + 64 * P);
+        hi[c] = load<i8x32>(xc[c] + 64 * P + 32);
+      }
+      for (int r = 0; r < R; ++r) {
+        Halves w = F::template halves<P>(b[r]);
+        i16x16 scales_lo = scale_pair<4 * P>(s[r].scales16), scales_hi = scale_pair<4 * P + 2>(s[r].scales16);
+        for (int c = 0; c < C; ++c) {
+          dots[r][c] = dot_scaled8(dot_scaled8(dots[r][c], w.lo, lo[c], scales_lo), w.hi, hi[c], scales_hi);
+        }
+      }
+    }, std::make_integer_sequence<int, 4>{});
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] += __builtin_convertvector(dots[r][c], f32x8) * (s[r].d * xd[c]);
+      }
+    }
+#endif
   }
   for (int c = 0; c < C; ++c) {
     f32x8 rows[R];
     for (int r = 0; r < R; ++r) {
+#if defined(__AVX512BW__)
       rows[r] = offsets[r][c] + __builtin_shufflevector(acc[r][c], acc[r][c], 0, 1, 2, 3, 4, 5, 6, 7) +
                 __builtin_shufflevector(acc[r][c], acc[r][c], 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+      rows[r] = offsets[r][c] + acc[r][c];
+#endif
     }
     store_sums<R>(rows, out + c * out_stride);
   }
@@ -1133,8 +1255,14 @@ inline void block_codes(const uint8_t* b, uint8_t* codes, float* d, float* m) {
     F::scales(b, d, m);
     each_quarter([&](auto p) {
       constexpr int P = decltype(p)::value;
+#if defined(__AVX512BW__)
       u8x64 c = F::template codes64<P>(b);
       std::memcpy(codes + 64 * P, &c, 64);
+#else
+      Halves c = F::template halves<P>(b);
+      std::memcpy(codes + 64 * P, &c.lo, 32);
+      std::memcpy(codes + 64 * P + 32, &c.hi, 32);
+#endif
     }, std::make_integer_sequence<int, 4>{});
   }
 }

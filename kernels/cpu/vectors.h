@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -57,6 +57,12 @@ inline f32x16 load16(const float* p) {
 inline f32x16 load16(const half* p) {
 #if defined(__AVX512F__)
   return (f32x16)_mm512_cvtph_ps(load<__m256i>(p));  // one instruction (GCC's generic widening was scalar)
+#elif defined(__F16C__) && defined(__AVX__)
+  // Two instructions (generic widening: 16 scalar conversions, ~10 % of an AVX2 decode).
+  __m256 parts[2] = {_mm256_cvtph_ps(load<__m128i>(p)), _mm256_cvtph_ps(load<__m128i>(p + 8))};
+  f32x16 out;
+  std::memcpy(&out, parts, 64);
+  return out;
 #else
   return __builtin_convertvector(load<f16x16>(p), f32x16);
 #endif
