@@ -297,17 +297,9 @@ inline SuperScales k4_super_scales(const uint8_t* b) {
 // halves, each half's 16-bit words shifted (one variable shift, no lane-crossing shuffle).
 // Bits of a word's upper byte enter its lower byte from the top: mask the result to at most
 // 8 - max(LOW, HIGH) low bits.
+// (AVX-512BW builds; elsewhere the formats' halves<P> stand in for codes64<P>.)
 template <int LOW, int HIGH>
 inline u8x64 shifted_halves(u8x32 q) {
-#if !defined(__AVX512BW__)
-  // No 16-bit shift by lane (AVX2 has none: GCC shifted word by word): two shifts by a constant.
-  typedef uint16_t u16x16 __attribute__((vector_size(32)));
-  u8x32 low = (u8x32)((u16x16)q >> LOW), high = (u8x32)((u16x16)q >> HIGH);
-  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-                                 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
-                                 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47,
-                                 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63);
-#endif
   u8x64 both = __builtin_shufflevector(q, q, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                                        16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
                                        31, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
@@ -787,36 +779,20 @@ inline i32x8 dot_signed(u8x32 w, i8x32 x) {
 #endif
 }
 
+#if defined(__AVX512BW__)
 // acc + lane k: the sum over values 4k .. 4k + 3 of scales[value / 2] * w * x. w unsigned, at
 // most 63 (a 6-bit code), so the int16 pair sums of maddubs, at most 2 * 63 * 127, cannot
 // saturate; |scales| <= 128, so a lane gains at most 4 * 63 * 127 * 128 < 2^23 a call.
+// (Without AVX-512BW the super-block path takes halves: dot_scaled8.)
 inline i32x16 dot_scaled(i32x16 acc, u8x64 w, i8x64 x, i16x32 scales) {
-#if defined(__AVX512BW__)
   __m512i pairs = _mm512_maddubs_epi16((__m512i)w, (__m512i)x);
 #if defined(__AVX512VNNI__)
   return (i32x16)_mm512_dpwssd_epi32((__m512i)acc, pairs, (__m512i)scales);
 #else
   return acc + (i32x16)_mm512_madd_epi16(pairs, (__m512i)scales);
 #endif
-#elif defined(__AVX2__)
-  __m256i w2[2], x2[2], s2[2], a2[2];
-  std::memcpy(w2, &w, 64);
-  std::memcpy(x2, &x, 64);
-  std::memcpy(s2, &scales, 64);
-  std::memcpy(a2, &acc, 64);
-  for (int h = 0; h < 2; ++h) {
-    a2[h] = _mm256_add_epi32(a2[h], _mm256_madd_epi16(_mm256_maddubs_epi16(w2[h], x2[h]), s2[h]));
-  }
-  std::memcpy(&acc, a2, 64);
-  return acc;
-#else
-  for (int i = 0; i < 64; ++i) {
-    acc[i / 4] += static_cast<int32_t>(scales[i / 2]) * static_cast<int32_t>(w[i]) *
-                  static_cast<int32_t>(x[i]);
-  }
-  return acc;
-#endif
 }
+#endif
 
 // dot_scaled for one 32-byte half (Halves): acc + lane k: the sum over values 4k .. 4k + 3 of
 // scales[value / 2] * w * x (the same bounds).
