@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -40,16 +41,30 @@ constexpr int64_t ROWS_PER_TASK = 16;
 // keys costs about as much as scoring it for 4 rows.
 constexpr int64_t BLOCK_MIN_ROWS = 4;
 
+// The sum of v's 8 lanes (a tree of shuffles and adds where AVX has them).
+inline float hsum(f32x8 v) {
+#if defined(__AVX__)
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+#else
+  float sum = 0;
+  for (int lane = 0; lane < 8; ++lane) {
+    sum += v[lane];
+  }
+  return sum;
+#endif
+}
+
 inline float hsum(f32x16 v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps((__m512)v);  // a tree of shuffles and adds (a decode step's
                                            // scores at 3,000 positions: 52 -> 57 tokens/s)
 #else
-  float sum = 0;
-  for (int lane = 0; lane < 16; ++lane) {
-    sum += v[lane];
-  }
-  return sum;
+  // Two 8-lane halves, added (on AVX2 a loop of 16 scalar adds was ~8 % of a decode).
+  f32x8 halves[2];
+  std::memcpy(halves, &v, 64);
+  return hsum(halves[0] + halves[1]);
 #endif
 }
 
@@ -289,6 +304,12 @@ void write_cache(const float* y, const float* bias, const float* norm, int64_t p
 constexpr int GROUP_HEADS = 4;
 constexpr int64_t PART_MIN_KEYS = 64;
 
+#if defined(__AVX512F__)
+constexpr int VECTOR_FLOATS = 16;
+#else
+constexpr int VECTOR_FLOATS = 8;
+#endif
+
 // Scores of G heads (q [G, head_dim]) against keys [n, head_dim]: scores [G, n], each head's
 // largest in top[G].
 template <class C, int G>
@@ -297,13 +318,16 @@ void group_scores(const float* q, const C* k, int64_t n, int64_t head_dim, float
   for (int g = 0; g < G; ++g) {
     top[g] = -std::numeric_limits<float>::infinity();
   }
+  // 8 floats a vector where a register holds 8 (AVX2: GCC builds 16-float vectors through the
+  // stack there, group_values), 16 where it holds 16.
+  using V = std::conditional_t<VECTOR_FLOATS == 8, f32x8, f32x16>;
   for (int64_t s = 0; s < n; ++s) {
     const C* k_row = k + s * head_dim;
-    f32x16 acc[G] = {};
-    for (int64_t d = 0; d < head_dim; d += 16) {
-      f32x16 key = load16(k_row + d);
+    V acc[G] = {};
+    for (int64_t d = 0; d < head_dim; d += VECTOR_FLOATS) {
+      V key = load_values<V>(k_row + d);
       for (int g = 0; g < G; ++g) {
-        acc[g] += load<f32x16>(q + g * head_dim + d) * key;
+        acc[g] += load<V>(q + g * head_dim + d) * key;
       }
     }
     for (int g = 0; g < G; ++g) {
@@ -317,6 +341,30 @@ void group_scores(const float* q, const C* k, int64_t n, int64_t head_dim, float
 // out [G, head_dim] (channels d0 .. d0 + 16 V) += the weighted sum of the value rows.
 template <class C, int G, int V>
 void group_values(const float* weights, const C* v, int64_t n, int64_t head_dim, int64_t d0, float* out) {
+#if !defined(__AVX512F__)
+  // 8 floats a vector: GCC builds a 16-float vector times a scalar through the stack where a
+  // register holds 8 (16 stores and 2 loads a splat: 7x the AVX-512 build's time here).
+  f32x8 acc8[G][2 * V] = {};
+  for (int64_t s = 0; s < n; ++s) {
+    const C* v_row = v + s * head_dim + d0;
+    f32x8 w[G];
+    for (int g = 0; g < G; ++g) {
+      w[g] = f32x8{} + weights[g * n + s];
+    }
+    for (int j = 0; j < 2 * V; ++j) {
+      f32x8 value = load8(v_row + 8 * j);
+      for (int g = 0; g < G; ++g) {
+        acc8[g][j] += w[g] * value;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < 2 * V; ++j) {
+      store(out + g * head_dim + d0 + 8 * j, acc8[g][j]);
+    }
+  }
+  return;
+#endif
   f32x16 acc[G][V] = {};
   for (int64_t s = 0; s < n; ++s) {
     const C* v_row = v + s * head_dim + d0;
@@ -355,9 +403,18 @@ void group_part(const float* q, const C* k, const C* v, int64_t n, int64_t head_
     total[g] = sum;
   }
   int64_t d0 = 0;
+  // 64 channels a pass: G x 4 accumulators of 16 floats, in registers where a register holds 16
+  // (AVX-512: 32 of them). Where it holds 8 (AVX2: 16 registers) they spilled, ~10 % of an AVX2
+  // decode: 32 channels a pass there.
+#if defined(__AVX512F__)
   for (; d0 + 64 <= head_dim; d0 += 64) {
     group_values<C, G, 4>(scores.data(), v, n, head_dim, d0, out);
   }
+#else
+  for (; d0 + 32 <= head_dim; d0 += 32) {
+    group_values<C, G, 2>(scores.data(), v, n, head_dim, d0, out);
+  }
+#endif
   for (; d0 < head_dim; d0 += 16) {
     group_values<C, G, 1>(scores.data(), v, n, head_dim, d0, out);
   }

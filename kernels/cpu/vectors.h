@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -53,7 +53,20 @@ inline f32x16 load16(const float* p) {
   return load<f32x16>(p);
 }
 
+inline f32x8 load8(const float* p) {
+  return load<f32x8>(p);
+}
+
 #ifdef MUSER_HALF_CACHE
+inline f32x8 load8(const half* p) {
+#if defined(__F16C__)
+  return (f32x8)_mm256_cvtph_ps(load<__m128i>(p));
+#else
+  typedef half f16x8 __attribute__((vector_size(16)));
+  return __builtin_convertvector(load<f16x8>(p), f32x8);
+#endif
+}
+
 inline f32x16 load16(const half* p) {
 #if defined(__AVX512F__)
   return (f32x16)_mm512_cvtph_ps(load<__m256i>(p));  // one instruction (GCC's generic widening was scalar)
@@ -68,5 +81,15 @@ inline f32x16 load16(const half* p) {
 #endif
 }
 #endif
+
+// load8 or load16, by the vector type V.
+template <class V, class T>
+inline V load_values(const T* p) {
+  if constexpr (sizeof(V) == 32) {
+    return load8(p);
+  } else {
+    return load16(p);
+  }
+}
 
 }  // namespace muser::cpu
