@@ -304,11 +304,14 @@ void write_cache(const float* y, const float* bias, const float* norm, int64_t p
 constexpr int GROUP_HEADS = 4;
 constexpr int64_t PART_MIN_KEYS = 64;
 
+// The decode attention's float vectors: 16 floats where a register holds 16, else 8 (AVX2: GCC
+// builds 16-float vectors through the stack there, group_values).
 #if defined(__AVX512F__)
 constexpr int VECTOR_FLOATS = 16;
 #else
 constexpr int VECTOR_FLOATS = 8;
 #endif
+using FloatVector = std::conditional_t<VECTOR_FLOATS == 8, f32x8, f32x16>;
 
 // Scores of G heads (q [G, head_dim]) against keys [n, head_dim]: scores [G, n], each head's
 // largest in top[G].
@@ -318,16 +321,13 @@ void group_scores(const float* q, const C* k, int64_t n, int64_t head_dim, float
   for (int g = 0; g < G; ++g) {
     top[g] = -std::numeric_limits<float>::infinity();
   }
-  // 8 floats a vector where a register holds 8 (AVX2: GCC builds 16-float vectors through the
-  // stack there, group_values), 16 where it holds 16.
-  using V = std::conditional_t<VECTOR_FLOATS == 8, f32x8, f32x16>;
   for (int64_t s = 0; s < n; ++s) {
     const C* k_row = k + s * head_dim;
-    V acc[G] = {};
+    FloatVector acc[G] = {};
     for (int64_t d = 0; d < head_dim; d += VECTOR_FLOATS) {
-      V key = load_values<V>(k_row + d);
+      FloatVector key = load_values<FloatVector>(k_row + d);
       for (int g = 0; g < G; ++g) {
-        acc[g] += load<V>(q + g * head_dim + d) * key;
+        acc[g] += load<FloatVector>(q + g * head_dim + d) * key;
       }
     }
     for (int g = 0; g < G; ++g) {
@@ -338,46 +338,28 @@ void group_scores(const float* q, const C* k, int64_t n, int64_t head_dim, float
   }
 }
 
-// out [G, head_dim] (channels d0 .. d0 + 16 V) += the weighted sum of the value rows.
+// out [G, head_dim] (channels d0 .. d0 + 16 V) += the weighted sum of the value rows (on AVX2
+// with 16-float vectors, each weight's splat went through the stack: 7x AVX-512's time).
 template <class C, int G, int V>
 void group_values(const float* weights, const C* v, int64_t n, int64_t head_dim, int64_t d0, float* out) {
-#if !defined(__AVX512F__)
-  // 8 floats a vector: GCC builds a 16-float vector times a scalar through the stack where a
-  // register holds 8 (16 stores and 2 loads a splat: 7x the AVX-512 build's time here).
-  f32x8 acc8[G][2 * V] = {};
+  constexpr int N = 16 * V / VECTOR_FLOATS;  // vectors a row's 16 V channels take
+  FloatVector acc[G][N] = {};
   for (int64_t s = 0; s < n; ++s) {
     const C* v_row = v + s * head_dim + d0;
-    f32x8 w[G];
+    FloatVector w[G];
     for (int g = 0; g < G; ++g) {
-      w[g] = f32x8{} + weights[g * n + s];
+      w[g] = FloatVector{} + weights[g * n + s];
     }
-    for (int j = 0; j < 2 * V; ++j) {
-      f32x8 value = load8(v_row + 8 * j);
+    for (int j = 0; j < N; ++j) {
+      FloatVector value = load_values<FloatVector>(v_row + VECTOR_FLOATS * j);
       for (int g = 0; g < G; ++g) {
-        acc8[g][j] += w[g] * value;
+        acc[g][j] += w[g] * value;
       }
     }
   }
   for (int g = 0; g < G; ++g) {
-    for (int j = 0; j < 2 * V; ++j) {
-      store(out + g * head_dim + d0 + 8 * j, acc8[g][j]);
-    }
-  }
-  return;
-#endif
-  f32x16 acc[G][V] = {};
-  for (int64_t s = 0; s < n; ++s) {
-    const C* v_row = v + s * head_dim + d0;
-    for (int j = 0; j < V; ++j) {
-      f32x16 value = load16(v_row + 16 * j);
-      for (int g = 0; g < G; ++g) {
-        acc[g][j] += weights[g * n + s] * value;
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    for (int j = 0; j < V; ++j) {
-      store(out + g * head_dim + d0 + 16 * j, acc[g][j]);
+    for (int j = 0; j < N; ++j) {
+      store(out + g * head_dim + d0 + VECTOR_FLOATS * j, acc[g][j]);
     }
   }
 }
@@ -403,18 +385,12 @@ void group_part(const float* q, const C* k, const C* v, int64_t n, int64_t head_
     total[g] = sum;
   }
   int64_t d0 = 0;
-  // 64 channels a pass: G x 4 accumulators of 16 floats, in registers where a register holds 16
-  // (AVX-512: 32 of them). Where it holds 8 (AVX2: 16 registers) they spilled, ~10 % of an AVX2
-  // decode: 32 channels a pass there.
-#if defined(__AVX512F__)
-  for (; d0 + 64 <= head_dim; d0 += 64) {
-    group_values<C, G, 4>(scores.data(), v, n, head_dim, d0, out);
+  // 4 vectors of channels a pass: G x 4 accumulators, in registers (64 channels with AVX-512's
+  // 32 registers, 32 with AVX2's 16, where 64 spilled: ~10 % of an AVX2 decode).
+  constexpr int PASS = 4 * VECTOR_FLOATS;
+  for (; d0 + PASS <= head_dim; d0 += PASS) {
+    group_values<C, G, PASS / 16>(scores.data(), v, n, head_dim, d0, out);
   }
-#else
-  for (; d0 + 32 <= head_dim; d0 += 32) {
-    group_values<C, G, 2>(scores.data(), v, n, head_dim, d0, out);
-  }
-#endif
   for (; d0 < head_dim; d0 += 16) {
     group_values<C, G, 1>(scores.data(), v, n, head_dim, d0, out);
   }
