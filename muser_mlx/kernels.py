@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,9 +213,14 @@ def _gpu_backend() -> str:
     return "cpu"
 
 
-@functools.lru_cache(maxsize=None)
 def build(name: str, backend_name: str):
-    """The MLX kernel object for `name` on `backend_name`, built once per process."""
+    """The MLX kernel object for `name` on `backend_name`, built once per process (on CUDA
+    once per CUDA_INCLUDES setting: a bench variant may change it between traces)."""
+    return _build(name, backend_name, CUDA_INCLUDES if backend_name == "cuda" else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _build(name: str, backend_name: str, includes: bool | None):
     kernel = source(name)
     if backend_name == "metal":
         return mx.fast.metal_kernel(
@@ -223,6 +231,8 @@ def build(name: str, backend_name: str):
             header=kernel.header,
         )
     if backend_name == "cuda":
+        if includes:
+            return IncludedCudaKernel(kernel)
         return mx.fast.cuda_kernel(
             name=f"muser_{name}",
             input_names=list(kernel.inputs),
@@ -231,6 +241,111 @@ def build(name: str, backend_name: str):
             header=CUDA_PRELUDE + to_cuda(kernel.header),
         )
     raise ValueError(f"no GPU kernels on backend {backend_name!r}")
+
+
+# MLX's CUDA custom kernel hashes its whole source text at every launch (CustomKernel::eval_gpu
+# names the JIT module by it): 9-10 KB for a product or attention_decode, ~3 MB a Muse Glimmer
+# decode step, ~0.5 ms of host time a step at ~6 GB/s. So on CUDA each launch configuration's
+# text (the same CUDA rendering, template constants included) is written once to two files
+# named by their content, and the kernel MLX sees is two #include lines that NVRTC reads back:
+# ~150 bytes to hash. MUSER_CUDA_INCLUDES=0: the text inline, as MLX's examples pass it.
+CUDA_INCLUDES = os.environ.get("MUSER_CUDA_INCLUDES", "1") != "0"
+
+
+def cuda_text_dir() -> Path:
+    """Where the CUDA texts go: $MUSER_KERNEL_CACHE, else $XDG_CACHE_HOME/muser_mlx/cuda
+    (~/.cache), else the temporary directory when that cannot be written."""
+    explicit = os.environ.get("MUSER_KERNEL_CACHE")
+    if explicit:
+        candidates = [Path(explicit)]
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        candidates = [Path(cache) / "muser_mlx" / "cuda", Path(tempfile.gettempdir()) / "muser_mlx_cuda"]
+    for directory in candidates:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if os.access(directory, os.W_OK):
+                return directory.resolve()
+        except OSError:
+            pass
+    raise KernelSourceError(f"no writable directory for the CUDA kernel texts (tried {', '.join(map(str, candidates))}); "
+                            f"set MUSER_KERNEL_CACHE, or MUSER_CUDA_INCLUDES=0 to pass them inline")
+
+
+def cuda_text_file(text: str, directory: Path | None = None) -> Path:
+    """`text` in a file named by its SHA-256 (written once, atomically: a file of that name is
+    complete). Its path must not hold a double quote: it goes into an #include line."""
+    directory = directory or cuda_text_dir()
+    path = directory / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.cuh"
+    if '"' in str(path) or "\\" in str(path):
+        raise KernelSourceError(f"CUDA kernel text directory {directory} holds a quote or a backslash")
+    if not path.exists():
+        fd, temporary = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+    return path
+
+
+def cuda_constants(template) -> str:
+    """Template constants as MLX's cuda_kernel writes them into the kernel's body."""
+    lines = []
+    for key, value in template:
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {key} = {'true' if value else 'false'};\n")
+        elif isinstance(value, int) or hasattr(value, "__index__"):
+            lines.append(f"  constexpr int {key} = {int(value)};\n")
+        else:
+            raise KernelSourceError(f"template constant {key}={value!r}: the CUDA kernels take ints and bools")
+    return "".join(lines) + ("\n" if lines else "")
+
+
+def cuda_included_texts(kernel: KernelSource, template) -> tuple[str, str]:
+    """(header, body) for one launch configuration, as the files hold them: MLX's cuda_kernel
+    places the header before the kernel function and the body inside it."""
+    return CUDA_PRELUDE + to_cuda(kernel.header), cuda_constants(template) + to_cuda(kernel.body)
+
+
+def cuda_included_arguments(kernel: KernelSource, template, directory: Path | None = None) -> tuple[str, str, str]:
+    """(name, source, header) for MLX's cuda_kernel: one launch configuration's texts in files
+    (cuda_text_file), included."""
+    header, body = cuda_included_texts(kernel, template)
+    header_path, body_path = cuda_text_file(header, directory), cuda_text_file(body, directory)
+    # MLX adds an input's shape / strides / ndim parameters when the source mentions them by
+    # name: the body is in a file, so the names go in a comment.
+    mentions = [f"{arg}_{suffix}" for arg in kernel.inputs for suffix in ("shape", "strides", "ndim")
+                if f"{arg}_{suffix}" in kernel.body]
+    digest = hashlib.sha256((header + body).encode()).hexdigest()[:16]
+    return (f"muser_{kernel.name}_{digest}",
+            f'#include "{body_path}"\n' + (f"// {' '.join(mentions)}\n" if mentions else ""),
+            f'#include "{header_path}"\n')
+
+
+class IncludedCudaKernel:
+    """A kernel MLX's cuda_kernel builds from #include lines (CUDA_INCLUDES): one mx.fast kernel
+    per launch configuration (template), named by its text's digest, called as MLX's are."""
+
+    def __init__(self, kernel: KernelSource):
+        self.kernel = kernel
+        self._built: dict = {}
+
+    def specialized(self, template):
+        key = tuple(template or ())
+        built = self._built.get(key)
+        if built is None:
+            name, body, header = cuda_included_arguments(self.kernel, key)
+            built = mx.fast.cuda_kernel(name=name, input_names=list(self.kernel.inputs),
+                                        output_names=list(self.kernel.outputs), source=body, header=header)
+            self._built[key] = built
+        return built
+
+    def __call__(self, *, inputs, template, **launch):
+        return self.specialized(template)(inputs=inputs, **launch)
 
 
 # MLX's CUDA allocator keeps every array of at most 8 bytes in one small pool of managed
@@ -371,10 +486,11 @@ def metal_program(name: str, inputs: list[InputSpec], output_dtypes, template,
 
 
 def cuda_program(name: str, inputs: list[InputSpec], output_dtypes, template,
-                 kernel: KernelSource | None = None) -> str:
+                 kernel: KernelSource | None = None, included: Path | None = None) -> str:
     """The CUDA text MLX's cuda_kernel compiles for this launch (after its default header):
     our prelude and helpers, then the generated __global__ function with the template
-    constants as constexprs. `kernel`: as metal_program's."""
+    constants as constexprs. `kernel`: as metal_program's. included: a directory: the text as
+    CUDA_INCLUDES hands it to MLX, two #include lines of files written there."""
     kernel = kernel or source(name)
     params = []
     for arg, spec in zip(kernel.inputs, inputs):
@@ -383,16 +499,17 @@ def cuda_program(name: str, inputs: list[InputSpec], output_dtypes, template,
             params.append(f"    const __grid_constant__ {_CUDA_SHAPE_TYPES[suffix]} {arg}_{suffix}")
     for arg, dtype in zip(kernel.outputs, output_dtypes):
         params.append(f"    {_CUDA_TYPES[dtype]}* {arg}")
-    constants = "".join(f"  constexpr int {key} = {value};\n" for key, value in template)
+    if included is None:
+        function = f"muser_{name}"
+        header, body = cuda_included_texts(kernel, template)
+    else:
+        function, body, header = cuda_included_arguments(kernel, template, included)
     return (
-        CUDA_PRELUDE
-        + to_cuda(kernel.header)
+        header
         + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-        + f"__global__ void custom_kernel_muser_{name}(\n"
+        + f"__global__ void custom_kernel_{function}(\n"
         + ",\n".join(params)
         + ") {\n"
-        + constants
-        + "\n"
-        + to_cuda(kernel.body)
+        + body
         + "\n}\n\n} // namespace mlx::core::cu\n"
     )

@@ -1,6 +1,7 @@
 """Every kernel's Metal rendering compiles (g++ against a stub of Metal) and its CUDA
 rendering compiles (nvcc), exactly as MLX would assemble them; a typo in either fails."""
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -248,3 +249,88 @@ def test_arrays_kernels_read_every_step_stay_out_of_mlx_small_managed_pool():
     assert kernels.padded_array([7], mx.int32)[0].item() == 7
     assert np.array(kernels.parameters(1e-5, 0.5))[:2].tolist() == np.array([1e-5, 0.5], np.float32).tolist()
 
+
+
+# Launches whose CUDA text the include form (kernels.CUDA_INCLUDES) is compiled for too: the
+# products, attention and a kernel that reads an input's shape.
+INCLUDED = ["product_two_formats", "product_head", "product_glu", "attention_decode", "residual_norm_quant", "embedding"]
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_cuda_include_form_is_the_same_text(launch, tmp_path):
+    # What MLX receives on CUDA: #include lines of files named by their content. With the
+    # files' text put back in place of the lines, the program is the inline one (but for the
+    # function's name, which carries the digest, and the comment naming shape parameters).
+    name, specs, output_dtypes, template = LAUNCHES[launch]
+    inline = kernels.cuda_program(name, specs, output_dtypes, template)
+    included = kernels.cuda_program(name, specs, output_dtypes, template, included=tmp_path)
+    lines = re.findall(r'#include "([^"]+)"\n', included)
+    assert len(lines) == 2 and all(Path(path).parent == tmp_path for path in lines)
+    assert len(included) < len(inline) // 3 + 1500  # what MLX hashes at every launch
+    expanded = re.sub(r'#include "([^"]+)"\n', lambda m: Path(m.group(1)).read_text(), included)
+    expanded = re.sub(r"\n// (\w+_(shape|strides|ndim) ?)+\n", "\n", expanded)
+    digest = re.search(r"custom_kernel_muser_(\w+)\(", included).group(1)
+    assert digest.startswith(name + "_")
+    assert expanded.replace(f"custom_kernel_muser_{digest}(", f"custom_kernel_muser_{name}(") == inline
+    # The same texts give the same files; another template gives other ones.
+    assert kernels.cuda_program(name, specs, output_dtypes, template, included=tmp_path) == included
+    changed = [(key, value + 1) for key, value in template[:1]] + list(template[1:])
+    other = kernels.cuda_program(name, specs, output_dtypes, changed, included=tmp_path)
+    assert re.findall(r'#include "([^"]+)"\n', other)[1] != lines[1]
+
+
+@pytest.mark.parametrize("launch", INCLUDED)
+def test_cuda_include_form_compiles(launch, tmp_path):
+    result = compile_cuda(kernels.cuda_program(*LAUNCHES[launch], included=tmp_path), tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_cuda_include_form_mentions_shape_parameters(tmp_path):
+    # A body that reads x_shape: MLX finds the name in the source it is given (the comment) and
+    # adds the parameter; without it the kernel would not compile.
+    probe = kernels.kernel_source("probe", ("x",), ("y",), "y[0] = x[0] + float(x_shape[0]);")
+    _, source, header = kernels.cuda_included_arguments(probe, [("N", 4)], tmp_path)
+    assert source.splitlines()[1] == "// x_shape" and header.startswith("#include ")
+    program = kernels.cuda_program("probe", [InputSpec(mx.float32, 1, 4)], [mx.float32], [("N", 4)],
+                                   kernel=probe, included=tmp_path)
+    assert "const __grid_constant__ Shape x_shape" in program
+    assert compile_cuda(program, tmp_path).returncode == 0
+
+
+def test_cuda_include_form_refuses_what_it_cannot_write(tmp_path, monkeypatch):
+    monkeypatch.setenv("MUSER_KERNEL_CACHE", str(tmp_path / 'a"b'))
+    with pytest.raises(kernels.KernelSourceError, match="quote"):
+        kernels.cuda_text_file("int x;", kernels.cuda_text_dir())
+    with pytest.raises(kernels.KernelSourceError, match="ints and bools"):
+        kernels.cuda_constants([("T", 1.5)])
+
+
+def test_cuda_launches_take_the_include_form(tmp_path, monkeypatch):
+    # kernels.launch on CUDA: one mx.fast.cuda_kernel per launch configuration, built from the
+    # include lines, called without template constants (they are in the included body);
+    # MUSER_CUDA_INCLUDES=0 (CUDA_INCLUDES False) builds the inline kernel MLX's examples use.
+    made, calls = [], []
+
+    def cuda_kernel(**arguments):
+        made.append(arguments)
+        return lambda **launch: calls.append((arguments["name"], launch)) or ["out"]
+
+    monkeypatch.setenv("MUSER_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "CUDA_INCLUDES", True)
+    kernels._build.cache_clear()
+    try:
+        for rows in (2, 2, 4):
+            assert kernels.launch("argmax", ["x"], [("ROWS", rows)], (32, 1, 1), (32, 1, 1), [[1]], ["d"]) == ["out"]
+        assert len(made) == 2 and [call[0] for call in calls] == [made[0]["name"]] * 2 + [made[1]["name"]]
+        assert all("template" not in launch and launch["grid"] == (32, 1, 1) for _, launch in calls)
+        assert made[0]["source"].startswith(f'#include "{tmp_path}') and made[0]["header"].startswith("#include")
+        body = Path(re.match(r'#include "([^"]+)"', made[1]["source"]).group(1)).read_text()
+        assert body.startswith("  constexpr int ROWS = 4;\n")
+        monkeypatch.setattr(kernels, "CUDA_INCLUDES", False)
+        kernels.launch("argmax", ["x"], [("ROWS", 2)], (32, 1, 1), (32, 1, 1), [[1]], ["d"])
+        assert made[2]["name"] == "muser_argmax" and "#include" not in made[2]["source"]
+        assert calls[-1][1]["template"] == [("ROWS", 2)]
+    finally:
+        kernels._build.cache_clear()
