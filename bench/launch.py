@@ -7,6 +7,8 @@ as in a model), times building the graph in Python and evaluating it, and prints
 - a bare copy kernel with no header (the same launch path, a short source), and the same
   kernel with a 12 KB header of comment lines (MLX builds and hashes a kernel's whole source
   at every launch: the cost of source size alone);
+- the padded kernel as the CUDA kernels reach MLX (kernels.CUDA_INCLUDES): its header in a
+  file, an #include line in the source MLX hashes;
 - the bare copy kernel with five more (unused) small inputs, with three more outputs, and with
   one more (unused) 320 MB input: what each array of a launch costs, and what a graph commit
   costs (MLX's CUDA backend commits a graph every 100 ops or every 1,000 MB of inputs on
@@ -79,8 +81,13 @@ def main() -> None:
                         output_names=["y"], source=body)
         many_out = maker(name="bench_copy_many_out", input_names=["x"], output_names=["y", "p", "q", "r"],
                          source=body)
+        padding = "".join(f"// {i:5d} {'.' * 70}\n" for i in range(PADDING // 80))
         padded = maker(name="bench_copy_padded", input_names=["x"], output_names=["y"], source=body,
-                       header="".join(f"// {i:5d} {'.' * 70}\n" for i in range(PADDING // 80)))
+                       header=padding)
+        included = None
+        if kernels.backend() == "cuda":
+            included = maker(name="bench_copy_included", input_names=["x"], output_names=["y"], source=body,
+                             header=f'#include "{kernels.cuda_text_file(padding)}"\n')
 
     cases = {
         f"ops.linear Q4_K ({ops.linear_path(GGMLType.Q4_K, 1)})": lambda y: ops.linear(y, tensor),
@@ -96,6 +103,10 @@ def main() -> None:
         cases[f"bare copy kernel, {PADDING // 1000} KB header"] = lambda y: padded(
             inputs=[y], grid=(WIDTH, 1, 1), threadgroup=(WIDTH, 1, 1), output_shapes=[(1, WIDTH)],
             output_dtypes=[mx.float32])[0]
+        if included is not None:
+            cases[f"the same {PADDING // 1000} KB header, #included"] = lambda y: included(
+                inputs=[y], grid=(WIDTH, 1, 1), threadgroup=(WIDTH, 1, 1), output_shapes=[(1, WIDTH)],
+                output_dtypes=[mx.float32])[0]
         smalls = [mx.zeros((4,)) for _ in range(5)]
         big = mx.zeros((320 << 20,), dtype=mx.uint8)
         mx.eval(smalls, big)
