@@ -49,6 +49,7 @@ import datetime
 import importlib
 import os
 import queue
+import re
 import statistics
 import sys
 import threading
@@ -177,7 +178,7 @@ def apply_settings(settings: list[str]) -> list:
 def parse_variant(variant: str) -> tuple[str, list[str]]:
     """"NAME:module.ATTR=value,..." (a --variant) -> (NAME, its settings for apply_settings)."""
     name, settings = variant.split(":", 1)
-    return name, settings.split(",")
+    return name, re.split(r",(?=[\w.]+=)", settings)  # a value may hold commas: {(12, 4096): (2, 8, 1, 1)}
 
 
 def restore_settings(saved: list) -> None:

@@ -87,7 +87,8 @@ def main() -> None:
                         help="--sweep: the first N of Muse Glimmer's shapes (the last is the LM head)")
     parser.add_argument("--product-configs", default=[],
                         type=lambda s: [tuple(int(v) for v in c.split(":")) for c in s.split(",")],
-                        help="--products: R:G:U (rows, SIMD groups, unroll) configurations, e.g. 2:8:1,2:8:2")
+                        help="--products: R:G:U[:W] (rows, SIMD groups, unroll, wide Q4_K units) configurations, "
+                             "e.g. 2:8:1,2:8:1:1")
     parser.add_argument("--cases", default="", help="--products: only these labels (comma-separated), e.g. attn_output,q+gate|k+v")
     parser.add_argument("--products", action="store_true",
                         help="GPU: the fused decode's q8x products on Muse Glimmer's shapes, over rows per "
@@ -222,8 +223,10 @@ PRODUCT_CASES = [
 def products(rng, bandwidth, args) -> None:
     """µs per call and % of the copy ceiling of ops.product / product_glu (x as q8x, made once)
     over ops.PRODUCT_CONFIG's rows per SIMD group x SIMD groups per threadgroup."""
-    configs = args.product_configs or [(r, g, 1) for r in (1, 2, 4, 8) for g in (2, 4, 8)]
-    print("| product | shape out x in | weight | MB | " + " | ".join(f"R{r} G{g} U{u}" for r, g, u in configs) + " |")
+    configs = [tuple(c) + (0,) * (4 - len(c)) for c in args.product_configs] or [
+        (r, g, 1, 0) for r in (1, 2, 4, 8) for g in (2, 4, 8)]
+    print("| product | shape out x in | weight | MB | "
+          + " | ".join(f"R{r} G{g} U{u}" + (" W" if w else "") for r, g, u, w in configs) + " |")
     print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in configs) + " |")
     saved, saved_widths = dict(ops.PRODUCT_CONFIG), dict(ops.PRODUCT_CONFIG_BY_WIDTH)
     ops.PRODUCT_CONFIG_BY_WIDTH.clear()  # each column's config for every width
@@ -261,8 +264,8 @@ def products(rng, bandwidth, args) -> None:
                 return ops.product(x, first, second)
 
             cells = []
-            for r, g, u in configs:
-                ops.PRODUCT_CONFIG[ggml_type] = ops.ProductConfig(r, g, u)
+            for r, g, u, w in configs:
+                ops.PRODUCT_CONFIG[ggml_type] = ops.ProductConfig(r, g, u, w)
                 if extra == "glu" and g != 4 and not args.product_configs:  # glu: 32 / rows SIMD groups
                     cells.append("")
                     continue

@@ -520,15 +520,116 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
   }
 }
 
+// Q4_K's wide unit: 64 values, group g = u % 4 of super-block u / 4 (its 32 quant bytes, both
+// sub-blocks 2g and 2g+1 whole), so the super-block's head and the group's scales are read and
+// unpacked once per 64 values instead of once per 32 (half the instructions a weight byte).
+// Activations: codes of values 64g..64g+63 (16 words), the two blocks' scales, and their sums.
+struct muser_x_unit64 {
+  uint codes[16];
+  float scale[2];
+  float sum[2];
+};
+
+inline muser_x_unit64 muser_load_x_unit64(const device int8_t* xq, const device float* xd,
+                                          const device float* xs, uint unit) {
+  muser_x_unit64 x;
+  uint block = 2u * unit;  // the first of the unit's two 32-value blocks
+  for (int k = 0; k < 4; ++k) {
+    uint4 words = *((const device uint4*)(xq + 64u * unit + 16u * uint(k)));
+    x.codes[4 * k] = words.x; x.codes[4 * k + 1] = words.y; x.codes[4 * k + 2] = words.z; x.codes[4 * k + 3] = words.w;
+  }
+  x.scale[0] = xd[block];
+  x.scale[1] = xd[block + 1u];
+  float4 sums_a = *((const device float4*)(xs + 4u * block));
+  float4 sums_b = *((const device float4*)(xs + 4u * block + 4u));
+  x.sum[0] = (sums_a.x + sums_a.y) + (sums_a.z + sums_a.w);
+  x.sum[1] = (sums_b.x + sums_b.y) + (sums_b.z + sums_b.w);
+  return x;
+}
+
+// Wide unit u of one Q4_K row dotted with TOKENS tokens; adds into out[t * STRIDE].
+template <int TOKENS, int STRIDE>
+inline void muser_q4k_unit64_dot(const device uint8_t* weight, size_t row, uint unit,
+                                 thread const muser_x_unit64* x, thread float* out) {
+  const device uint8_t* block = weight + row + 144u * (unit / 4u);
+  uint g = unit % 4u;
+  uint4 head = *((const device uint4*)block);
+  uint4 q0 = *((const device uint4*)(block + 16u + 32u * g));
+  uint4 q1 = *((const device uint4*)(block + 32u + 32u * g));
+  uint4 pairs = muser_q4k_group_scales(head.y, head.z, head.w, g);
+  float d = muser_half_low(head.x);
+  float dmin = muser_half_high(head.x);
+  uint low[8] = {q0.x & 0x0F0F0F0Fu, q0.y & 0x0F0F0F0Fu, q0.z & 0x0F0F0F0Fu, q0.w & 0x0F0F0F0Fu,
+                 q1.x & 0x0F0F0F0Fu, q1.y & 0x0F0F0F0Fu, q1.z & 0x0F0F0F0Fu, q1.w & 0x0F0F0F0Fu};
+  uint high[8] = {(q0.x >> 4) & 0x0F0F0F0Fu, (q0.y >> 4) & 0x0F0F0F0Fu, (q0.z >> 4) & 0x0F0F0F0Fu,
+                  (q0.w >> 4) & 0x0F0F0F0Fu, (q1.x >> 4) & 0x0F0F0F0Fu, (q1.y >> 4) & 0x0F0F0F0Fu,
+                  (q1.z >> 4) & 0x0F0F0F0Fu, (q1.w >> 4) & 0x0F0F0F0Fu};
+  float scale_a = d * float(pairs.x);
+  float scale_b = d * float(pairs.z);
+  float min_a = dmin * float(pairs.y);
+  float min_b = dmin * float(pairs.w);
+  for (int t = 0; t < TOKENS; ++t) {
+    int dot_a = 0;
+    int dot_b = 0;
+    for (int k = 0; k < 8; ++k) {
+      dot_a += muser_dot4(low[k], x[t].codes[k]);
+      dot_b += muser_dot4(high[k], x[t].codes[8 + k]);
+    }
+    out[t * STRIDE] += (scale_a * x[t].scale[0] * float(dot_a) + scale_b * x[t].scale[1] * float(dot_b)) -
+                       (min_a * x[t].sum[0] + min_b * x[t].sum[1]);
+  }
+}
+
+// muser_rows_dot for Q4_K with wide units: lane l takes wide units l, l + 32, ... (IN / 64 of
+// a row); UNROLL of them at a time, their loads issued together.
+template <int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL>
+inline void muser_rows_dot_q4k64(const device uint8_t* weight, uint first_row, const device int8_t* xq,
+                                 const device float* xd, const device float* xs, uint lane, thread float* acc) {
+  const uint UNITS = uint(IN / 64);
+  for (uint base = lane; base < UNITS; base += 32u * uint(UNROLL)) {
+    muser_x_unit64 x[UNROLL * TOKENS];
+    uint units[UNROLL];
+    for (int u = 0; u < UNROLL; ++u) {
+      units[u] = min(base + 32u * uint(u), UNITS - 1u);
+      for (int t = 0; t < TOKENS; ++t) {
+        x[u * TOKENS + t] = muser_load_x_unit64(xq + t * IN, xd + t * (IN / 32), xs + t * (IN / 8), units[u]);
+      }
+    }
+    float part[UNROLL * TOKENS * ROWS];
+    for (int i = 0; i < UNROLL * TOKENS * ROWS; ++i) {
+      part[i] = 0.0f;
+    }
+    for (int u = 0; u < UNROLL; ++u) {
+      for (int r = 0; r < ROWS; ++r) {
+        uint row = min(first_row + uint(r), uint(OUT - 1));
+        muser_q4k_unit64_dot<TOKENS, ROWS>(weight, size_t(row) * size_t(ROW_BYTES), units[u], x + u * TOKENS,
+                                           part + u * TOKENS * ROWS + r);
+      }
+    }
+    for (int u = 0; u < UNROLL; ++u) {
+      if (base + 32u * uint(u) < UNITS) {
+        for (int i = 0; i < TOKENS * ROWS; ++i) {
+          acc[i] += part[u * TOKENS * ROWS + i];
+        }
+      }
+    }
+  }
+}
+
 // The ROWS rows first_row.. of a weight (rows past OUT re-read row OUT-1; the caller never
 // stores them) dotted with TOKENS tokens of q8x activations by one SIMD group: lane l takes
 // units l, l + 32, ... of every row, so the lanes' weight loads are consecutive. UNROLL units
 // per lane at a time (l, l + 32, ..., l + 32 (UNROLL - 1)): their loads are issued together
 // before any is used (a unit past the row's last re-reads the last unit and adds nothing).
-// Adds each lane's share into acc[t * ROWS + r]; the caller sums the lanes.
-template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL>
+// Adds each lane's share into acc[t * ROWS + r]; the caller sums the lanes. WIDE 1 with Q4_K:
+// wide units (muser_rows_dot_q4k64); other formats ignore it.
+template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE>
 inline void muser_rows_dot(const device uint8_t* weight, uint first_row, const device int8_t* xq,
                            const device float* xd, const device float* xs, uint lane, thread float* acc) {
+  if (WIDE != 0 && FORMAT == MUSER_Q4_K) {
+    muser_rows_dot_q4k64<ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL>(weight, first_row, xq, xd, xs, lane, acc);
+    return;
+  }
   const uint UNITS = uint(IN / 32);
   for (uint base = lane; base < UNITS; base += 32u * uint(UNROLL)) {
     muser_x_unit x[UNROLL * TOKENS];

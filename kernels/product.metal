@@ -24,7 +24,8 @@
 // Bounds: SIMD groups past the last row group (the last threadgroup's surplus) compute nothing
 // and store nothing, but reach the barrier; rows past OUT re-read row OUT-1 and are not stored.
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
-// ROWS, UNROLL (units per lane at a time), EPILOGUE.
+// ROWS, UNROLL (units per lane at a time), WIDE (1: Q4_K weights in 64-value units, blocks.metal's
+// muser_rows_dot_q4k64; other formats ignore it), EPILOGUE.
 threadgroup float best_rows[8 * TOKENS * 2];
 const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
 const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);
@@ -40,9 +41,9 @@ for (int i = 0; i < TOKENS * ROWS; ++i) {
   acc[i] = 0.0f;
 }
 if (in_a) {
-  muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL>(weight_a, first_row, xq, xd, xs, lane, acc);
+  muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, xq, xd, xs, lane, acc);
 } else if (active) {
-  muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL>(weight_b, first_row, xq, xd, xs, lane, acc);
+  muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_b, first_row, xq, xd, xs, lane, acc);
 }
 const uint WIDTH = EPILOGUE == 0 ? uint(OUT_A + OUT_B) : uint(OUT_A);
 device float* best = y + uint(TOKENS) * WIDTH;  // EPILOGUE 1 only

@@ -16,7 +16,7 @@
 // Bounds: OUT is a multiple of 32 (the host checks), so every threadgroup is whole and every
 // row exists.
 // Template constants: FORMAT_G, ROW_BYTES_G, FORMAT_U, ROW_BYTES_U, OUT, IN, TOKENS, ROWS,
-// UNROLL (units per lane at a time, as kernel product), ACTIVATION.
+// UNROLL (units per lane at a time, as kernel product), WIDE (as kernel product), ACTIVATION.
 threadgroup float tile[TOKENS * 32];
 uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
@@ -28,8 +28,8 @@ for (int i = 0; i < TOKENS * ROWS; ++i) {
   gate[i] = 0.0f;
   up[i] = 0.0f;
 }
-muser_rows_dot<FORMAT_G, ROW_BYTES_G, OUT, ROWS, TOKENS, IN, UNROLL>(weight_gate, first_row, xq, xd, xs, lane, gate);
-muser_rows_dot<FORMAT_U, ROW_BYTES_U, OUT, ROWS, TOKENS, IN, UNROLL>(weight_up, first_row, xq, xd, xs, lane, up);
+muser_rows_dot<FORMAT_G, ROW_BYTES_G, OUT, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_gate, first_row, xq, xd, xs, lane, gate);
+muser_rows_dot<FORMAT_U, ROW_BYTES_U, OUT, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_up, first_row, xq, xd, xs, lane, up);
 for (int t = 0; t < TOKENS; ++t) {
   for (int r = 0; r < ROWS; ++r) {
     float g = simd_sum(gate[t * ROWS + r]);

@@ -250,6 +250,29 @@ def test_product(rng, first, second, tokens):
     assert relative_error(out, expected) <= PRODUCT_BOUND
 
 
+@pytest.mark.parametrize("rows, unroll, tokens", [(2, 1, 1), (1, 2, 3), (4, 4, 1)])
+def test_q4k_products_in_wide_units(rng, monkeypatch, rows, unroll, tokens):
+    """ProductConfig.wide: Q4_K in 64-value units. 1,280 values: 20 wide units a row, so most
+    lanes take none, and with unroll every lane's batch runs past the row (adds nothing);
+    a Q6_K second weight ignores it."""
+    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(rows, 4, unroll, 1))
+    a, a_values = weight(rng, GGMLType.Q4_K, 1280, 11, "a")
+    b, b_values = weight(rng, GGMLType.Q6_K, 1280, 6, "b")
+    gate, gate_values = weight(rng, GGMLType.Q4_K, 1280, 32, "gate")
+    up, up_values = weight(rng, GGMLType.Q4_K, 1280, 32, "up")
+    x, x_values = q8x(rng.standard_normal((tokens, 1280)).astype(np.float32))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = np.array(ops.product(x, a, b))
+        glu = ops.product_glu(x, gate, up, "silu")
+        mx.eval(glu)
+    assert kernel_names(launches) == ["product", "product_glu"] and np.isfinite(out).all()
+    assert all(dict(launch[1])["WIDE"] == 1 for launch in launches)
+    expected = np.concatenate([x_values @ a_values.T, x_values @ b_values.T], axis=-1)
+    assert relative_error(out, expected) <= PRODUCT_BOUND
+    g, u = x_values @ gate_values.T, x_values @ up_values.T
+    assert_within_half_a_code(glu, g / (1 + np.exp(-g)) * u)
+
+
 def test_lm_head_product_and_argmax(rng):
     head, head_values = weight(rng, GGMLType.Q6_K, 256, 301)
     x, x_values = q8x(rng.standard_normal((2, 256)).astype(np.float32))

@@ -28,6 +28,7 @@ class ProductConfig(NamedTuple):
     rows: int
     simd_groups: int
     unroll: int = 1
+    wide: int = 0  # 1: Q4_K in 64-value units (one scale unpack per 64 values); other formats ignore it
 
 
 # Chosen by `bench/linear.py --products` on the H200 (bench/RESULTS.md).
@@ -38,9 +39,10 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 # Overrides for one (format, input width): the short rows of a layer's projections (4096 and
-# 6656 values: 4-7 units a lane) may want other shapes than the long rows of ffn_down. Empty:
-# PRODUCT_CONFIG alone (bench/linear.py --products measures both).
-PRODUCT_CONFIG_BY_WIDTH: dict = {}
+# 6656 values: 4-7 units a lane) may want other shapes than the long rows of ffn_down
+# (bench/linear.py --products measures both). Muse Glimmer's o-projection (Q4_K, 4096 wide):
+# wide units, half the instructions a byte for a launch too short to hide them.
+PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 4096): ProductConfig(2, 8, 1, 1)}
 
 
 def _config(ggml_type, in_features: int | None = None, tokens: int = 1) -> ProductConfig:
@@ -49,6 +51,8 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1) -> Produ
     config = ProductConfig(*PRODUCT_CONFIG_BY_WIDTH.get((ggml_type, in_features), PRODUCT_CONFIG[ggml_type]))
     if config.unroll not in (1, 2, 4):
         raise ValueError(f"product config for {ggml_type.name}: unroll must be 1, 2 or 4, got {config.unroll}")
+    if config.wide not in (0, 1):
+        raise ValueError(f"product config for {ggml_type.name}: wide must be 0 or 1, got {config.wide}")
     # Units a lane loads together, times tokens, at most 4: 3 units of 3 tokens need more
     # registers than a launch of 512 threads has (H200).
     return config._replace(unroll=min(config.unroll, max(1, 4 // tokens)))
@@ -112,12 +116,12 @@ class Product:
         """(template, grid, threadgroup, threadgroups) for the configuration in force now."""
         config = _config(self.ggml_type, self.in_features, self.tokens)
         if self._launch[0] != config:
-            rows, simd_groups, unroll = config
+            rows, simd_groups, unroll, wide = config
             groups = -(-(-(-self.out_a // rows) - (-self.out_b // rows)) // simd_groups)  # threadgroups
             template = (_weight_template("A", self.weight) + [("OUT_A", self.out_a)]
                         + _weight_template("B", self.second if self.second is not None else self.weight)
                         + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
-                           ("UNROLL", unroll), ("EPILOGUE", int(self.head is not None))])
+                           ("UNROLL", unroll), ("WIDE", wide), ("EPILOGUE", int(self.head is not None))])
             self._launch = (config, (template, (32 * simd_groups * groups, 1, 1), (32 * simd_groups, 1, 1), groups))
         return self._launch[1]
 
@@ -190,10 +194,10 @@ class GatedProduct:
         """(template, grid, threadgroup) for the configuration in force now."""
         config = _config(self.ggml_type, self.in_features, self.tokens)
         if self._launch[0] != config:
-            rows, _, unroll = config
+            rows, _, unroll, wide = config
             template = (_weight_template("G", self.gate) + _weight_template("U", self.up)
                         + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
-                           ("UNROLL", unroll), ("ACTIVATION", ACTIVATIONS[self.activation])])
+                           ("UNROLL", unroll), ("WIDE", wide), ("ACTIVATION", ACTIVATIONS[self.activation])])
             threadgroup = (32 * (32 // rows), 1, 1)  # a threadgroup per 32 rows
             self._launch = (config, (template, (self.ff // 32 * threadgroup[0], 1, 1), threadgroup))
         return self._launch[1]
