@@ -229,7 +229,9 @@ def products(rng, bandwidth, args) -> None:
           + " | ".join(f"R{r} G{g} U{u}" + (" W" if w else "") for r, g, u, w in configs) + " |")
     print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in configs) + " |")
     saved, saved_widths = dict(ops.PRODUCT_CONFIG), dict(ops.PRODUCT_CONFIG_BY_WIDTH)
+    saved_glu = dict(ops.GLU_CONFIG_BY_WIDTH)
     ops.PRODUCT_CONFIG_BY_WIDTH.clear()  # each column's config for every width
+    ops.GLU_CONFIG_BY_WIDTH.clear()
     try:
         for label, (out_features, in_features), ggml_type, extra in PRODUCT_CASES:
             if args.cases and label not in args.cases.split(","):
@@ -277,6 +279,7 @@ def products(rng, bandwidth, args) -> None:
     finally:
         ops.PRODUCT_CONFIG.update(saved)
         ops.PRODUCT_CONFIG_BY_WIDTH.update(saved_widths)
+        ops.GLU_CONFIG_BY_WIDTH.update(saved_glu)
 
 
 if __name__ == "__main__":

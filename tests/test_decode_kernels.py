@@ -133,6 +133,14 @@ def test_a_product_config_for_one_width_overrides_the_format_s(rng, monkeypatch)
     assert dict(ops.Product(narrow, tokens=3).template)["UNROLL"] == 1  # 4 units x 3 tokens: too many registers
     default = ops.PRODUCT_CONFIG[GGMLType.Q4_K]
     assert dict(ops.Product(wide).template)["ROWS"] == default.rows
+    # product_glu's own override comes first; without one it takes the product's
+    monkeypatch.setitem(ops.GLU_CONFIG_BY_WIDTH, (GGMLType.Q4_K, 512), ops.ProductConfig(1, 8, 2, 1))
+    gate, _ = weight(rng, GGMLType.Q4_K, 512, 32, "gate")
+    glu = dict(ops.GatedProduct(gate, gate).launch_arguments()[0])
+    assert (glu["ROWS"], glu["UNROLL"], glu["WIDE"]) == (1, 2, 1)
+    assert dict(ops.Product(narrow).template)["ROWS"] == 4
+    other, _ = weight(rng, GGMLType.Q4_K, 768, 32, "other")
+    assert dict(ops.GatedProduct(other, other).launch_arguments()[0])["ROWS"] == default.rows
 
 
 @pytest.mark.parametrize("cap", [20.0, 0.0], ids=["softcap", "no-softcap"])

@@ -12,7 +12,7 @@ from muser_mlx.ops.attention import (attention, attention_decode, attention_dtyp
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.embedding import check_token_ids, embedding, embedding_unchecked, make_resident
 from muser_mlx.ops.activations import Q8X, quantize_rows
-from muser_mlx.ops.fused_products import (PRODUCT_CONFIG, PRODUCT_CONFIG_BY_WIDTH, PRODUCT_FORMATS, GatedProduct,
+from muser_mlx.ops.fused_products import (GLU_CONFIG_BY_WIDTH, PRODUCT_CONFIG, PRODUCT_CONFIG_BY_WIDTH, PRODUCT_FORMATS, GatedProduct,
                                           NoProductKernelError, Product, ProductConfig, gelu_tanh,
                                           greedy, product, product_glu)
 from muser_mlx.ops.products import (MATVEC_KERNELS, MatvecKernel, dequantize_weight, linear, linear_path,
@@ -20,7 +20,7 @@ from muser_mlx.ops.products import (MATVEC_KERNELS, MatvecKernel, dequantize_wei
 from muser_mlx.ops.norm import residual_norm, residual_norm_quant
 
 __all__ = [
-    "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MAX_GRID", "PRODUCT_CONFIG", "PRODUCT_CONFIG_BY_WIDTH", "PRODUCT_FORMATS", "Q8X",
+    "MATVEC_KERNELS", "MATVEC_MAX_TOKENS", "MAX_GRID", "PRODUCT_CONFIG", "PRODUCT_CONFIG_BY_WIDTH", "GLU_CONFIG_BY_WIDTH", "PRODUCT_FORMATS", "Q8X",
     "attention", "attention_decode", "attention_dtype", "check_token_ids", "dequantize_weight", "embedding",
     "embedding_unchecked", "GatedProduct", "gelu_tanh", "greedy", "linear", "linear_path",
     "make_resident", "MatvecKernel", "NoProductKernelError", "paced_products", "product", "Product", "product_glu",

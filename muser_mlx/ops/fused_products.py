@@ -32,7 +32,7 @@ class ProductConfig(NamedTuple):
 
 
 # Chosen by `bench/linear.py --products` on the H200 (bench/RESULTS.md).
-PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8), GGMLType.Q6_K: ProductConfig(2, 4),
+PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8, 1, 1), GGMLType.Q6_K: ProductConfig(2, 4),
                   GGMLType.Q8_0: ProductConfig(2, 4)}
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -40,15 +40,21 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 # Overrides for one (format, input width): the short rows of a layer's projections (4096 and
 # 6656 values: 4-7 units a lane) may want other shapes than the long rows of ffn_down
-# (bench/linear.py --products measures both). Muse Glimmer's o-projection (Q4_K, 4096 wide):
-# wide units, half the instructions a byte for a launch too short to hide them.
-PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 4096): ProductConfig(2, 8, 1, 1)}
+# (bench/linear.py --products measures both). Muse Glimmer's q+gate with k+v (Q4_K, 6656 wide)
+# ran faster in 32-value units (CUPTI in a step, RESULTS.md session 21).
+PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 8, 1, 0)}
+
+# product_glu's overrides for one (format, input width), before PRODUCT_CONFIG_BY_WIDTH's:
+# Muse Glimmer's gate/up (Q4_K, 6656 wide) with four rows a SIMD group in wide units.
+GLU_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(4, 8, 1, 1)}
 
 
-def _config(ggml_type, in_features: int | None = None, tokens: int = 1) -> ProductConfig:
+def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: bool = False) -> ProductConfig:
     """The configuration a launch takes, read when the launch is built (a traced step reads it
     once; bench variants change it between traces)."""
-    config = ProductConfig(*PRODUCT_CONFIG_BY_WIDTH.get((ggml_type, in_features), PRODUCT_CONFIG[ggml_type]))
+    key = (ggml_type, in_features)
+    config = ProductConfig(*(GLU_CONFIG_BY_WIDTH.get(key) if glu and key in GLU_CONFIG_BY_WIDTH
+                             else PRODUCT_CONFIG_BY_WIDTH.get(key, PRODUCT_CONFIG[ggml_type])))
     if config.unroll not in (1, 2, 4):
         raise ValueError(f"product config for {ggml_type.name}: unroll must be 1, 2 or 4, got {config.unroll}")
     if config.wide not in (0, 1):
@@ -192,7 +198,7 @@ class GatedProduct:
 
     def launch_arguments(self):
         """(template, grid, threadgroup) for the configuration in force now."""
-        config = _config(self.ggml_type, self.in_features, self.tokens)
+        config = _config(self.ggml_type, self.in_features, self.tokens, glu=True)
         if self._launch[0] != config:
             rows, _, unroll, wide = config
             template = (_weight_template("G", self.gate) + _weight_template("U", self.up)
