@@ -40,9 +40,11 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 # Overrides for one (format, input width): the short rows of a layer's projections (4096 and
 # 6656 values: 4-7 units a lane) may want other shapes than the long rows of ffn_down
-# (bench/linear.py --products measures both). Muse Glimmer's q+gate with k+v (Q4_K, 6656 wide)
-# ran faster in 32-value units (CUPTI in a step, RESULTS.md session 21).
-PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 8, 1, 0)}
+# (bench/linear.py --products measures both). CUPTI in a Muse Glimmer step (RESULTS.md, session
+# 21): q+gate with k+v (Q4_K, 6656 wide) ran faster in 32-value units; the o-projection (Q4_K,
+# 4096 wide) with 4 SIMD groups a threadgroup (6.49 us against 6.83 with 8).
+PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 8, 1, 0),
+                                 (GGMLType.Q4_K, 4096): ProductConfig(2, 4, 1, 1)}
 
 # product_glu's overrides for one (format, input width), before PRODUCT_CONFIG_BY_WIDTH's:
 # Muse Glimmer's gate/up (Q4_K, 6656 wide) with four rows a SIMD group in wide units.
