@@ -16,7 +16,8 @@
 // Grid: one SIMD group per ROWS consecutive rows of A, then of B: ceil(OUT_A / ROWS) +
 // ceil(OUT_B / ROWS) SIMD groups, up to 8 per threadgroup. Lane l takes units l, l + 32, ...
 // of its rows (a unit is 32 values: 16 bytes of Q4_K quants, 24 bytes of Q6_K, one Q8_0
-// block), so consecutive lanes read consecutive weight bytes; it loads its unit of x once for
+// block; with WIDE, a Q4_K unit is 64 values, 32 quant bytes, its scales unpacked once), so
+// consecutive lanes read consecutive weight bytes; it loads its unit of x once for
 // all ROWS rows. A code times an activation code is an integer (muser_dot4: four at a time);
 // the block scales apply once per 32 or 16 values. simd_sum adds the lanes.
 // Bytes per call: OUT_A * ROW_BYTES_A + OUT_B * ROW_BYTES_B + TOKENS * IN * 1.375 read,
