@@ -124,6 +124,17 @@ def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
         ops.Product(a)
 
 
+def test_wide_units_take_at_most_two_tokens_and_fewer_units_at_once(rng, monkeypatch):
+    """A wide unit holds twice the activations: more than 2 tokens would need more registers
+    than product_glu's 512 threads have (nvcc sm_90: 134 a thread at 4 tokens)."""
+    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 4, 1))
+    gate, _ = weight(rng, GGMLType.Q4_K, 512, 32, "gate")
+    for tokens, unroll, wide in [(1, 2, 1), (2, 1, 1), (3, 1, 0), (8, 1, 0)]:
+        for template in (ops.Product(gate, tokens=tokens).template,
+                         ops.GatedProduct(gate, gate, tokens=tokens).launch_arguments()[0]):
+            assert (dict(template)["UNROLL"], dict(template)["WIDE"]) == (unroll, wide), tokens
+
+
 def test_a_product_config_for_one_width_overrides_the_format_s(rng, monkeypatch):
     monkeypatch.setitem(ops.PRODUCT_CONFIG_BY_WIDTH, (GGMLType.Q4_K, 512), ops.ProductConfig(4, 2, 4))
     narrow, _ = weight(rng, GGMLType.Q4_K, 512, 8, "narrow")

@@ -62,8 +62,13 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
     if config.wide not in (0, 1):
         raise ValueError(f"product config for {ggml_type.name}: wide must be 0 or 1, got {config.wide}")
     # Units a lane loads together, times tokens, at most 4: 3 units of 3 tokens need more
-    # registers than a launch of 512 threads has (H200).
-    return config._replace(unroll=min(config.unroll, max(1, 4 // tokens)))
+    # registers than a launch of 512 threads has (H200). A wide unit holds twice a unit's
+    # activations: wide units for at most 2 tokens (product_glu R2 wide: 102 registers at 2
+    # tokens, 134 at 4, past the 128 of its 512 threads; nvcc sm_90).
+    unroll = min(config.unroll, max(1, 4 // tokens))
+    if config.wide and tokens > 2:
+        return config._replace(unroll=unroll, wide=0)
+    return config._replace(unroll=min(unroll, max(1, 2 // tokens)) if config.wide else unroll)
 
 
 class NoProductKernelError(ValueError):
