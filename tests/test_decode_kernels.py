@@ -178,7 +178,7 @@ def test_greedy_keeps_the_first_of_equal_maxima(backend):
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 2, 8])  # 8: four rows a SIMD group (ops._config)
 def test_product_glu_quantizes_the_gated_product(backend, rng, activation, tokens):
     in_features, ff = 512, 32 * int(rng.integers(1, 6))
     gate, gate_values = weight(rng, GGMLType.Q4_K, in_features, ff, "gate")

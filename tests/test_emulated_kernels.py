@@ -285,7 +285,7 @@ def test_lm_head_product_and_argmax(rng):
     np.testing.assert_array_equal(token, np.argmax(np.array(logits), axis=-1))
 
 
-@pytest.mark.parametrize("activation, tokens", [("silu", 2), ("gelu_tanh", 1)])
+@pytest.mark.parametrize("activation, tokens", [("silu", 2), ("gelu_tanh", 1), ("silu", 5)])  # 5: R4 (ops._config)
 def test_product_glu(rng, activation, tokens):
     gate, gate_values = weight(rng, GGMLType.Q4_K, 512, 96, "gate")
     up, up_values = weight(rng, GGMLType.Q6_K, 512, 96, "up")

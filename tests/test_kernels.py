@@ -5,12 +5,15 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from muser_mlx import kernels
+from gguf import GGMLQuantizationType as GGMLType
+
+from muser_mlx import kernels, ops
 from muser_mlx.kernels import InputSpec
 
 STUBS = Path(__file__).parent / "stubs"
@@ -334,3 +337,61 @@ def test_cuda_launches_take_the_include_form(tmp_path, monkeypatch):
         assert calls[-1][1]["template"] == [("ROWS", 2)]
     finally:
         kernels._build.cache_clear()
+
+
+# A CUDA launch fails ("too many resources requested") when registers a thread x threads a
+# threadgroup exceed the 65,536 registers of an SM (sm_90). The products' registers grow with
+# tokens, rows, unroll and wide units; ops._config caps them so that every launch fits. Checked
+# here on Muse Glimmer's decode shapes at the configurations the ops choose (GPU-free: nvcc's
+# ptxas counts the registers).
+MUSE_PRODUCTS = {
+    "q+gate|k+v": ((6656, 8192), GGMLType.Q4_K, (6656, 2048), GGMLType.Q8_0),
+    "attn_output": ((4096, 6656), GGMLType.Q4_K, None, None),
+    "ffn_down Q4_K": ((19968, 6656), GGMLType.Q4_K, None, None),
+    "ffn_down Q6_K": ((19968, 6656), GGMLType.Q6_K, None, None),
+}
+
+
+def _stand_in(shape, ggml_type, name):
+    """What a launch's arguments read of a weight: its shape [in, out], format and name."""
+    return SimpleNamespace(shape=shape, ggml_type=ggml_type, name=name)
+
+
+def _registers(program: str, tmp_path) -> int:
+    path = tmp_path / "kernel.cu"
+    path.write_text(f'#include "{STUBS / "mlx_cuda_stub.cuh"}"\n' + program)
+    result = subprocess.run([shutil.which("nvcc"), "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
+                             str(path), "-o", str(tmp_path / "kernel.cubin")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return int(re.search(r"Used (\d+) registers", result.stdout + result.stderr).group(1))
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("case", sorted(MUSE_PRODUCTS))
+def test_product_launches_fit_the_register_file(case, tokens, tmp_path):
+    shape, ggml_type, second_shape, second_type = MUSE_PRODUCTS[case]
+    second = _stand_in(second_shape, second_type, "b") if second_shape else None
+    product = ops.Product(_stand_in(shape, ggml_type, "a"), second, tokens=tokens)
+    template, _, threadgroup, _ = product.launch_arguments()
+    row_bytes = [value for name, value in template if name.startswith("ROW_BYTES")]
+    inputs = [InputSpec(mx.uint8, 2, product.out_a * row_bytes[0]),
+              InputSpec(mx.uint8, 2, max(product.out_b, 1) * row_bytes[1]),
+              InputSpec(mx.int8, 2, tokens * shape[0]), InputSpec(mx.float32, 2, tokens * shape[0] // 32),
+              InputSpec(mx.float32, 2, tokens * shape[0] // 8), InputSpec(mx.float32, 1, 2)]
+    registers = _registers(kernels.cuda_program("product", inputs, [mx.float32], template), tmp_path)
+    assert registers * threadgroup[0] <= 65536, (registers, threadgroup, template)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8])
+@pytest.mark.parametrize("in_features", [6656, 2048], ids=["muse", "default-config"])
+def test_glu_launches_fit_the_register_file(in_features, tokens, tmp_path):
+    gate = _stand_in((in_features, 19968), GGMLType.Q4_K, "gate")
+    glu = ops.GatedProduct(gate, _stand_in((in_features, 19968), GGMLType.Q4_K, "up"), tokens=tokens)
+    template, _, threadgroup = glu.launch_arguments()
+    row_bytes = dict(template)["ROW_BYTES_G"]
+    inputs = [InputSpec(mx.uint8, 2, 19968 * row_bytes), InputSpec(mx.uint8, 2, 19968 * row_bytes),
+              InputSpec(mx.int8, 2, tokens * in_features), InputSpec(mx.float32, 2, tokens * in_features // 32),
+              InputSpec(mx.float32, 2, tokens * in_features // 8)]
+    program = kernels.cuda_program("product_glu", inputs, [mx.int8, mx.float32, mx.float32], template)
+    registers = _registers(program, tmp_path)
+    assert registers * threadgroup[0] <= 65536, (registers, threadgroup, template)

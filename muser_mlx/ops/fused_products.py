@@ -66,6 +66,10 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
     # activations: wide units for at most 2 tokens (product_glu R2 wide: 102 registers at 2
     # tokens, 134 at 4, past the 128 of its 512 threads; nvcc sm_90).
     unroll = min(config.unroll, max(1, 4 // tokens))
+    if glu and tokens > 2:
+        # product_glu's threadgroup is 32 / rows SIMD groups: more than 2 tokens at R2 (512
+        # threads, 128 registers each) took 168 registers at 8 tokens; R4's 256 threads have 255.
+        config = config._replace(rows=max(config.rows, 4))
     if config.wide and tokens > 2:
         return config._replace(unroll=unroll, wide=0)
     return config._replace(unroll=min(unroll, max(1, 2 // tokens)) if config.wide else unroll)
