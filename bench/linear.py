@@ -223,8 +223,8 @@ PRODUCT_CASES = [
 def products(rng, bandwidth, args) -> None:
     """µs per call and % of the copy ceiling of ops.product / product_glu (x as q8x, made once)
     over ops.PRODUCT_CONFIG's rows per SIMD group x SIMD groups per threadgroup."""
-    configs = [tuple(c) + (0,) * (4 - len(c)) for c in args.product_configs] or [
-        (r, g, 1, 0) for r in (1, 2, 4, 8) for g in (2, 4, 8)]
+    configs = [ops.ProductConfig(*c) for c in args.product_configs] or [
+        ops.ProductConfig(r, g) for r in (1, 2, 4, 8) for g in (2, 4, 8)]
     print("| product | shape out x in | weight | MB | "
           + " | ".join(f"R{r} G{g} U{u}" + (" W" if w else "") for r, g, u, w in configs) + " |")
     print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in configs) + " |")
@@ -266,9 +266,9 @@ def products(rng, bandwidth, args) -> None:
                 return ops.product(x, first, second)
 
             cells = []
-            for r, g, u, w in configs:
-                ops.PRODUCT_CONFIG[ggml_type] = ops.ProductConfig(r, g, u, w)
-                if extra == "glu" and g != 4 and not args.product_configs:  # glu: 32 / rows SIMD groups
+            for config in configs:
+                ops.PRODUCT_CONFIG[ggml_type] = config
+                if extra == "glu" and config.simd_groups != 4 and not args.product_configs:  # glu: 32 / rows SIMD groups
                     cells.append("")
                     continue
                 seconds = per_call_seconds(lambda: [call(i) for i in range(args.calls)], args.repeats)

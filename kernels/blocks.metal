@@ -417,9 +417,8 @@ struct muser_x_unit {
 //         of the half's four 32-value quarters.
 //   Q8_0: block u.
 template <int FORMAT>
-inline muser_x_unit muser_load_x_unit(const device int8_t* xq, const device float* xd,
-                                      const device float* xs, uint unit) {
-  muser_x_unit x;
+inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, const device float* xd,
+                              const device float* xs, uint unit) {
   uint super_block = unit / 8u;
   if (FORMAT == MUSER_Q4_K) {
     uint c = unit % 8u;
@@ -448,7 +447,6 @@ inline muser_x_unit muser_load_x_unit(const device int8_t* xq, const device floa
     x.codes[4] = b.x; x.codes[5] = b.y; x.codes[6] = b.z; x.codes[7] = b.w;
     x.scale[0] = xd[unit];
   }
-  return x;
 }
 
 // Unit u of one weight row (starting at byte `row` of `weight`, 4-byte aligned base) dotted
@@ -530,9 +528,9 @@ struct muser_x_unit64 {
   float sum[2];
 };
 
-inline muser_x_unit64 muser_load_x_unit64(const device int8_t* xq, const device float* xd,
-                                          const device float* xs, uint unit) {
-  muser_x_unit64 x;
+template <int FORMAT>
+inline void muser_load_x_unit(thread muser_x_unit64& x, const device int8_t* xq, const device float* xd,
+                              const device float* xs, uint unit) {
   uint block = 2u * unit;  // the first of the unit's two 32-value blocks
   for (int k = 0; k < 4; ++k) {
     uint4 words = *((const device uint4*)(xq + 64u * unit + 16u * uint(k)));
@@ -544,13 +542,13 @@ inline muser_x_unit64 muser_load_x_unit64(const device int8_t* xq, const device 
   float4 sums_b = *((const device float4*)(xs + 4u * block + 4u));
   x.sum[0] = (sums_a.x + sums_a.y) + (sums_a.z + sums_a.w);
   x.sum[1] = (sums_b.x + sums_b.y) + (sums_b.z + sums_b.w);
-  return x;
 }
 
-// Wide unit u of one Q4_K row dotted with TOKENS tokens; adds into out[t * STRIDE].
-template <int TOKENS, int STRIDE>
-inline void muser_q4k_unit64_dot(const device uint8_t* weight, size_t row, uint unit,
-                                 thread const muser_x_unit64* x, thread float* out) {
+// Wide unit u of one Q4_K row dotted with TOKENS tokens; adds into out[t * STRIDE] (FORMAT
+// is Q4_K: kernels take wide units for Q4_K only).
+template <int FORMAT, int TOKENS, int STRIDE>
+inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
+                           thread const muser_x_unit64* x, thread float* out) {
   const device uint8_t* block = weight + row + 144u * (unit / 4u);
   uint g = unit % 4u;
   uint4 head = *((const device uint4*)block);
@@ -580,64 +578,24 @@ inline void muser_q4k_unit64_dot(const device uint8_t* weight, size_t row, uint 
   }
 }
 
-// muser_rows_dot for Q4_K with wide units: lane l takes wide units l, l + 32, ... (IN / 64 of
-// a row); UNROLL of them at a time, their loads issued together.
-template <int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL>
-inline void muser_rows_dot_q4k64(const device uint8_t* weight, uint first_row, const device int8_t* xq,
-                                 const device float* xd, const device float* xs, uint lane, thread float* acc) {
-  const uint UNITS = uint(IN / 64);
-  for (uint base = lane; base < UNITS; base += 32u * uint(UNROLL)) {
-    muser_x_unit64 x[UNROLL * TOKENS];
-    uint units[UNROLL];
-    for (int u = 0; u < UNROLL; ++u) {
-      units[u] = min(base + 32u * uint(u), UNITS - 1u);
-      for (int t = 0; t < TOKENS; ++t) {
-        x[u * TOKENS + t] = muser_load_x_unit64(xq + t * IN, xd + t * (IN / 32), xs + t * (IN / 8), units[u]);
-      }
-    }
-    float part[UNROLL * TOKENS * ROWS];
-    for (int i = 0; i < UNROLL * TOKENS * ROWS; ++i) {
-      part[i] = 0.0f;
-    }
-    for (int u = 0; u < UNROLL; ++u) {
-      for (int r = 0; r < ROWS; ++r) {
-        uint row = min(first_row + uint(r), uint(OUT - 1));
-        muser_q4k_unit64_dot<TOKENS, ROWS>(weight, size_t(row) * size_t(ROW_BYTES), units[u], x + u * TOKENS,
-                                           part + u * TOKENS * ROWS + r);
-      }
-    }
-    for (int u = 0; u < UNROLL; ++u) {
-      if (base + 32u * uint(u) < UNITS) {
-        for (int i = 0; i < TOKENS * ROWS; ++i) {
-          acc[i] += part[u * TOKENS * ROWS + i];
-        }
-      }
-    }
-  }
-}
-
 // The ROWS rows first_row.. of a weight (rows past OUT re-read row OUT-1; the caller never
 // stores them) dotted with TOKENS tokens of q8x activations by one SIMD group: lane l takes
 // units l, l + 32, ... of every row, so the lanes' weight loads are consecutive. UNROLL units
 // per lane at a time (l, l + 32, ..., l + 32 (UNROLL - 1)): their loads are issued together
 // before any is used (a unit past the row's last re-reads the last unit and adds nothing).
-// Adds each lane's share into acc[t * ROWS + r]; the caller sums the lanes. WIDE 1 with Q4_K:
-// wide units (muser_rows_dot_q4k64); other formats ignore it.
-template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE>
-inline void muser_rows_dot(const device uint8_t* weight, uint first_row, const device int8_t* xq,
-                           const device float* xd, const device float* xs, uint lane, thread float* acc) {
-  if (WIDE != 0 && FORMAT == MUSER_Q4_K) {
-    muser_rows_dot_q4k64<ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL>(weight, first_row, xq, xd, xs, lane, acc);
-    return;
-  }
-  const uint UNITS = uint(IN / 32);
+// Adds each lane's share into acc[t * ROWS + r]; the caller sums the lanes. The units are
+// X's: muser_x_unit (32 values) or, for Q4_K, muser_x_unit64 (64; muser_rows_dot's WIDE).
+template <class X, int UNIT_VALUES, int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL>
+inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, const device int8_t* xq,
+                                 const device float* xd, const device float* xs, uint lane, thread float* acc) {
+  const uint UNITS = uint(IN / UNIT_VALUES);
   for (uint base = lane; base < UNITS; base += 32u * uint(UNROLL)) {
-    muser_x_unit x[UNROLL * TOKENS];
+    X x[UNROLL * TOKENS];
     uint units[UNROLL];
     for (int u = 0; u < UNROLL; ++u) {
       units[u] = min(base + 32u * uint(u), UNITS - 1u);
       for (int t = 0; t < TOKENS; ++t) {
-        x[u * TOKENS + t] = muser_load_x_unit<FORMAT>(xq + t * IN, xd + t * (IN / 32), xs + t * (IN / 8), units[u]);
+        muser_load_x_unit<FORMAT>(x[u * TOKENS + t], xq + t * IN, xd + t * (IN / 32), xs + t * (IN / 8), units[u]);
       }
     }
     float part[UNROLL * TOKENS * ROWS];
@@ -658,6 +616,20 @@ inline void muser_rows_dot(const device uint8_t* weight, uint first_row, const d
         }
       }
     }
+  }
+}
+
+// muser_rows_dot_units in 32-value units, or in wide ones for Q4_K when WIDE is 1 (other
+// formats ignore WIDE).
+template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE>
+inline void muser_rows_dot(const device uint8_t* weight, uint first_row, const device int8_t* xq,
+                           const device float* xd, const device float* xs, uint lane, thread float* acc) {
+  if (WIDE != 0 && FORMAT == MUSER_Q4_K) {
+    muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL>(
+        weight, first_row, xq, xd, xs, lane, acc);
+  } else {
+    muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL>(
+        weight, first_row, xq, xd, xs, lane, acc);
   }
 }
 

@@ -26,7 +26,7 @@
 // and store nothing, but reach the barrier; rows past OUT re-read row OUT-1 and are not stored.
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
 // ROWS, UNROLL (units per lane at a time), WIDE (1: Q4_K weights in 64-value units, blocks.metal's
-// muser_rows_dot_q4k64; other formats ignore it), EPILOGUE.
+// muser_x_unit64; other formats ignore it), EPILOGUE.
 threadgroup float best_rows[8 * TOKENS * 2];
 const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
 const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);

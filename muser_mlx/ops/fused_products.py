@@ -31,7 +31,8 @@ class ProductConfig(NamedTuple):
     wide: int = 0  # 1: Q4_K in 64-value units (one scale unpack per 64 values); other formats ignore it
 
 
-# Chosen by `bench/linear.py --products` on the H200 (bench/RESULTS.md).
+# Chosen by `bench/linear.py --products` and CUPTI in a real step (`bench/timeline.py`) on the
+# H200 (bench/RESULTS.md).
 PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8, 1, 1), GGMLType.Q6_K: ProductConfig(2, 4),
                   GGMLType.Q8_0: ProductConfig(2, 4)}
 
@@ -55,8 +56,8 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
     """The configuration a launch takes, read when the launch is built (a traced step reads it
     once; bench variants change it between traces)."""
     key = (ggml_type, in_features)
-    config = ProductConfig(*(GLU_CONFIG_BY_WIDTH.get(key) if glu and key in GLU_CONFIG_BY_WIDTH
-                             else PRODUCT_CONFIG_BY_WIDTH.get(key, PRODUCT_CONFIG[ggml_type])))
+    config = ProductConfig(*((GLU_CONFIG_BY_WIDTH if glu else {}).get(key)
+                             or PRODUCT_CONFIG_BY_WIDTH.get(key, PRODUCT_CONFIG[ggml_type])))
     if config.unroll not in (1, 2, 4):
         raise ValueError(f"product config for {ggml_type.name}: unroll must be 1, 2 or 4, got {config.unroll}")
     if config.wide not in (0, 1):
@@ -65,14 +66,12 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
     # registers than a launch of 512 threads has (H200). A wide unit holds twice a unit's
     # activations: wide units for at most 2 tokens (product_glu R2 wide: 102 registers at 2
     # tokens, 134 at 4, past the 128 of its 512 threads; nvcc sm_90).
-    unroll = min(config.unroll, max(1, 4 // tokens))
-    if glu and tokens > 2:
-        # product_glu's threadgroup is 32 / rows SIMD groups: more than 2 tokens at R2 (512
-        # threads, 128 registers each) took 168 registers at 8 tokens; R4's 256 threads have 255.
-        config = config._replace(rows=max(config.rows, 4))
-    if config.wide and tokens > 2:
-        return config._replace(unroll=unroll, wide=0)
-    return config._replace(unroll=min(unroll, max(1, 2 // tokens)) if config.wide else unroll)
+    wide = config.wide if tokens <= 2 else 0
+    unroll = min(config.unroll, max(1, (2 if wide else 4) // tokens))
+    # product_glu's threadgroup is 32 / rows SIMD groups: more than 2 tokens at R2 (512 threads,
+    # 128 registers each) took 168 registers at 8 tokens; R4's 256 threads have 255.
+    rows = max(config.rows, 4) if glu and tokens > 2 else config.rows
+    return config._replace(rows=rows, unroll=unroll, wide=wide)
 
 
 class NoProductKernelError(ValueError):
