@@ -19,6 +19,9 @@ Then the kernels' time per step by name, over all runs.
 GPU's busy time on all streams and on each, and the kernels by time; each --variant
 NAME:module.ATTR=value,... is profiled again with those settings.
 
+Each --variant NAME:module.ATTR=value,... of a decode profile is profiled again (the step traced
+again with those settings), after the default.
+
 --set changes module constants before the step is compiled (decode.py's --variant settings),
 e.g. `--set muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1`.
 
@@ -157,7 +160,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=0,
                         help="profile this many 512-row prefill chunks instead of decode steps")
     parser.add_argument("--variant", action="append", default=[],
-                        help="--prefill: NAME:module.ATTR=value,... profiled again with these settings")
+                        help="NAME:module.ATTR=value,... profiled again with these settings (decode: recompiled)")
     args = parser.parse_args()
     if args.set:
         print(f"settings: {args.set}")
@@ -177,6 +180,20 @@ def main() -> None:
         return
     cache = model.make_cache()
     bench_decode.fill_context(model, cache, args.context, rng)
+    for label, settings in [("", [])] + [bench_decode.parse_variant(v) for v in args.variant]:
+        saved = bench_decode.apply_settings(settings)
+        model._compiled_decode = {}  # traced again with these settings
+        if label:
+            print(f"variant {label}: {settings}")
+        decode_profile(args, model, cache)
+        bench_decode.restore_settings(saved)
+        model._compiled_decode = {}
+
+
+def decode_profile(args, model, cache) -> None:
+    """--runs profiled runs of --steps pipelined decode steps (after an unprofiled one that
+    compiles the step): per run the step's time, GPU busy time and gaps; then the kernels' time
+    a step by name."""
     bench_decode.pipelined_decode_ms(bench_decode.fused_step, model, cache, args.steps)  # compile, warm
     by_name = collections.defaultdict(float)
     total_steps = 0

@@ -41,10 +41,11 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 # Overrides for one (format, input width): the short rows of a layer's projections (4096 and
 # 6656 values: 4-7 units a lane) may want other shapes than the long rows of ffn_down
-# (bench/linear.py --products measures both). CUPTI in a Muse Glimmer step (RESULTS.md, session
-# 21): q+gate with k+v (Q4_K, 6656 wide) ran faster in 32-value units; the o-projection (Q4_K,
-# 4096 wide) with 4 SIMD groups a threadgroup (6.49 us against 6.83 with 8).
-PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 8, 1, 0),
+# (bench/linear.py --products measures both). CUPTI in a Muse Glimmer step (RESULTS.md, sessions
+# 21 and 22): q+gate with k+v (Q4_K, 6656 wide) in wide units with 2 SIMD groups a threadgroup
+# (12.24 us, against 12.42 with 4 and 14.06 with 8 in 32-value units); the o-projection (Q4_K,
+# 4096 wide) with 4 (6.49 us against 6.83 with 8; 2 and 1: the same as 4).
+PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 2, 1, 1),
                                  (GGMLType.Q4_K, 4096): ProductConfig(2, 4, 1, 1)}
 
 # product_glu's overrides for one (format, input width), before PRODUCT_CONFIG_BY_WIDTH's:
