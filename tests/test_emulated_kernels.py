@@ -250,25 +250,32 @@ def test_product(rng, first, second, tokens):
     assert relative_error(out, expected) <= PRODUCT_BOUND
 
 
+@pytest.mark.parametrize("wide", [1, 3], ids=["q4k", "q4k+q6k"])
 @pytest.mark.parametrize("rows, unroll, tokens", [(2, 1, 1), (1, 1, 2), (4, 2, 1)])  # wide: at most 2 tokens
-def test_q4k_products_in_wide_units(rng, monkeypatch, rows, unroll, tokens):
-    """ProductConfig.wide: Q4_K in 64-value units. 1,280 values: 20 wide units a row, so most
-    lanes take none, and with unroll every lane's batch runs past the row (adds nothing);
-    a Q6_K second weight ignores it."""
-    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(rows, 4, unroll, 1))
+def test_products_in_wide_units(rng, monkeypatch, rows, unroll, tokens, wide):
+    """ProductConfig.wide: Q4_K (bit 0) and Q6_K (bit 1) in 64-value units. 1,280 values: 20
+    wide units a row, so most lanes take none, and with unroll every lane's batch runs past the
+    row (adds nothing). Q6_K weights second in a launch, first in one and as product_glu's up:
+    in 32-value units when bit 1 is clear."""
+    for ggml_type in (GGMLType.Q4_K, GGMLType.Q6_K):
+        monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(rows, 4, unroll, wide))
     a, a_values = weight(rng, GGMLType.Q4_K, 1280, 11, "a")
     b, b_values = weight(rng, GGMLType.Q6_K, 1280, 6, "b")
+    c, c_values = weight(rng, GGMLType.Q6_K, 1280, 9, "c")
     gate, gate_values = weight(rng, GGMLType.Q4_K, 1280, 32, "gate")
-    up, up_values = weight(rng, GGMLType.Q4_K, 1280, 32, "up")
+    up, up_values = weight(rng, GGMLType.Q6_K, 1280, 32, "up")
     x, x_values = q8x(rng.standard_normal((tokens, 1280)).astype(np.float32))
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         out = np.array(ops.product(x, a, b))
+        out_c = np.array(ops.product(x, c))
         glu = ops.product_glu(x, gate, up, "silu")
         mx.eval(glu)
-    assert kernel_names(launches) == ["product", "product_glu"] and np.isfinite(out).all()
-    assert all(dict(launch[1])["WIDE"] == 1 and dict(launch[1])["UNROLL"] == unroll for launch in launches)
+    assert kernel_names(launches) == ["product", "product", "product_glu"]
+    assert np.isfinite(out).all() and np.isfinite(out_c).all()
+    assert all(dict(launch[1])["WIDE"] == wide and dict(launch[1])["UNROLL"] == unroll for launch in launches)
     expected = np.concatenate([x_values @ a_values.T, x_values @ b_values.T], axis=-1)
     assert relative_error(out, expected) <= PRODUCT_BOUND
+    assert relative_error(out_c, x_values @ c_values.T) <= PRODUCT_BOUND
     g, u = x_values @ gate_values.T, x_values @ up_values.T
     assert_within_half_a_code(glu, g / (1 + np.exp(-g)) * u)
 

@@ -28,7 +28,7 @@ class ProductConfig(NamedTuple):
     rows: int
     simd_groups: int
     unroll: int = 1
-    wide: int = 0  # 1: Q4_K in 64-value units (one scale unpack per 64 values); other formats ignore it
+    wide: int = 0  # bits: 1 Q4_K, 2 Q6_K in 64-value units (one scale unpack per 64 values); others ignore it
 
 
 # Chosen by `bench/linear.py --products` and CUPTI in a real step (`bench/timeline.py`) on the
@@ -61,8 +61,9 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
                              or PRODUCT_CONFIG_BY_WIDTH.get(key, PRODUCT_CONFIG[ggml_type])))
     if config.unroll not in (1, 2, 4):
         raise ValueError(f"product config for {ggml_type.name}: unroll must be 1, 2 or 4, got {config.unroll}")
-    if config.wide not in (0, 1):
-        raise ValueError(f"product config for {ggml_type.name}: wide must be 0 or 1, got {config.wide}")
+    if config.wide not in (0, 1, 2, 3):
+        raise ValueError(f"product config for {ggml_type.name}: wide must be 0-3 (bit 0: Q4_K, bit 1: Q6_K in "
+                         f"64-value units), got {config.wide}")
     # Units a lane loads together, times tokens, at most 4: 3 units of 3 tokens need more
     # registers than a launch of 512 threads has (H200). A wide unit holds twice a unit's
     # activations: wide units for at most 2 tokens (product_glu R2 wide: 102 registers at 2
