@@ -187,7 +187,6 @@ def main() -> None:
             print(f"variant {label}: {settings}")
         decode_profile(args, model, cache)
         bench_decode.restore_settings(saved)
-        model._compiled_decode = {}
 
 
 def decode_profile(args, model, cache) -> None:

@@ -423,6 +423,19 @@ struct muser_x_unit {
   float sum[4];
 };
 
+// Q6_K, shared by its 32- and 64-value units: int8 scale k (0..7) of a half super-block's 8
+// (two words) times d; and four 6-bit codes of one quarter (0..3) as bytes, from a word of its
+// ql run (quarters 0 and 1 in the low nibbles, 2 and 3 in the high ones) and the same
+// positions' qh word (bits 2q, 2q+1).
+inline float muser_q6k_scale(uint2 scales, uint k, float d) {
+  uint word = k < 4u ? scales.x : scales.y;
+  return d * float(int(word << (24u - 8u * (k % 4u))) >> 24);
+}
+
+inline uint muser_q6k_codes(uint low, uint high, uint quarter) {
+  return ((low >> (4u * (quarter / 2u))) & 0x0F0F0F0Fu) | (((high >> (2u * quarter)) & 0x03030303u) << 4);
+}
+
 // Unit u of a row (u < IN / 32) for FORMAT (Q4_K, Q6_K or Q8_0); each unit covers 32 values.
 //   Q4_K: super-block u / 8, 16 quant bytes c = u % 8 (group g = c / 2, half h = c % 2): low
 //         nibbles are values 16h..16h+15 of sub-block 2g ("a"), high ones of sub-block 2g+1 ("b").
@@ -498,15 +511,12 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     float d = float(as_type<half>(*((const device ushort*)(weight + block + 208u))));
     float sc[4];
     for (int quarter = 0; quarter < 4; ++quarter) {
-      uint k = 2u * uint(quarter) + l0 / 16u;  // scale byte of this quarter's 16 values
-      uint word = k < 4u ? scales.x : scales.y;
-      sc[quarter] = d * float(int(word << (24u - 8u * (k % 4u))) >> 24);
+      sc[quarter] = muser_q6k_scale(scales, 2u * uint(quarter) + l0 / 16u, d);  // this quarter's 16 values
     }
     for (int quarter = 0; quarter < 4; ++quarter) {
       uint2 low = quarter % 2 == 0 ? low_a : low_b;
-      uint nibble = 4u * uint(quarter / 2);
-      uint code0 = ((low.x >> nibble) & 0x0F0F0F0Fu) | (((high.x >> (2u * uint(quarter))) & 0x03030303u) << 4);
-      uint code1 = ((low.y >> nibble) & 0x0F0F0F0Fu) | (((high.y >> (2u * uint(quarter))) & 0x03030303u) << 4);
+      uint code0 = muser_q6k_codes(low.x, high.x, uint(quarter));
+      uint code1 = muser_q6k_codes(low.y, high.y, uint(quarter));
       for (int t = 0; t < TOKENS; ++t) {
         int dot = muser_dot4(code0, x[t].codes[2 * quarter]) + muser_dot4(code1, x[t].codes[2 * quarter + 1]);
         out[t * STRIDE] += sc[quarter] * (x[t].scale[quarter] * float(dot) - 32.0f * x[t].sum[quarter]);
@@ -587,18 +597,11 @@ inline void muser_q6k_wide_dot(const device uint8_t* weight, size_t row, uint un
   uint4 high = muser_words4(weight, block + 128u + 32u * half_index + l0);  // bits 2q, 2q+1
   uint2 scales = muser_words2(weight, block + 192u + 8u * half_index);      // 8 int8 scales
   float d = float(as_type<half>(*((const device ushort*)(weight + block + 208u))));
-  uint highs[4] = {high.x, high.y, high.z, high.w};
   for (int quarter = 0; quarter < 4; ++quarter) {
-    uint k = 2u * uint(quarter) + l0 / 16u;  // scale byte of this quarter's 16 values
-    uint word = k < 4u ? scales.x : scales.y;
-    float sc = d * float(int(word << (24u - 8u * (k % 4u))) >> 24);
+    float sc = muser_q6k_scale(scales, 2u * uint(quarter) + l0 / 16u, d);  // this quarter's 16 values
     uint4 low = quarter % 2 == 0 ? low_a : low_b;
-    uint lows[4] = {low.x, low.y, low.z, low.w};
-    uint nibble = 4u * uint(quarter / 2);
-    uint codes[4];
-    for (int j = 0; j < 4; ++j) {
-      codes[j] = ((lows[j] >> nibble) & 0x0F0F0F0Fu) | (((highs[j] >> (2u * uint(quarter))) & 0x03030303u) << 4);
-    }
+    uint codes[4] = {muser_q6k_codes(low.x, high.x, uint(quarter)), muser_q6k_codes(low.y, high.y, uint(quarter)),
+                     muser_q6k_codes(low.z, high.z, uint(quarter)), muser_q6k_codes(low.w, high.w, uint(quarter))};
     for (int t = 0; t < TOKENS; ++t) {
       int dot = muser_dot4(codes[0], x[t].codes[4 * quarter]) + muser_dot4(codes[1], x[t].codes[4 * quarter + 1]) +
                 muser_dot4(codes[2], x[t].codes[4 * quarter + 2]) + muser_dot4(codes[3], x[t].codes[4 * quarter + 3]);
