@@ -321,16 +321,26 @@ inline float muser_value(const device uint8_t* row, uint element) {
 //   xs f32 [T, IN / 8]: d * (the sum of each 8 codes), for the formats' offset and min terms.
 // formats.quantize_activations is the numpy reference.
 
-// The four signed bytes of a times those of b, summed (a packed int8 dot product: one dp4a
-// instruction on NVIDIA GPUs).
+// acc plus the four signed bytes of a times those of b (a packed int8 dot product: one dp4a
+// instruction on NVIDIA GPUs, its accumulator included, so a chain of them needs no adds).
+// muser_dot4u: a's four bytes unsigned (0..255), b's signed.
 #if defined(__CUDACC__)
-inline int muser_dot4(uint a, uint b) {
-  return __dp4a(int(a), int(b), 0);
+inline int muser_dot4(uint a, uint b, int acc) {
+  return __dp4a(int(a), int(b), acc);
+}
+inline int muser_dot4u(uint a, uint b, int acc) {
+  int sum;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(sum) : "r"(a), "r"(b), "r"(acc));
+  return sum;
 }
 #else
-inline int muser_dot4(uint a, uint b) {
-  return (int(a << 24) >> 24) * (int(b << 24) >> 24) + (int(a << 16) >> 24) * (int(b << 16) >> 24) +
+inline int muser_dot4(uint a, uint b, int acc) {
+  return acc + (int(a << 24) >> 24) * (int(b << 24) >> 24) + (int(a << 16) >> 24) * (int(b << 16) >> 24) +
          (int(a << 8) >> 24) * (int(b << 8) >> 24) + (int(a) >> 24) * (int(b) >> 24);
+}
+inline int muser_dot4u(uint a, uint b, int acc) {
+  return acc + int(a & 255u) * (int(b << 24) >> 24) + int((a >> 8) & 255u) * (int(b << 16) >> 24) +
+         int((a >> 16) & 255u) * (int(b << 8) >> 24) + int(a >> 24) * (int(b) >> 24);
 }
 #endif
 
@@ -492,12 +502,18 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     uint4 pairs = muser_q4k_group_scales(head.y, head.z, head.w, c / 2u);
     float d = muser_half_low(head.x);
     float dmin = muser_half_high(head.x);
+    // The high nibbles stay in place (q & 0xF0): dot_b counts them 16 times; their scale
+    // takes the 1/16 (exact: a power of two).
+    uint low[4] = {quants.x & 0x0F0F0F0Fu, quants.y & 0x0F0F0F0Fu, quants.z & 0x0F0F0F0Fu, quants.w & 0x0F0F0F0Fu};
+    uint high[4] = {quants.x & 0xF0F0F0F0u, quants.y & 0xF0F0F0F0u, quants.z & 0xF0F0F0F0u, quants.w & 0xF0F0F0F0u};
+    float scale_a = d * float(pairs.x);
+    float scale_b = d * float(pairs.z) * 0.0625f;
     for (int t = 0; t < TOKENS; ++t) {
-      int dot_a = muser_dot4(quants.x & 0x0F0F0F0Fu, x[t].codes[0]) + muser_dot4(quants.y & 0x0F0F0F0Fu, x[t].codes[1]) +
-                  muser_dot4(quants.z & 0x0F0F0F0Fu, x[t].codes[2]) + muser_dot4(quants.w & 0x0F0F0F0Fu, x[t].codes[3]);
-      int dot_b = muser_dot4((quants.x >> 4) & 0x0F0F0F0Fu, x[t].codes[4]) + muser_dot4((quants.y >> 4) & 0x0F0F0F0Fu, x[t].codes[5]) +
-                  muser_dot4((quants.z >> 4) & 0x0F0F0F0Fu, x[t].codes[6]) + muser_dot4((quants.w >> 4) & 0x0F0F0F0Fu, x[t].codes[7]);
-      out[t * STRIDE] += d * (float(pairs.x) * x[t].scale[0] * float(dot_a) + float(pairs.z) * x[t].scale[1] * float(dot_b)) -
+      int dot_a = muser_dot4(low[1], x[t].codes[1], muser_dot4(low[0], x[t].codes[0], 0)) +
+                  muser_dot4(low[3], x[t].codes[3], muser_dot4(low[2], x[t].codes[2], 0));
+      int dot_b = muser_dot4u(high[1], x[t].codes[5], muser_dot4u(high[0], x[t].codes[4], 0)) +
+                  muser_dot4u(high[3], x[t].codes[7], muser_dot4u(high[2], x[t].codes[6], 0));
+      out[t * STRIDE] += (scale_a * x[t].scale[0] * float(dot_a) + scale_b * x[t].scale[1] * float(dot_b)) -
                          dmin * (float(pairs.y) * x[t].sum[0] + float(pairs.w) * x[t].sum[1]);
     }
   } else if (FORMAT == MUSER_Q6_K) {
@@ -518,7 +534,7 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
       uint code0 = muser_q6k_codes(low.x, high.x, uint(quarter));
       uint code1 = muser_q6k_codes(low.y, high.y, uint(quarter));
       for (int t = 0; t < TOKENS; ++t) {
-        int dot = muser_dot4(code0, x[t].codes[2 * quarter]) + muser_dot4(code1, x[t].codes[2 * quarter + 1]);
+        int dot = muser_dot4(code0, x[t].codes[2 * quarter], 0) + muser_dot4(code1, x[t].codes[2 * quarter + 1], 0);
         out[t * STRIDE] += sc[quarter] * (x[t].scale[quarter] * float(dot) - 32.0f * x[t].sum[quarter]);
       }
     }
@@ -534,7 +550,7 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     for (int t = 0; t < TOKENS; ++t) {
       int dot = 0;
       for (int word = 0; word < 8; ++word) {
-        dot += muser_dot4(codes[word], x[t].codes[word]);
+        dot = muser_dot4(codes[word], x[t].codes[word], dot);
       }
       out[t * STRIDE] += d * x[t].scale[0] * float(dot);
     }
@@ -603,8 +619,8 @@ inline void muser_q6k_wide_dot(const device uint8_t* weight, size_t row, uint un
     uint codes[4] = {muser_q6k_codes(low.x, high.x, uint(quarter)), muser_q6k_codes(low.y, high.y, uint(quarter)),
                      muser_q6k_codes(low.z, high.z, uint(quarter)), muser_q6k_codes(low.w, high.w, uint(quarter))};
     for (int t = 0; t < TOKENS; ++t) {
-      int dot = muser_dot4(codes[0], x[t].codes[4 * quarter]) + muser_dot4(codes[1], x[t].codes[4 * quarter + 1]) +
-                muser_dot4(codes[2], x[t].codes[4 * quarter + 2]) + muser_dot4(codes[3], x[t].codes[4 * quarter + 3]);
+      int dot = muser_dot4(codes[0], x[t].codes[4 * quarter], 0) + muser_dot4(codes[1], x[t].codes[4 * quarter + 1], 0) +
+                muser_dot4(codes[2], x[t].codes[4 * quarter + 2], 0) + muser_dot4(codes[3], x[t].codes[4 * quarter + 3], 0);
       out[t * STRIDE] += sc * (x[t].scale[quarter] * float(dot) - 32.0f * x[t].sum[quarter]);
     }
   }
@@ -629,20 +645,23 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
   float dmin = muser_half_high(head.x);
   uint low[8] = {q0.x & 0x0F0F0F0Fu, q0.y & 0x0F0F0F0Fu, q0.z & 0x0F0F0F0Fu, q0.w & 0x0F0F0F0Fu,
                  q1.x & 0x0F0F0F0Fu, q1.y & 0x0F0F0F0Fu, q1.z & 0x0F0F0F0Fu, q1.w & 0x0F0F0F0Fu};
-  uint high[8] = {(q0.x >> 4) & 0x0F0F0F0Fu, (q0.y >> 4) & 0x0F0F0F0Fu, (q0.z >> 4) & 0x0F0F0F0Fu,
-                  (q0.w >> 4) & 0x0F0F0F0Fu, (q1.x >> 4) & 0x0F0F0F0Fu, (q1.y >> 4) & 0x0F0F0F0Fu,
-                  (q1.z >> 4) & 0x0F0F0F0Fu, (q1.w >> 4) & 0x0F0F0F0Fu};
+  // The high nibbles in place: dot_b counts them 16 times, scale_b takes the 1/16 (exact).
+  uint high[8] = {q0.x & 0xF0F0F0F0u, q0.y & 0xF0F0F0F0u, q0.z & 0xF0F0F0F0u, q0.w & 0xF0F0F0F0u,
+                  q1.x & 0xF0F0F0F0u, q1.y & 0xF0F0F0F0u, q1.z & 0xF0F0F0F0u, q1.w & 0xF0F0F0F0u};
   float scale_a = d * float(pairs.x);
-  float scale_b = d * float(pairs.z);
+  float scale_b = d * float(pairs.z) * 0.0625f;
   float min_a = dmin * float(pairs.y);
   float min_b = dmin * float(pairs.w);
   for (int t = 0; t < TOKENS; ++t) {
-    int dot_a = 0;
-    int dot_b = 0;
-    for (int k = 0; k < 8; ++k) {
-      dot_a += muser_dot4(low[k], x[t].codes[k]);
-      dot_b += muser_dot4(high[k], x[t].codes[8 + k]);
+    // Four short chains a dot, not one of eight: these launches wait on their latency.
+    int part_a[4];
+    int part_b[4];
+    for (int k = 0; k < 4; ++k) {
+      part_a[k] = muser_dot4(low[2 * k + 1], x[t].codes[2 * k + 1], muser_dot4(low[2 * k], x[t].codes[2 * k], 0));
+      part_b[k] = muser_dot4u(high[2 * k + 1], x[t].codes[9 + 2 * k], muser_dot4u(high[2 * k], x[t].codes[8 + 2 * k], 0));
     }
+    int dot_a = (part_a[0] + part_a[1]) + (part_a[2] + part_a[3]);
+    int dot_b = (part_b[0] + part_b[1]) + (part_b[2] + part_b[3]);
     out[t * STRIDE] += (scale_a * x[t].scale[0] * float(dot_a) + scale_b * x[t].scale[1] * float(dot_b)) -
                        (min_a * x[t].sum[0] + min_b * x[t].sum[1]);
   }
