@@ -667,16 +667,91 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
   }
 }
 
+// Where a product's units read x: muser_x_global, the q8x arrays in device memory (TOKENS rows
+// of IN values); muser_x_staged, a threadgroup's copy of them (muser_stage_x; IN a multiple of
+// 64) for wide Q4_K units and Q8_0 units.
+struct muser_x_global {
+  const device int8_t* xq;
+  const device float* xd;
+  const device float* xs;
+};
+
+// words: x's codes as 16-byte chunks, chunk i (of all TOKENS rows, in order) at muser_x_slot(i)
+// (a slot stays within its aligned group of 4). A SIMD group's lanes read chunk k of
+// consecutive units (4 chunks a wide Q4_K unit, 2 a Q8_0 one; 16-byte reads, 8 lanes at a
+// time); the slots put any 8 consecutive lanes on distinct banks of a 128-byte window. blocks:
+// per 64 values, (scale, sum) of its two 32-value blocks (the sum as xs's four, added as
+// muser_load_x_unit adds them).
+struct muser_x_staged {
+  const threadgroup uint4* words;
+  const threadgroup float4* blocks;
+};
+
+inline uint muser_x_slot(uint chunk) {
+  return chunk ^ ((chunk >> 3) & 3u);
+}
+
+// Threads first, first + step, ... of a threadgroup copy TOKENS rows of q8x x to words
+// (TOKENS * IN / 16 chunks) and blocks (TOKENS * IN / 64); the caller then waits at a
+// threadgroup barrier.
+template <int TOKENS, int IN>
+inline void muser_stage_x(const device int8_t* xq, const device float* xd, const device float* xs,
+                          threadgroup uint4* words, threadgroup float4* blocks, uint first, uint step) {
+  for (uint i = first; i < uint(TOKENS * IN / 16); i += step) {
+    words[muser_x_slot(i)] = ((const device uint4*)xq)[i];
+  }
+  for (uint p = first; p < uint(TOKENS * IN / 64); p += step) {
+    float4 sums_a = ((const device float4*)xs)[2u * p];
+    float4 sums_b = ((const device float4*)xs)[2u * p + 1u];
+    blocks[p] = float4(xd[2u * p], (sums_a.x + sums_a.y) + (sums_a.z + sums_a.w), xd[2u * p + 1u],
+                       (sums_b.x + sums_b.y) + (sums_b.z + sums_b.w));
+  }
+}
+
+// Unit u of token t's activations, from either source: the same values (the staged sums are
+// added in the same order).
+template <int FORMAT, int IN, class X>
+inline void muser_load_x(thread X& x, muser_x_global source, int t, uint unit) {
+  muser_load_x_unit<FORMAT>(x, source.xq + t * IN, source.xd + t * (IN / 32), source.xs + t * (IN / 8), unit);
+}
+
+template <int FORMAT, int IN>
+inline void muser_load_x(thread muser_x_unit64& x, muser_x_staged source, int t, uint unit) {  // wide Q4_K
+  uint first = uint(t) * uint(IN / 16) + 4u * unit;
+  for (int k = 0; k < 4; ++k) {
+    uint4 words = source.words[muser_x_slot(first + uint(k))];
+    x.codes[4 * k] = words.x; x.codes[4 * k + 1] = words.y; x.codes[4 * k + 2] = words.z; x.codes[4 * k + 3] = words.w;
+  }
+  float4 pair = source.blocks[uint(t) * uint(IN / 64) + unit];
+  x.scale[0] = pair.x;
+  x.sum[0] = pair.y;
+  x.scale[1] = pair.z;
+  x.sum[1] = pair.w;
+}
+
+template <int FORMAT, int IN>
+inline void muser_load_x(thread muser_x_unit& x, muser_x_staged source, int t, uint unit) {  // Q8_0
+  uint first = uint(t) * uint(IN / 16) + 2u * unit;
+  uint4 a = source.words[muser_x_slot(first)];
+  uint4 b = source.words[muser_x_slot(first + 1u)];
+  x.codes[0] = a.x; x.codes[1] = a.y; x.codes[2] = a.z; x.codes[3] = a.w;
+  x.codes[4] = b.x; x.codes[5] = b.y; x.codes[6] = b.z; x.codes[7] = b.w;
+  float4 pair = source.blocks[uint(t) * uint(IN / 64) + unit / 2u];
+  x.scale[0] = (unit & 1u) != 0u ? pair.z : pair.x;
+}
+
 // The ROWS rows first_row.. of a weight (rows past OUT re-read row OUT-1; the caller never
-// stores them) dotted with TOKENS tokens of q8x activations by one SIMD group: lane l takes
-// units l, l + 32, ... of every row, so the lanes' weight loads are consecutive. UNROLL units
-// per lane at a time (l, l + 32, ..., l + 32 (UNROLL - 1)): their loads are issued together
-// before any is used (a unit past the row's last re-reads the last unit and adds nothing).
-// Adds each lane's share into acc[t * ROWS + r]; the caller sums the lanes. The units are
-// X's: muser_x_unit (32 values) or, for Q4_K and Q6_K, muser_x_unit64 (64; muser_rows_dot's WIDE).
-template <class X, int UNIT_VALUES, int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL>
-inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, const device int8_t* xq,
-                                 const device float* xd, const device float* xs, uint lane, thread float* acc) {
+// stores them) dotted with TOKENS tokens of q8x activations (from `source`) by one SIMD group:
+// lane l takes units l, l + 32, ... of every row, so the lanes' weight loads are consecutive.
+// UNROLL units per lane at a time (l, l + 32, ..., l + 32 (UNROLL - 1)): their loads are issued
+// together before any is used (a unit past the row's last re-reads the last unit and adds
+// nothing). Adds each lane's share into acc[t * ROWS + r]; the caller sums the lanes. The units
+// are X's: muser_x_unit (32 values) or, for Q4_K and Q6_K, muser_x_unit64 (64; muser_rows_dot's
+// WIDE).
+template <class X, int UNIT_VALUES, int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL,
+          class SOURCE>
+inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, SOURCE source, uint lane,
+                                 thread float* acc) {
   const uint UNITS = uint(IN / UNIT_VALUES);
   for (uint base = lane; base < UNITS; base += 32u * uint(UNROLL)) {
     X x[UNROLL * TOKENS];
@@ -684,7 +759,7 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, c
     for (int u = 0; u < UNROLL; ++u) {
       units[u] = min(base + 32u * uint(u), UNITS - 1u);
       for (int t = 0; t < TOKENS; ++t) {
-        muser_load_x_unit<FORMAT>(x[u * TOKENS + t], xq + t * IN, xd + t * (IN / 32), xs + t * (IN / 8), units[u]);
+        muser_load_x<FORMAT, IN>(x[u * TOKENS + t], source, t, units[u]);
       }
     }
     float part[UNROLL * TOKENS * ROWS];
@@ -709,16 +784,16 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, c
 }
 
 // muser_rows_dot_units in 32-value units, or in wide ones for Q4_K when bit 0 of WIDE is set
-// and for Q6_K when bit 1 is (other formats ignore WIDE).
-template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE>
-inline void muser_rows_dot(const device uint8_t* weight, uint first_row, const device int8_t* xq,
-                           const device float* xd, const device float* xs, uint lane, thread float* acc) {
+// and for Q6_K when bit 1 is (other formats ignore WIDE). SOURCE: muser_x_global, or
+// muser_x_staged for the formats and units it holds.
+template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE, class SOURCE>
+inline void muser_rows_dot(const device uint8_t* weight, uint first_row, SOURCE source, uint lane, thread float* acc) {
   if (((WIDE & 1) != 0 && FORMAT == MUSER_Q4_K) || ((WIDE & 2) != 0 && FORMAT == MUSER_Q6_K)) {
     muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL>(
-        weight, first_row, xq, xd, xs, lane, acc);
+        weight, first_row, source, lane, acc);
   } else {
     muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL>(
-        weight, first_row, xq, xd, xs, lane, acc);
+        weight, first_row, source, lane, acc);
   }
 }
 

@@ -24,9 +24,13 @@
 // TOKENS * (OUT_A + OUT_B) * 4 written.
 // Bounds: SIMD groups past the last row group (the last threadgroup's surplus) compute nothing
 // and store nothing, but reach the barrier; rows past OUT re-read row OUT-1 and are not stored.
+// STAGE 1: the threadgroup first copies x to threadgroup memory (muser_stage_x: TOKENS * IN *
+// 1.25 bytes), then every SIMD group reads it there: one copy of x through L1 a threadgroup
+// instead of one a SIMD group, and reads without bank conflicts. Only for weights in wide Q4_K
+// units or Q8_0 (both weights of the launch), IN a multiple of 64 (the host checks).
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
 // ROWS, UNROLL (units per lane at a time), WIDE (bit 0: Q4_K weights in 64-value units, bit 1:
-// Q6_K weights; blocks.metal's muser_x_unit64; other formats ignore it), EPILOGUE.
+// Q6_K weights; blocks.metal's muser_x_unit64; other formats ignore it), STAGE, EPILOGUE.
 threadgroup float best_rows[8 * TOKENS * 2];
 const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
 const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);
@@ -41,10 +45,24 @@ float acc[TOKENS * ROWS];
 for (int i = 0; i < TOKENS * ROWS; ++i) {
   acc[i] = 0.0f;
 }
-if (in_a) {
-  muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, xq, xd, xs, lane, acc);
-} else if (active) {
-  muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_b, first_row, xq, xd, xs, lane, acc);
+threadgroup uint4 x_words[STAGE ? TOKENS * IN / 16 : 1];
+threadgroup float4 x_blocks[STAGE ? TOKENS * IN / 64 : 1];
+if (STAGE) {
+  muser_stage_x<TOKENS, IN>(xq, xd, xs, x_words, x_blocks, warp * 32u + lane, warps * 32u);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  muser_x_staged x = {x_words, x_blocks};
+  if (in_a) {
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, x, lane, acc);
+  } else if (active) {
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_b, first_row, x, lane, acc);
+  }
+} else {
+  muser_x_global x = {xq, xd, xs};
+  if (in_a) {
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, x, lane, acc);
+  } else if (active) {
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_b, first_row, x, lane, acc);
+  }
 }
 const uint WIDTH = EPILOGUE == 0 ? uint(OUT_A + OUT_B) : uint(OUT_A);
 device float* best = y + uint(TOKENS) * WIDTH;  // EPILOGUE 1 only

@@ -115,6 +115,30 @@ def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, 
     assert_within_half_a_code(glu, g / (1 + np.exp(-g)) * u)
 
 
+@pytest.mark.parametrize("rows, simd_groups, unroll", [(2, 4, 1), (2, 2, 2), (1, 8, 1)])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_products_that_stage_x_match_numpy(backend, rng, monkeypatch, rows, simd_groups, unroll, tokens):
+    """ProductConfig.stage: x in threadgroup memory, read by wide Q4_K units and Q8_0 ones (the
+    o-projection's and q+gate with k+v's formats) at 4,096 values: 64 wide units a row, 2 a lane;
+    equal to the unstaged launch's result."""
+    monkeypatch.delitem(ops.PRODUCT_CONFIG_BY_WIDTH, (GGMLType.Q4_K, 4096), raising=False)
+    for ggml_type in (GGMLType.Q4_K, GGMLType.Q8_0):
+        monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(rows, simd_groups, unroll, 1, 1))
+    a, a_values = weight(rng, GGMLType.Q4_K, 4096, 45, "a")
+    b, b_values = weight(rng, GGMLType.Q8_0, 4096, 19, "b")
+    x, x_values = q8x(rng.standard_normal((tokens, 4096)).astype(np.float32))
+    product = ops.Product(a, b, tokens=tokens)
+    assert dict(product.template)["STAGE"] == 1
+    with kernels.poisoned_outputs():
+        y = np.array(product(x))
+    expected = np.concatenate([x_values @ a_values.T, x_values @ b_values.T], axis=-1)
+    assert np.isfinite(y).all() and relative_error(y, expected) <= PRODUCT_BOUND
+    for ggml_type in (GGMLType.Q4_K, GGMLType.Q8_0):
+        monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(rows, simd_groups, unroll, 1, 0))
+    with kernels.poisoned_outputs():
+        np.testing.assert_array_equal(np.array(ops.Product(a, b, tokens=tokens)(x)), y)
+
+
 def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
     monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 3))
     a, _ = weight(rng, GGMLType.Q4_K, 256, 8, "a")
@@ -122,6 +146,9 @@ def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
         ops.Product(a)
     monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 4))
     with pytest.raises(ValueError, match="wide must be 0-3"):
+        ops.Product(a)
+    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 2))
+    with pytest.raises(ValueError, match="stage must be 0 or 1"):
         ops.Product(a)
 
 

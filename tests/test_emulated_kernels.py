@@ -250,6 +250,12 @@ def test_product(rng, first, second, tokens):
     assert relative_error(out, expected) <= PRODUCT_BOUND
 
 
+def configure_products(monkeypatch, config, *ggml_types):
+    """Kernel product's (and product_glu's) configuration for these formats, for one test."""
+    for ggml_type in ggml_types:
+        monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, config)
+
+
 @pytest.mark.parametrize("wide", [1, 3], ids=["q4k", "q4k+q6k"])
 @pytest.mark.parametrize("rows, unroll, tokens", [(2, 1, 1), (1, 1, 2), (4, 2, 1)])  # wide: at most 2 tokens
 def test_products_in_wide_units(rng, monkeypatch, rows, unroll, tokens, wide):
@@ -257,8 +263,7 @@ def test_products_in_wide_units(rng, monkeypatch, rows, unroll, tokens, wide):
     wide units a row, so most lanes take none, and with unroll every lane's batch runs past the
     row (adds nothing). Q6_K weights second in a launch, first in one and as product_glu's up:
     in 32-value units when bit 1 is clear."""
-    for ggml_type in (GGMLType.Q4_K, GGMLType.Q6_K):
-        monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(rows, 4, unroll, wide))
+    configure_products(monkeypatch, ops.ProductConfig(rows, 4, unroll, wide), GGMLType.Q4_K, GGMLType.Q6_K)
     a, a_values = weight(rng, GGMLType.Q4_K, 1280, 11, "a")
     b, b_values = weight(rng, GGMLType.Q6_K, 1280, 6, "b")
     c, c_values = weight(rng, GGMLType.Q6_K, 1280, 9, "c")
@@ -278,6 +283,33 @@ def test_products_in_wide_units(rng, monkeypatch, rows, unroll, tokens, wide):
     assert relative_error(out_c, x_values @ c_values.T) <= PRODUCT_BOUND
     g, u = x_values @ gate_values.T, x_values @ up_values.T
     assert_within_half_a_code(glu, g / (1 + np.exp(-g)) * u)
+
+
+@pytest.mark.parametrize("rows, unroll, tokens", [(2, 1, 1), (1, 2, 2), (4, 1, 2)])
+def test_products_that_stage_x_in_threadgroup_memory(rng, monkeypatch, rows, unroll, tokens):
+    """ProductConfig.stage: x copied to threadgroup memory (muser_stage_x's slots), then read
+    there by wide Q4_K units and Q8_0 ones, each first and second in a launch; 1,280 values:
+    80 chunks of 16 codes a token, a second token's from chunk 80 on. The result equals the
+    unstaged launch's bit for bit (same sums, same order). A Q6_K weight in the launch, or a
+    1,312-value row (not whole 64-value blocks), is not staged."""
+    configure_products(monkeypatch, ops.ProductConfig(rows, 4, unroll, 1, 1), GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.Q6_K)
+    a, a_values = weight(rng, GGMLType.Q4_K, 1280, 13, "a")
+    b, b_values = weight(rng, GGMLType.Q8_0, 1280, 22, "b")
+    c, _ = weight(rng, GGMLType.Q6_K, 1280, 5, "c")
+    d, _ = weight(rng, GGMLType.Q8_0, 1312, 5, "d")
+    x, x_values = q8x(rng.standard_normal((tokens, 1280)).astype(np.float32))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        ab = np.array(ops.product(x, a, b))
+        ba = np.array(ops.product(x, b, a))
+    assert [dict(launch[1])["STAGE"] for launch in launches] == [1, 1]
+    expected = np.concatenate([x_values @ a_values.T, x_values @ b_values.T], axis=-1)
+    assert np.isfinite(ab).all() and relative_error(ab, expected) <= PRODUCT_BOUND
+    np.testing.assert_array_equal(ba, np.concatenate([ab[..., 13:], ab[..., :13]], axis=-1))
+    configure_products(monkeypatch, ops.ProductConfig(rows, 4, unroll, 1, 0), GGMLType.Q4_K, GGMLType.Q8_0)
+    with emulated_gpu():
+        np.testing.assert_array_equal(np.array(ops.product(x, a, b)), ab)
+    assert dict(ops.Product(a, c, tokens=tokens).template)["STAGE"] == 0
+    assert dict(ops.Product(d, tokens=tokens).template)["STAGE"] == 0
 
 
 def test_lm_head_product_and_argmax(rng):

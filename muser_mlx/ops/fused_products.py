@@ -22,31 +22,40 @@ PRODUCT_FORMATS = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
 class ProductConfig(NamedTuple):
     """Rows per SIMD group, SIMD groups per threadgroup and units per lane at a time (their
     loads issued together) of kernel product for a weight format (a launch of two weights
-    takes its first's); product_glu takes `rows` and `unroll` (its threadgroups hold 32 rows:
-    32 / rows SIMD groups)."""
+    takes its first's), wide units, and whether x is staged in threadgroup memory (kernel
+    product only); product_glu takes `rows`, `unroll` and `wide` (its threadgroups hold 32
+    rows: 32 / rows SIMD groups)."""
 
     rows: int
     simd_groups: int
     unroll: int = 1
     wide: int = 0  # bits: 1 Q4_K, 2 Q6_K in 64-value units (one scale unpack per 64 values); others ignore it
+    stage: int = 0  # 1: kernel product copies x to threadgroup memory first where it can (Product._stages)
 
 
 # Chosen by `bench/linear.py --products` and CUPTI in a real step (`bench/timeline.py`) on the
-# H200 (bench/RESULTS.md).
-PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8, 1, 1), GGMLType.Q6_K: ProductConfig(2, 4),
+# H200 (bench/RESULTS.md). Muse Glimmer's ffn_down (Q4_K, 19,968 wide) stages x: 22.85 us
+# against 24.04 (session 23); staging x for Q6_K (its own layout) or for the short products
+# made them slower.
+PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8, 1, 1, 1), GGMLType.Q6_K: ProductConfig(2, 4),
                   GGMLType.Q8_0: ProductConfig(2, 4)}
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+# The most threadgroup memory a staged x may take (ProductConfig.stage): Metal gives a
+# threadgroup 32 KiB, CUDA 48 KiB of static shared memory.
+STAGE_BYTES = 28 << 10
 
 
 # Overrides for one (format, input width): the short rows of a layer's projections (4096 and
 # 6656 values: 4-7 units a lane) may want other shapes than the long rows of ffn_down
 # (bench/linear.py --products measures both). CUPTI in a Muse Glimmer step (RESULTS.md, sessions
-# 21 and 22): q+gate with k+v (Q4_K, 6656 wide) in wide units with 2 SIMD groups a threadgroup
+# 21-23): q+gate with k+v (Q4_K, 6656 wide) in wide units with 2 SIMD groups a threadgroup
 # (12.24 us, against 12.42 with 4 and 14.06 with 8 in 32-value units); the o-projection (Q4_K,
-# 4096 wide) with 4 (6.49 us against 6.83 with 8; 2 and 1: the same as 4).
+# 4096 wide) with 4, both of a lane's wide units at once (6.16 us against 6.36 one at a time
+# and 6.39 with 8 SIMD groups).
 PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 2, 1, 1),
-                                 (GGMLType.Q4_K, 4096): ProductConfig(2, 4, 1, 1)}
+                                 (GGMLType.Q4_K, 4096): ProductConfig(2, 4, 2, 1)}
 
 # product_glu's overrides for one (format, input width), before PRODUCT_CONFIG_BY_WIDTH's:
 # Muse Glimmer's gate/up (Q4_K, 6656 wide) with four rows a SIMD group in wide units.
@@ -61,6 +70,8 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
                              or PRODUCT_CONFIG_BY_WIDTH.get(key, PRODUCT_CONFIG[ggml_type])))
     if config.unroll not in (1, 2, 4):
         raise ValueError(f"product config for {ggml_type.name}: unroll must be 1, 2 or 4, got {config.unroll}")
+    if config.stage not in (0, 1):
+        raise ValueError(f"product config for {ggml_type.name}: stage must be 0 or 1, got {config.stage}")
     if config.wide not in (0, 1, 2, 3):
         raise ValueError(f"product config for {ggml_type.name}: wide must be 0-3 (bit 0: Q4_K, bit 1: Q6_K in "
                          f"64-value units), got {config.wide}")
@@ -134,14 +145,25 @@ class Product:
         """(template, grid, threadgroup, threadgroups) for the configuration in force now."""
         config = _config(self.ggml_type, self.in_features, self.tokens)
         if self._launch[0] != config:
-            rows, simd_groups, unroll, wide = config
+            rows, simd_groups, unroll, wide, stage = config
+            stage = self._stages(wide) if stage else 0
             groups = -(-(-(-self.out_a // rows) - (-self.out_b // rows)) // simd_groups)  # threadgroups
             template = (_weight_template("A", self.weight) + [("OUT_A", self.out_a)]
                         + _weight_template("B", self.second if self.second is not None else self.weight)
                         + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
-                           ("UNROLL", unroll), ("WIDE", wide), ("EPILOGUE", int(self.head is not None))])
+                           ("UNROLL", unroll), ("WIDE", wide), ("STAGE", stage),
+                           ("EPILOGUE", int(self.head is not None))])
             self._launch = (config, (template, (32 * simd_groups * groups, 1, 1), (32 * simd_groups, 1, 1), groups))
         return self._launch[1]
+
+    def _stages(self, wide: int) -> int:
+        """Kernel product's STAGE for a configuration that asks for it: 1 when both weights are
+        in wide Q4_K units or Q8_0, IN is whole 64-value blocks and x's copy in threadgroup
+        memory (1.25 bytes a value) fits STAGE_BYTES; else 0 (x read from device memory)."""
+        types = {self.ggml_type, _format(self.second, "product") if self.second is not None else self.ggml_type}
+        readable = all(t == GGMLType.Q8_0 or (t == GGMLType.Q4_K and wide & 1) for t in types)
+        fits = self.in_features % 64 == 0 and self.tokens * self.in_features * 5 // 4 <= STAGE_BYTES
+        return int(readable and fits)
 
     @property
     def template(self) -> list:
@@ -212,7 +234,7 @@ class GatedProduct:
         """(template, grid, threadgroup) for the configuration in force now."""
         config = _config(self.ggml_type, self.in_features, self.tokens, glu=True)
         if self._launch[0] != config:
-            rows, _, unroll, wide = config
+            rows, _, unroll, wide, _ = config  # product_glu reads x from device memory (no stage)
             template = (_weight_template("G", self.gate) + _weight_template("U", self.up)
                         + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
                            ("UNROLL", unroll), ("WIDE", wide), ("ACTIVATION", ACTIVATIONS[self.activation])])
