@@ -122,6 +122,7 @@ def test_products_that_stage_x_match_numpy(backend, rng, monkeypatch, rows, simd
     o-projection's and q+gate with k+v's formats) at 4,096 values: 64 wide units a row, 2 a lane;
     equal to the unstaged launch's result."""
     monkeypatch.delitem(ops.PRODUCT_CONFIG_BY_WIDTH, (GGMLType.Q4_K, 4096), raising=False)
+    monkeypatch.setattr(ops.fused_products, "STAGE_MIN_IN", 4096)
     for ggml_type in (GGMLType.Q4_K, GGMLType.Q8_0):
         monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(rows, simd_groups, unroll, 1, 1))
     a, a_values = weight(rng, GGMLType.Q4_K, 4096, 45, "a")

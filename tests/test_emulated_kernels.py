@@ -293,6 +293,7 @@ def test_products_that_stage_x_in_threadgroup_memory(rng, monkeypatch, rows, unr
     unstaged launch's bit for bit (same sums, same order). A Q6_K weight in the launch, or a
     1,312-value row (not whole 64-value blocks), is not staged."""
     configure_products(monkeypatch, ops.ProductConfig(rows, 4, unroll, 1, 1), GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.Q6_K)
+    monkeypatch.setattr(ops.fused_products, "STAGE_MIN_IN", 1024)  # short rows here, to be quick
     a, a_values = weight(rng, GGMLType.Q4_K, 1280, 13, "a")
     b, b_values = weight(rng, GGMLType.Q8_0, 1280, 22, "b")
     c, _ = weight(rng, GGMLType.Q6_K, 1280, 5, "c")
@@ -310,6 +311,8 @@ def test_products_that_stage_x_in_threadgroup_memory(rng, monkeypatch, rows, unr
         np.testing.assert_array_equal(np.array(ops.product(x, a, b)), ab)
     assert dict(ops.Product(a, c, tokens=tokens).template)["STAGE"] == 0
     assert dict(ops.Product(d, tokens=tokens).template)["STAGE"] == 0
+    monkeypatch.setattr(ops.fused_products, "STAGE_MIN_IN", 2048)
+    assert dict(ops.Product(a, b, tokens=tokens).template)["STAGE"] == 0
 
 
 def test_lm_head_product_and_argmax(rng):

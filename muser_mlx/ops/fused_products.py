@@ -43,8 +43,11 @@ PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8, 1, 1, 1), GGMLType.Q6_K: Pr
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 # The most threadgroup memory a staged x may take (ProductConfig.stage): Metal gives a
-# threadgroup 32 KiB, CUDA 48 KiB of static shared memory.
+# threadgroup 32 KiB, CUDA 48 KiB of static shared memory. And the shortest rows it is staged
+# for: the copy is one more round trip before any weight load, which paid for Muse Glimmer's
+# 19,968-value rows and cost the 4,096- and 6,656-value ones (RESULTS.md, session 23).
 STAGE_BYTES = 28 << 10
+STAGE_MIN_IN = 8192
 
 
 # Overrides for one (format, input width): the short rows of a layer's projections (4096 and
@@ -158,11 +161,13 @@ class Product:
 
     def _stages(self, wide: int) -> int:
         """Kernel product's STAGE for a configuration that asks for it: 1 when both weights are
-        in wide Q4_K units or Q8_0, IN is whole 64-value blocks and x's copy in threadgroup
-        memory (1.25 bytes a value) fits STAGE_BYTES; else 0 (x read from device memory)."""
+        in wide Q4_K units or Q8_0, IN is whole 64-value blocks of at least STAGE_MIN_IN values
+        and x's copy in threadgroup memory (1.25 bytes a value) fits STAGE_BYTES; else 0 (x read
+        from device memory)."""
         types = {self.ggml_type, _format(self.second, "product") if self.second is not None else self.ggml_type}
         readable = all(t == GGMLType.Q8_0 or (t == GGMLType.Q4_K and wide & 1) for t in types)
-        fits = self.in_features % 64 == 0 and self.tokens * self.in_features * 5 // 4 <= STAGE_BYTES
+        fits = (self.in_features % 64 == 0 and self.in_features >= STAGE_MIN_IN
+                and self.tokens * self.in_features * 5 // 4 <= STAGE_BYTES)
         return int(readable and fits)
 
     @property
