@@ -393,19 +393,6 @@ inline uint2 muser_words2(const device uint8_t* base, size_t offset) {
   return uint2(muser_funnel(w0, w1, shift), muser_funnel(w1, w2, shift));
 }
 
-// The 16 bytes at byte `offset` of `base` (as muser_words2) as four words.
-inline uint4 muser_words4(const device uint8_t* base, size_t offset) {
-  const device uint* words = (const device uint*)(base + (offset & ~size_t(3)));
-  uint shift = uint(offset & 2u) * 8u;
-  uint w0 = words[0];
-  uint w1 = words[1];
-  uint w2 = words[2];
-  uint w3 = words[3];
-  uint w4 = shift != 0u ? words[4] : 0u;
-  return uint4(muser_funnel(w0, w1, shift), muser_funnel(w1, w2, shift), muser_funnel(w2, w3, shift),
-               muser_funnel(w3, w4, shift));
-}
-
 // One 32-value block of activations quantized by a SIMD group, lane l holding value l: writes
 // codes xq[32 * block + l], the scale xd[block] and the four sums xs[4 * block + l / 8].
 inline void muser_quantize_block(float value, uint lane, device int8_t* xq, device float* xd,
@@ -433,7 +420,7 @@ struct muser_x_unit {
   float sum[4];
 };
 
-// Q6_K, shared by its 32- and 64-value units: int8 scale k (0..7) of a half super-block's 8
+// Q6_K's 32-value unit, in two steps: int8 scale k (0..7) of a half super-block's 8
 // (two words) times d; and four 6-bit codes of one quarter (0..3) as bytes, from a word of its
 // ql run (quarters 0 and 1 in the low nibbles, 2 and 3 in the high ones) and the same
 // positions' qh word (bits 2q, 2q+1).
@@ -558,83 +545,38 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
 }
 
 // Wide units: 64 values, so that a super-block's scales are read and unpacked once per 64
-// values instead of once per 32.
-//   Q4_K: group g = u % 4 of super-block u / 4 (its 32 quant bytes, both sub-blocks 2g and 2g+1
-//         whole): about a third fewer instructions a weight byte. Activations: the codes of
-//         values 64g..64g+63 (16 words), the two blocks' scales and sums (scale[0..1], sum[0..1]).
-//   Q6_K: positions l0 = 16 (u % 2) .. l0 + 15 of each of the four 32-value quarters of half
-//         h = (u % 4) / 2 of super-block u / 4 (16 bytes of each ql run and of qh; one scale a
-//         quarter, since 16 positions share one). Activations: each quarter's 16 codes (words
-//         4q..4q+3), its block's scale and its 16 values' sum (scale[q], sum[q]).
+// values instead of once per 32. Q4_K only: group g = u % 4 of super-block u / 4 (its 32 quant
+// bytes, both sub-blocks 2g and 2g+1 whole), about a third fewer instructions a weight byte.
+// Activations: the codes of values 64g..64g+63 (16 words), the two blocks' scales and sums
+// (scale[0..1], sum[0..1]). (Q6_K in 64-value units ran slower on the H200 and was dropped:
+// bench/RESULTS.md, session 23.)
 struct muser_x_unit64 {
   uint codes[16];
-  float scale[4];
-  float sum[4];
+  float scale[2];
+  float sum[2];
 };
 
 template <int FORMAT>
 inline void muser_load_x_unit(thread muser_x_unit64& x, const device int8_t* xq, const device float* xd,
                               const device float* xs, uint unit) {
-  if (FORMAT == MUSER_Q6_K) {
-    uint first = 256u * (unit / 4u) + 128u * ((unit % 4u) / 2u) + 16u * (unit % 2u);
-    for (int quarter = 0; quarter < 4; ++quarter) {
-      uint at = first + 32u * uint(quarter);
-      uint4 words = *((const device uint4*)(xq + at));
-      x.codes[4 * quarter] = words.x; x.codes[4 * quarter + 1] = words.y;
-      x.codes[4 * quarter + 2] = words.z; x.codes[4 * quarter + 3] = words.w;
-      x.scale[quarter] = xd[at / 32u];
-      x.sum[quarter] = xs[at / 8u] + xs[at / 8u + 1u];
-    }
-  } else {
-    uint block = 2u * unit;  // the first of the unit's two 32-value blocks
-    for (int k = 0; k < 4; ++k) {
-      uint4 words = *((const device uint4*)(xq + 64u * unit + 16u * uint(k)));
-      x.codes[4 * k] = words.x; x.codes[4 * k + 1] = words.y; x.codes[4 * k + 2] = words.z; x.codes[4 * k + 3] = words.w;
-    }
-    x.scale[0] = xd[block];
-    x.scale[1] = xd[block + 1u];
-    float4 sums_a = *((const device float4*)(xs + 4u * block));
-    float4 sums_b = *((const device float4*)(xs + 4u * block + 4u));
-    x.sum[0] = (sums_a.x + sums_a.y) + (sums_a.z + sums_a.w);
-    x.sum[1] = (sums_b.x + sums_b.y) + (sums_b.z + sums_b.w);
+  uint block = 2u * unit;  // the first of the unit's two 32-value blocks
+  for (int k = 0; k < 4; ++k) {
+    uint4 words = *((const device uint4*)(xq + 64u * unit + 16u * uint(k)));
+    x.codes[4 * k] = words.x; x.codes[4 * k + 1] = words.y; x.codes[4 * k + 2] = words.z; x.codes[4 * k + 3] = words.w;
   }
+  x.scale[0] = xd[block];
+  x.scale[1] = xd[block + 1u];
+  float4 sums_a = *((const device float4*)(xs + 4u * block));
+  float4 sums_b = *((const device float4*)(xs + 4u * block + 4u));
+  x.sum[0] = (sums_a.x + sums_a.y) + (sums_a.z + sums_a.w);
+  x.sum[1] = (sums_b.x + sums_b.y) + (sums_b.z + sums_b.w);
 }
 
-// Wide unit u of one Q6_K row dotted with TOKENS tokens; adds into out[t * STRIDE]:
-// sum_i d sc (q_i - 32) x_i per quarter, as the 32-value unit.
-template <int TOKENS, int STRIDE>
-inline void muser_q6k_wide_dot(const device uint8_t* weight, size_t row, uint unit,
-                               thread const muser_x_unit64* x, thread float* out) {
-  size_t block = row + 210u * (unit / 4u);
-  uint half_index = (unit % 4u) / 2u;
-  uint l0 = 16u * (unit % 2u);
-  uint4 low_a = muser_words4(weight, block + 64u * half_index + l0);        // quarters 0 and 2
-  uint4 low_b = muser_words4(weight, block + 64u * half_index + 32u + l0);  // quarters 1 and 3
-  uint4 high = muser_words4(weight, block + 128u + 32u * half_index + l0);  // bits 2q, 2q+1
-  uint2 scales = muser_words2(weight, block + 192u + 8u * half_index);      // 8 int8 scales
-  float d = float(as_type<half>(*((const device ushort*)(weight + block + 208u))));
-  for (int quarter = 0; quarter < 4; ++quarter) {
-    float sc = muser_q6k_scale(scales, 2u * uint(quarter) + l0 / 16u, d);  // this quarter's 16 values
-    uint4 low = quarter % 2 == 0 ? low_a : low_b;
-    uint codes[4] = {muser_q6k_codes(low.x, high.x, uint(quarter)), muser_q6k_codes(low.y, high.y, uint(quarter)),
-                     muser_q6k_codes(low.z, high.z, uint(quarter)), muser_q6k_codes(low.w, high.w, uint(quarter))};
-    for (int t = 0; t < TOKENS; ++t) {
-      int dot = muser_dot4(codes[0], x[t].codes[4 * quarter], 0) + muser_dot4(codes[1], x[t].codes[4 * quarter + 1], 0) +
-                muser_dot4(codes[2], x[t].codes[4 * quarter + 2], 0) + muser_dot4(codes[3], x[t].codes[4 * quarter + 3], 0);
-      out[t * STRIDE] += sc * (x[t].scale[quarter] * float(dot) - 32.0f * x[t].sum[quarter]);
-    }
-  }
-}
-
-// Wide unit u of one Q4_K or Q6_K row dotted with TOKENS tokens; adds into out[t * STRIDE]
-// (kernels take wide units for these two formats only).
+// Wide unit u of one Q4_K row dotted with TOKENS tokens; adds into out[t * STRIDE] (kernels
+// take wide units for Q4_K only).
 template <int FORMAT, int TOKENS, int STRIDE>
 inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
                            thread const muser_x_unit64* x, thread float* out) {
-  if (FORMAT == MUSER_Q6_K) {
-    muser_q6k_wide_dot<TOKENS, STRIDE>(weight, row, unit, x, out);
-    return;
-  }
   const device uint8_t* block = weight + row + 144u * (unit / 4u);
   uint g = unit % 4u;
   uint4 head = *((const device uint4*)block);
@@ -746,8 +688,7 @@ inline void muser_load_x(thread muser_x_unit& x, muser_x_staged source, int t, u
 // UNROLL units per lane at a time (l, l + 32, ..., l + 32 (UNROLL - 1)): their loads are issued
 // together before any is used (a unit past the row's last re-reads the last unit and adds
 // nothing). Adds each lane's share into acc[t * ROWS + r]; the caller sums the lanes. The units
-// are X's: muser_x_unit (32 values) or, for Q4_K and Q6_K, muser_x_unit64 (64; muser_rows_dot's
-// WIDE).
+// are X's: muser_x_unit (32 values) or, for Q4_K, muser_x_unit64 (64; muser_rows_dot's WIDE).
 template <class X, int UNIT_VALUES, int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL,
           class SOURCE>
 inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, SOURCE source, uint lane,
@@ -783,12 +724,12 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
   }
 }
 
-// muser_rows_dot_units in 32-value units, or in wide ones for Q4_K when bit 0 of WIDE is set
-// and for Q6_K when bit 1 is (other formats ignore WIDE). SOURCE: muser_x_global, or
-// muser_x_staged for the formats and units it holds.
+// muser_rows_dot_units in 32-value units, or in wide ones for Q4_K when WIDE is 1 (other
+// formats ignore WIDE). SOURCE: muser_x_global, or muser_x_staged for the formats and units it
+// holds.
 template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE, class SOURCE>
 inline void muser_rows_dot(const device uint8_t* weight, uint first_row, SOURCE source, uint lane, thread float* acc) {
-  if (((WIDE & 1) != 0 && FORMAT == MUSER_Q4_K) || ((WIDE & 2) != 0 && FORMAT == MUSER_Q6_K)) {
+  if (WIDE != 0 && FORMAT == MUSER_Q4_K) {
     muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL>(
         weight, first_row, source, lane, acc);
   } else {

@@ -16,7 +16,7 @@
 // Grid: one SIMD group per ROWS consecutive rows of A, then of B: ceil(OUT_A / ROWS) +
 // ceil(OUT_B / ROWS) SIMD groups, up to 8 per threadgroup. Lane l takes units l, l + 32, ...
 // of its rows (a unit is 32 values: 16 bytes of Q4_K quants, 24 bytes of Q6_K, one Q8_0
-// block; with WIDE, a Q4_K or Q6_K unit is 64 values, its scales unpacked once), so
+// block; with WIDE, a Q4_K unit is 64 values, its scales unpacked once), so
 // consecutive lanes read consecutive weight bytes; it loads its unit of x once for
 // all ROWS rows. A code times an activation code is an integer (muser_dot4: four at a time);
 // the block scales apply once per 32 or 16 values. simd_sum adds the lanes.
@@ -29,8 +29,8 @@
 // instead of one a SIMD group, and reads without bank conflicts. Only for weights in wide Q4_K
 // units or Q8_0 (both weights of the launch), IN a multiple of 64 (the host checks).
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
-// ROWS, UNROLL (units per lane at a time), WIDE (bit 0: Q4_K weights in 64-value units, bit 1:
-// Q6_K weights; blocks.metal's muser_x_unit64; other formats ignore it), STAGE, EPILOGUE.
+// ROWS, UNROLL (units per lane at a time), WIDE (1: Q4_K weights in 64-value units,
+// blocks.metal's muser_x_unit64; other formats ignore it), STAGE, EPILOGUE.
 threadgroup float best_rows[8 * TOKENS * 2];
 const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
 const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);

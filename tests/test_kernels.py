@@ -120,7 +120,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 16), InputSpec(mx.float32, 2, 64)],
         [mx.int8, mx.float32, mx.float32],
         [("FORMAT_G", 12), ("ROW_BYTES_G", 288), ("FORMAT_U", 14), ("ROW_BYTES_U", 420), ("OUT", 64),
-         ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 3), ("WIDE", 3), ("ACTIVATION", 1)],
+         ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 3), ("WIDE", 1), ("ACTIVATION", 1)],
     ),
     "quantize_rows": (
         "quantize_rows",

@@ -29,7 +29,7 @@ class ProductConfig(NamedTuple):
     rows: int
     simd_groups: int
     unroll: int = 1
-    wide: int = 0  # bits: 1 Q4_K, 2 Q6_K in 64-value units (one scale unpack per 64 values); others ignore it
+    wide: int = 0  # 1: Q4_K in 64-value units (one scale unpack per 64 values); other formats ignore it
     stage: int = 0  # 1: kernel product copies x to threadgroup memory first where it can (Product._stages)
 
 
@@ -75,9 +75,9 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
         raise ValueError(f"product config for {ggml_type.name}: unroll must be 1, 2 or 4, got {config.unroll}")
     if config.stage not in (0, 1):
         raise ValueError(f"product config for {ggml_type.name}: stage must be 0 or 1, got {config.stage}")
-    if config.wide not in (0, 1, 2, 3):
-        raise ValueError(f"product config for {ggml_type.name}: wide must be 0-3 (bit 0: Q4_K, bit 1: Q6_K in "
-                         f"64-value units), got {config.wide}")
+    if config.wide not in (0, 1):
+        raise ValueError(f"product config for {ggml_type.name}: wide must be 0 or 1 (Q4_K in 64-value units), "
+                         f"got {config.wide}")
     # Units a lane loads together, times tokens, at most 4: 3 units of 3 tokens need more
     # registers than a launch of 512 threads has (H200). A wide unit holds twice a unit's
     # activations: wide units for at most 2 tokens (product_glu R2 wide: 102 registers at 2
@@ -165,7 +165,7 @@ class Product:
         and x's copy in threadgroup memory (1.25 bytes a value) fits STAGE_BYTES; else 0 (x read
         from device memory)."""
         types = {self.ggml_type, _format(self.second, "product") if self.second is not None else self.ggml_type}
-        readable = all(t == GGMLType.Q8_0 or (t == GGMLType.Q4_K and wide & 1) for t in types)
+        readable = all(t == GGMLType.Q8_0 or (t == GGMLType.Q4_K and wide) for t in types)
         fits = (self.in_features % 64 == 0 and self.in_features >= STAGE_MIN_IN
                 and self.tokens * self.in_features * 5 // 4 <= STAGE_BYTES)
         return int(readable and fits)
