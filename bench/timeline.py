@@ -19,6 +19,9 @@ Then the kernels' time per step by name, over all runs.
 GPU's busy time on all streams and on each, and the kernels by time; each --variant
 NAME:module.ATTR=value,... is profiled again with those settings.
 
+It first prints the copy bandwidth of the same process (decode.py's measure), the ceiling the
+kernels' figures are read against.
+
 Each --variant NAME:module.ATTR=value,... of a decode profile is profiled again (the step traced
 again with those settings), after the default.
 
@@ -165,6 +168,10 @@ def main() -> None:
     if args.set:
         print(f"settings: {args.set}")
         bench_decode.apply_settings(args.set)
+    # The copy ceiling of this process, for the kernels' % of it (RESULTS.md tables): the
+    # issue's figures want the same run's, and a lease's copy moves 3.53-3.64 TB/s.
+    bandwidth = bench_decode.copy_bandwidth(4 << 30)
+    print(f"copy bandwidth (4 GiB elementwise, read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     path = Path(args.dir) / "muse-glimmer-random-52.gguf"
     rng = np.random.default_rng(0)
     if not path.exists() or path.stat().st_size < bench_decode.ARTIFACT_BYTES * 0.9:
