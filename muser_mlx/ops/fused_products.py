@@ -129,8 +129,9 @@ class Product:
 
     def __init__(self, weight, second=None, head: tuple[float, float] | None = None, tokens: int = 1):
         ggml_type = _format(weight, "product")
+        self.formats = {ggml_type}  # the launch's weight formats
         if second is not None:
-            _format(second, "product")
+            self.formats.add(_format(second, "product"))
             if second.shape[0] != weight.shape[0]:
                 raise ValueError(f"product: {weight.name!r} and {second.name!r} take different inputs")
         if not 1 <= tokens <= MATVEC_MAX_TOKENS:
@@ -164,8 +165,7 @@ class Product:
         in wide Q4_K units or Q8_0, IN is whole 64-value blocks of at least STAGE_MIN_IN values
         and x's copy in threadgroup memory (1.25 bytes a value) fits STAGE_BYTES; else 0 (x read
         from device memory)."""
-        types = {self.ggml_type, _format(self.second, "product") if self.second is not None else self.ggml_type}
-        readable = all(t == GGMLType.Q8_0 or (t == GGMLType.Q4_K and wide) for t in types)
+        readable = all(t == GGMLType.Q8_0 or (t == GGMLType.Q4_K and wide) for t in self.formats)
         fits = (self.in_features % 64 == 0 and self.in_features >= STAGE_MIN_IN
                 and self.tokens * self.in_features * 5 // 4 <= STAGE_BYTES)
         return int(readable and fits)
