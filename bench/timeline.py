@@ -202,6 +202,7 @@ def decode_profile(args, model, cache) -> None:
     a step by name."""
     bench_decode.pipelined_decode_ms(bench_decode.fused_step, model, cache, args.steps)  # compile, warm
     by_name = collections.defaultdict(float)
+    launches = collections.Counter()
     total_steps = 0
     for run in range(args.runs):
         ms, events = profiled_run(model, cache, args.steps)
@@ -222,15 +223,17 @@ def decode_profile(args, model, cache) -> None:
             print(f"    gap {size:7.1f} us: {before[:50]} -> {after[:50]}")
         for name, dur in s["names"]:
             by_name[name] += dur
+            launches[name] += 1
         total_steps += n
         if args.trace and run == args.runs - 1:
             keep = [e for e in events if e.get("cat") in ("kernel", "user_annotation")]
             with gzip.open(args.trace, "wt") as f:
                 json.dump(keep, f)
     if total_steps:
-        print("kernels by GPU time a step (us):")
+        print("kernels by GPU time a step (us a step, launches a step, us a launch):")
         for name, dur in sorted(by_name.items(), key=lambda kv: -kv[1])[:20]:
-            print(f"  {dur / total_steps:8.1f}  {name[:90]}")
+            print(f"  {dur / total_steps:8.1f}  {launches[name] / total_steps:5.1f} x {dur / launches[name]:7.2f}  "
+                  f"{name[:90]}")
 
 
 if __name__ == "__main__":
