@@ -689,14 +689,12 @@ inline void muser_load_x(thread muser_x_unit& x, muser_x_staged source, int t, u
 // together before any is used (a unit past the row's last re-reads the last unit and adds
 // nothing). Adds each lane's share into acc[t * ROWS + r]; the caller sums the lanes. The units
 // are X's: muser_x_unit (32 values) or, for Q4_K, muser_x_unit64 (64; muser_rows_dot's WIDE).
-// SPLIT SIMD groups may share the rows (kernel product's SPLIT): SIMD group `slice` of them
-// takes every SPLIT-th pass of 32 * UNROLL units, from pass `slice`.
 template <class X, int UNIT_VALUES, int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL,
-          int SPLIT, class SOURCE>
+          class SOURCE>
 inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, SOURCE source, uint lane,
-                                 uint slice, thread float* acc) {
+                                 thread float* acc) {
   const uint UNITS = uint(IN / UNIT_VALUES);
-  for (uint base = lane + 32u * uint(UNROLL) * slice; base < UNITS; base += 32u * uint(UNROLL * SPLIT)) {
+  for (uint base = lane; base < UNITS; base += 32u * uint(UNROLL)) {
     X x[UNROLL * TOKENS];
     uint units[UNROLL];
     for (int u = 0; u < UNROLL; ++u) {
@@ -728,17 +726,15 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
 
 // muser_rows_dot_units in 32-value units, or in wide ones for Q4_K when WIDE is 1 (other
 // formats ignore WIDE). SOURCE: muser_x_global, or muser_x_staged for the formats and units it
-// holds. SPLIT, slice: muser_rows_dot_units' (1 and 0: the SIMD group takes every unit).
-template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE, int SPLIT = 1,
-          class SOURCE>
-inline void muser_rows_dot(const device uint8_t* weight, uint first_row, SOURCE source, uint lane, thread float* acc,
-                           uint slice = 0u) {
+// holds.
+template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE, class SOURCE>
+inline void muser_rows_dot(const device uint8_t* weight, uint first_row, SOURCE source, uint lane, thread float* acc) {
   if (WIDE != 0 && FORMAT == MUSER_Q4_K) {
-    muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, SPLIT>(
-        weight, first_row, source, lane, slice, acc);
+    muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL>(
+        weight, first_row, source, lane, acc);
   } else {
-    muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, SPLIT>(
-        weight, first_row, source, lane, slice, acc);
+    muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL>(
+        weight, first_row, source, lane, acc);
   }
 }
 

@@ -28,22 +28,16 @@
 // 1.25 bytes), then every SIMD group reads it there: one copy of x through L1 a threadgroup
 // instead of one a SIMD group, and reads without bank conflicts. Only for weights in wide Q4_K
 // units or Q8_0 (both weights of the launch), IN a multiple of 64 (the host checks).
-// SPLIT (1, 2, 4 or 8; divides the threadgroup's SIMD groups): SPLIT consecutive SIMD groups
-// share a row group, each taking every SPLIT-th pass of its units (muser_rows_dot_units); their
-// sums meet in threadgroup memory and the first of them adds them in order and stores. More
-// SIMD groups for a launch of few rows (Muse Glimmer's 6,656), the same bytes.
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
 // ROWS, UNROLL (units per lane at a time), WIDE (1: Q4_K weights in 64-value units,
-// blocks.metal's muser_x_unit64; other formats ignore it), STAGE, SPLIT, EPILOGUE.
+// blocks.metal's muser_x_unit64; other formats ignore it), STAGE, EPILOGUE.
 threadgroup float best_rows[8 * TOKENS * 2];
-threadgroup float split_sums[SPLIT > 1 ? 8 * TOKENS * ROWS : 1];
 const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
 const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);
 uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
 uint warps = threads_per_threadgroup.x / 32u;
-uint slice = warp % uint(SPLIT);
-uint group = (threadgroup_position_in_grid.x * warps + warp) / uint(SPLIT);
+uint group = threadgroup_position_in_grid.x * warps + warp;
 bool in_a = group < GROUPS_A;
 bool active = group < GROUPS_A + GROUPS_B;
 uint first_row = in_a ? group * uint(ROWS) : (group - GROUPS_A) * uint(ROWS);
@@ -58,32 +52,16 @@ if (STAGE) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   muser_x_staged x = {x_words, x_blocks};
   if (in_a) {
-    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, SPLIT>(weight_a, first_row, x, lane, acc, slice);
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, x, lane, acc);
   } else if (active) {
-    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, SPLIT>(weight_b, first_row, x, lane, acc, slice);
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_b, first_row, x, lane, acc);
   }
 } else {
   muser_x_global x = {xq, xd, xs};
   if (in_a) {
-    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, SPLIT>(weight_a, first_row, x, lane, acc, slice);
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, x, lane, acc);
   } else if (active) {
-    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, SPLIT>(weight_b, first_row, x, lane, acc, slice);
-  }
-}
-if (SPLIT > 1) {  // the slices' sums, added in slice order by the first slice
-  for (int i = 0; i < TOKENS * ROWS; ++i) {
-    float total = simd_sum(acc[i]);
-    if (lane == 0u) {
-      split_sums[warp * uint(TOKENS * ROWS) + uint(i)] = total;
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int i = 0; i < TOKENS * ROWS; ++i) {
-    float total = 0.0f;
-    for (int s = 0; s < SPLIT; ++s) {
-      total += split_sums[(warp - slice + uint(s)) * uint(TOKENS * ROWS) + uint(i)];
-    }
-    acc[i] = total;
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_b, first_row, x, lane, acc);
   }
 }
 const uint WIDTH = EPILOGUE == 0 ? uint(OUT_A + OUT_B) : uint(OUT_A);
@@ -94,14 +72,14 @@ for (int t = 0; t < TOKENS; ++t) {
   float top = -3.0e38f;
   float top_row = 0.0f;
   for (int r = 0; r < ROWS; ++r) {
-    float total = SPLIT > 1 ? acc[t * ROWS + r] : simd_sum(acc[t * ROWS + r]);
+    float total = simd_sum(acc[t * ROWS + r]);
     if (EPILOGUE == 1) {
       total *= params[0];
       if (params[1] > 0.0f) {
         total = params[1] * tanh(total / params[1]);
       }
     }
-    bool stored = active && slice == 0u && first_row + uint(r) < rows;
+    bool stored = active && first_row + uint(r) < rows;
     if (stored && lane == uint(r)) {
       y[uint(t) * WIDTH + column + uint(r)] = total;
     }

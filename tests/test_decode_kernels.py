@@ -140,27 +140,6 @@ def test_products_that_stage_x_match_numpy(backend, rng, monkeypatch, rows, simd
         np.testing.assert_array_equal(np.array(ops.Product(a, b, tokens=tokens)(x)), y)
 
 
-@pytest.mark.parametrize("rows, simd_groups, split", [(2, 4, 2), (1, 8, 4), (2, 8, 8)])
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_products_that_split_rows_match_numpy(backend, rng, monkeypatch, rows, simd_groups, split, tokens):
-    """ProductConfig.split at ffn_down's shape of row (Q6_K and Q4_K, 19,968 values: 624 units,
-    312 wide ones, passes that the slices share unevenly) and the o-projection's (Q4_K wide,
-    4,096 values: 2 passes, so most slices of 4 or 8 get none), against numpy."""
-    for ggml_type in (GGMLType.Q4_K, GGMLType.Q6_K):
-        monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(rows, simd_groups, 1, 1, 0, split))
-        monkeypatch.setitem(ops.PRODUCT_CONFIG_BY_WIDTH, (ggml_type, 4096),
-                            ops.ProductConfig(rows, simd_groups, 2, 1, 0, split))
-    for ggml_type, in_features, out in ((GGMLType.Q6_K, 19968, 37), (GGMLType.Q4_K, 19968, 21),
-                                        (GGMLType.Q4_K, 4096, 45)):
-        a, a_values = weight(rng, ggml_type, in_features, out, "a")
-        x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32))
-        product = ops.Product(a, tokens=tokens)
-        assert dict(product.template)["SPLIT"] == split
-        with kernels.poisoned_outputs():
-            y = np.array(product(x))
-        assert np.isfinite(y).all() and relative_error(y, x_values @ a_values.T) <= PRODUCT_BOUND
-
-
 def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
     monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 3))
     a, _ = weight(rng, GGMLType.Q4_K, 256, 8, "a")
@@ -172,10 +151,6 @@ def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
     monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 2))
     with pytest.raises(ValueError, match="stage must be 0 or 1"):
         ops.Product(a)
-    for split in (3, 8):  # not a power of two; more than the 4 SIMD groups
-        monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 0, split))
-        with pytest.raises(ValueError, match="split must be 1, 2, 4 or 8 and divide"):
-            ops.Product(a)
 
 
 def test_wide_units_take_at_most_two_tokens_and_fewer_units_at_once(rng, monkeypatch):

@@ -315,40 +315,6 @@ def test_products_that_stage_x_in_threadgroup_memory(rng, monkeypatch, rows, unr
     assert dict(ops.Product(a, b, tokens=tokens).template)["STAGE"] == 0
 
 
-@pytest.mark.parametrize("rows, simd_groups, split, unroll, tokens", [(2, 4, 2, 1, 1), (1, 8, 4, 2, 2), (4, 2, 2, 1, 1),
-                                                                      (2, 8, 8, 1, 2)])
-def test_products_that_split_rows_between_simd_groups(rng, monkeypatch, rows, simd_groups, split, unroll, tokens):
-    """ProductConfig.split: SPLIT SIMD groups share a row group, each every SPLIT-th pass of
-    its units, their sums added through threadgroup memory. Q4_K (wide), Q6_K and Q8_0, first
-    and second in a launch; 1,280 values (40 units, 20 wide ones: some slices get no pass at
-    all), rows that leave the last threadgroup's row groups partly empty; the LM head's epilogue
-    and its argmax too. Within the product's bound of numpy, and of the unsplit launch."""
-    config = ops.ProductConfig(rows, simd_groups, unroll, 1, 0, split)
-    configure_products(monkeypatch, config, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
-    a, a_values = weight(rng, GGMLType.Q4_K, 1280, 13, "a")
-    b, b_values = weight(rng, GGMLType.Q6_K, 1280, 22, "b")
-    c, c_values = weight(rng, GGMLType.Q8_0, 1280, 7, "c")
-    head, head_values = weight(rng, GGMLType.Q6_K, 1280, 301, "head")
-    x, x_values = q8x(rng.standard_normal((tokens, 1280)).astype(np.float32))
-    with emulated_gpu() as launches, kernels.poisoned_outputs():
-        ab = np.array(ops.product(x, a, b))
-        ca = np.array(ops.product(x, c, a))
-        logits, best = ops.product(x, head, head=(0.2, 20.0))
-        token = np.array(ops.greedy(best))
-    assert kernel_names(launches) == ["product", "product", "product", "argmax"]
-    assert [dict(launch[1])["SPLIT"] for launch in launches[:3]] == [split] * 3
-    logits = np.array(logits)
-    np.testing.assert_array_equal(token, np.argmax(logits, axis=-1))
-    for out, expected in ((ab, np.concatenate([x_values @ a_values.T, x_values @ b_values.T], axis=-1)),
-                          (ca, np.concatenate([x_values @ c_values.T, x_values @ a_values.T], axis=-1)),
-                          (logits, 20.0 * np.tanh(x_values @ head_values.T * 0.2 / 20.0))):
-        assert np.isfinite(out).all() and relative_error(out, expected) <= PRODUCT_BOUND
-    configure_products(monkeypatch, config._replace(split=1), GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
-    with emulated_gpu():
-        unsplit = np.array(ops.product(x, a, b))
-    assert relative_error(ab, unsplit) <= 1e-6
-
-
 def test_lm_head_product_and_argmax(rng):
     head, head_values = weight(rng, GGMLType.Q6_K, 256, 301)
     x, x_values = q8x(rng.standard_normal((2, 256)).astype(np.float32))

@@ -31,7 +31,6 @@ class ProductConfig(NamedTuple):
     unroll: int = 1
     wide: int = 0  # 1: Q4_K in 64-value units (one scale unpack per 64 values); other formats ignore it
     stage: int = 0  # 1: kernel product copies x to threadgroup memory first where it can (Product._stages)
-    split: int = 1  # SIMD groups sharing a row group, each a share of its units (kernel product only)
 
 
 # Chosen by `bench/linear.py --products` and CUPTI in a real step (`bench/timeline.py`) on the
@@ -76,9 +75,6 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
         raise ValueError(f"product config for {ggml_type.name}: unroll must be 1, 2 or 4, got {config.unroll}")
     if config.stage not in (0, 1):
         raise ValueError(f"product config for {ggml_type.name}: stage must be 0 or 1, got {config.stage}")
-    if config.split not in (1, 2, 4, 8) or config.simd_groups % config.split:
-        raise ValueError(f"product config for {ggml_type.name}: split must be 1, 2, 4 or 8 and divide the "
-                         f"{config.simd_groups} SIMD groups a threadgroup, got {config.split}")
     if config.wide not in (0, 1):
         raise ValueError(f"product config for {ggml_type.name}: wide must be 0 or 1 (Q4_K in 64-value units), "
                          f"got {config.wide}")
@@ -154,14 +150,13 @@ class Product:
         config = _config(self.ggml_type, self.in_features, self.tokens)
         key = (config, STAGE_MIN_IN, STAGE_BYTES)  # bench variants may change the module's constants
         if self._launch[0] != key:
-            rows, simd_groups, unroll, wide, stage, split = config
+            rows, simd_groups, unroll, wide, stage = config
             stage = self._stages(wide) if stage else 0
-            row_groups = -(-self.out_a // rows) - (-self.out_b // rows)
-            groups = -(-row_groups // (simd_groups // split))  # threadgroups
+            groups = -(-(-(-self.out_a // rows) - (-self.out_b // rows)) // simd_groups)  # threadgroups
             template = (_weight_template("A", self.weight) + [("OUT_A", self.out_a)]
                         + _weight_template("B", self.second if self.second is not None else self.weight)
                         + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
-                           ("UNROLL", unroll), ("WIDE", wide), ("STAGE", stage), ("SPLIT", split),
+                           ("UNROLL", unroll), ("WIDE", wide), ("STAGE", stage),
                            ("EPILOGUE", int(self.head is not None))])
             self._launch = (key, (template, (32 * simd_groups * groups, 1, 1), (32 * simd_groups, 1, 1), groups))
         return self._launch[1]
@@ -245,7 +240,7 @@ class GatedProduct:
         """(template, grid, threadgroup) for the configuration in force now."""
         config = _config(self.ggml_type, self.in_features, self.tokens, glu=True)
         if self._launch[0] != config:
-            rows, _, unroll, wide, _, _ = config  # product_glu reads x from device memory (no stage, no split)
+            rows, _, unroll, wide, _ = config  # product_glu reads x from device memory (no stage)
             template = (_weight_template("G", self.gate) + _weight_template("U", self.up)
                         + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
                            ("UNROLL", unroll), ("WIDE", wide), ("ACTIVATION", ACTIVATIONS[self.activation])])
