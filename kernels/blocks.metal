@@ -393,21 +393,6 @@ inline uint2 muser_words2(const device uint8_t* base, size_t offset) {
   return uint2(muser_funnel(w0, w1, shift), muser_funnel(w1, w2, shift));
 }
 
-// muser_words2 from aligned 8-byte loads (base 8-byte aligned: MLX's buffers are): one when
-// offset is a multiple of 8, else two, where muser_words2 takes two or three 4-byte loads. The
-// second may read up to 6 bytes past offset + 8: the caller keeps them inside the buffer.
-inline uint2 muser_words2_a8(const device uint8_t* base, size_t offset) {
-  const device uint2* pairs = (const device uint2*)(base + (offset & ~size_t(7)));
-  uint shift = uint(offset & 7u) * 8u;
-  uint2 p0 = pairs[0];
-  uint2 p1 = shift != 0u ? pairs[1] : uint2(0u, 0u);
-  bool upper = shift >= 32u;
-  uint a = upper ? p0.y : p0.x;
-  uint b = upper ? p1.x : p0.y;
-  uint c = upper ? p1.y : p1.x;
-  return uint2(muser_funnel(a, b, shift & 31u), muser_funnel(b, c, shift & 31u));
-}
-
 // One 32-value block of activations quantized by a SIMD group, lane l holding value l: writes
 // codes xq[32 * block + l], the scale xd[block] and the four sums xs[4 * block + l / 8].
 inline void muser_quantize_block(float value, uint lane, device int8_t* xq, device float* xd,
@@ -492,7 +477,7 @@ inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, c
 //   Q4_K: sum_i (d sc q_i - dmin m) x_i = d sc xd (sum_i q_i c_i) - dmin m (xd sum_i c_i).
 //   Q6_K: sum_i d sc (q_i - 32) x_i = d sc (xd (sum_i q_i c_i) - 32 (xd sum_i c_i)).
 //   Q8_0: sum_i d q_i x_i = d xd (sum_i q_i c_i).
-template <int FORMAT, int TOKENS, int STRIDE, int LOADS8 = 0>
+template <int FORMAT, int TOKENS, int STRIDE>
 inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
                            thread const muser_x_unit* x, thread float* out) {
   uint super_block = unit / 8u;
@@ -522,15 +507,10 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     size_t block = row + 210u * super_block;
     uint half_index = (unit % 8u) / 4u;
     uint l0 = 8u * (unit % 4u);
-    // LOADS8: the weight's bytes are a multiple of 8, so that 8-byte loads stay inside it.
-    uint2 low_a = LOADS8 ? muser_words2_a8(weight, block + 64u * half_index + l0)  // quarters 0 and 2
-                         : muser_words2(weight, block + 64u * half_index + l0);
-    uint2 low_b = LOADS8 ? muser_words2_a8(weight, block + 64u * half_index + 32u + l0)  // quarters 1 and 3
-                         : muser_words2(weight, block + 64u * half_index + 32u + l0);
-    uint2 high = LOADS8 ? muser_words2_a8(weight, block + 128u + 32u * half_index + l0)  // bits 2q, 2q+1
-                        : muser_words2(weight, block + 128u + 32u * half_index + l0);
-    uint2 scales = LOADS8 ? muser_words2_a8(weight, block + 192u + 8u * half_index)  // 8 int8 scales
-                          : muser_words2(weight, block + 192u + 8u * half_index);
+    uint2 low_a = muser_words2(weight, block + 64u * half_index + l0);        // quarters 0 and 2
+    uint2 low_b = muser_words2(weight, block + 64u * half_index + 32u + l0);  // quarters 1 and 3
+    uint2 high = muser_words2(weight, block + 128u + 32u * half_index + l0);  // bits 2q, 2q+1
+    uint2 scales = muser_words2(weight, block + 192u + 8u * half_index);      // 8 int8 scales
     float d = float(as_type<half>(*((const device ushort*)(weight + block + 208u))));
     float sc[4];
     for (int quarter = 0; quarter < 4; ++quarter) {
@@ -594,7 +574,7 @@ inline void muser_load_x_unit(thread muser_x_unit64& x, const device int8_t* xq,
 
 // Wide unit u of one Q4_K row dotted with TOKENS tokens; adds into out[t * STRIDE] (kernels
 // take wide units for Q4_K only).
-template <int FORMAT, int TOKENS, int STRIDE, int LOADS8 = 0>  // LOADS8: the 32-value form's (unused)
+template <int FORMAT, int TOKENS, int STRIDE>
 inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
                            thread const muser_x_unit64* x, thread float* out) {
   const device uint8_t* block = weight + row + 144u * (unit / 4u);
@@ -730,8 +710,8 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
     for (int u = 0; u < UNROLL; ++u) {
       for (int r = 0; r < ROWS; ++r) {
         uint row = min(first_row + uint(r), uint(OUT - 1));
-        muser_unit_dot<FORMAT, TOKENS, ROWS, (size_t(OUT) * size_t(ROW_BYTES)) % 8 == 0>(
-            weight, size_t(row) * size_t(ROW_BYTES), units[u], x + u * TOKENS, part + u * TOKENS * ROWS + r);
+        muser_unit_dot<FORMAT, TOKENS, ROWS>(weight, size_t(row) * size_t(ROW_BYTES), units[u], x + u * TOKENS,
+                                             part + u * TOKENS * ROWS + r);
       }
     }
     for (int u = 0; u < UNROLL; ++u) {

@@ -11,7 +11,7 @@
 //               array of a launch is host work at every step) best [TOKENS, threadgroups, 2]:
 //               each threadgroup's largest value and its row (the first on ties), for kernel
 //               argmax.
-// weight_a, weight_b: raw GGUF bytes [OUT, ROW_BYTES] uint8 (4-byte aligned; 8 for Q6_K); xq int8
+// weight_a, weight_b: raw GGUF bytes [OUT, ROW_BYTES] uint8 (4-byte aligned); xq int8
 // [TOKENS, IN]; xd f32 [TOKENS, IN/32]; xs f32 [TOKENS, IN/8]; params f32 [2].
 // Grid: one SIMD group per ROWS consecutive rows of A, then of B: ceil(OUT_A / ROWS) +
 // ceil(OUT_B / ROWS) SIMD groups, up to 8 per threadgroup. Lane l takes units l, l + 32, ...

@@ -315,36 +315,6 @@ def test_products_that_stage_x_in_threadgroup_memory(rng, monkeypatch, rows, unr
     assert dict(ops.Product(a, b, tokens=tokens).template)["STAGE"] == 0
 
 
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_q6k_products_with_8_byte_loads(rng, tokens):
-    """Q6_K weights whose bytes are a multiple of 8 are read with aligned 8-byte loads
-    (muser_words2_a8; blocks.metal's LOADS8): 1,050-byte rows, so rows start at 0 or 4 mod 8 and
-    super-blocks at every even offset mod 8, the pieces at all four shifts. In a launch alone,
-    second after Q4_K, as the LM head (its argmax) and as product_glu's up."""
-    a, a_values = weight(rng, GGMLType.Q6_K, 1280, 24, "a")
-    q, q_values = weight(rng, GGMLType.Q4_K, 1280, 13, "q")
-    head, head_values = weight(rng, GGMLType.Q6_K, 1280, 64, "head")
-    gate, gate_values = weight(rng, GGMLType.Q4_K, 1280, 32, "gate")
-    up, up_values = weight(rng, GGMLType.Q6_K, 1280, 32, "up")
-    assert all(w.data.nbytes % 8 == 0 for w in (a, head, up))
-    x, x_values = q8x(rng.standard_normal((tokens, 1280)).astype(np.float32))
-    with emulated_gpu() as launches, kernels.poisoned_outputs():
-        out_a = np.array(ops.product(x, a))
-        out_qa = np.array(ops.product(x, q, a))
-        logits, best = ops.product(x, head, head=(1.0, 0.0))
-        token = np.array(ops.greedy(best))
-        glu = ops.product_glu(x, gate, up, "silu")
-        mx.eval(glu)
-    assert kernel_names(launches) == ["product", "product", "product", "argmax", "product_glu"]
-    assert relative_error(out_a, x_values @ a_values.T) <= PRODUCT_BOUND
-    expected = np.concatenate([x_values @ q_values.T, x_values @ a_values.T], axis=-1)
-    assert relative_error(out_qa, expected) <= PRODUCT_BOUND
-    assert relative_error(np.array(logits), x_values @ head_values.T) <= PRODUCT_BOUND
-    np.testing.assert_array_equal(token, np.argmax(np.array(logits), axis=-1))
-    g, u = x_values @ gate_values.T, x_values @ up_values.T
-    assert_within_half_a_code(glu, g / (1 + np.exp(-g)) * u)
-
-
 def test_lm_head_product_and_argmax(rng):
     head, head_values = weight(rng, GGMLType.Q6_K, 256, 301)
     x, x_values = q8x(rng.standard_normal((2, 256)).astype(np.float32))
