@@ -412,8 +412,9 @@ inline void muser_quantize_block(float value, uint lane, device int8_t* xq, devi
 }
 
 // The activations one product unit reads (32 values of x for one token): codes as 8 words
-// (int8 x4), and the scales and sums of the blocks they come from. Which 32 values, and which
-// scales and sums, depends on the weight format's unit (muser_x_unit).
+// (int8 x4), and the scales and sums of the blocks they come from (Q6_K: each quarter's code sum,
+// counted from its codes). Which 32 values, and which scales and sums, depends on the weight
+// format's unit (muser_x_unit).
 struct muser_x_unit {
   uint codes[8];
   float scale[4];
@@ -461,7 +462,8 @@ inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, c
       x.codes[2 * quarter] = codes.x;
       x.codes[2 * quarter + 1] = codes.y;
       x.scale[quarter] = xd[first / 32u + uint(quarter)];
-      x.sum[quarter] = xs[first / 8u + 4u * uint(quarter)];
+      // The quarter's code sum, an integer (|sum| <= 1016): from its codes, not a load of xs.
+      x.sum[quarter] = float(muser_dot4(codes.y, 0x01010101u, muser_dot4(codes.x, 0x01010101u, 0)));
     }
   } else {
     uint4 a = *((const device uint4*)(xq + 32u * unit));
@@ -475,7 +477,8 @@ inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, c
 // Unit u of one weight row (starting at byte `row` of `weight`, 4-byte aligned base) dotted
 // with the activations of TOKENS tokens; adds into out[t * STRIDE].
 //   Q4_K: sum_i (d sc q_i - dmin m) x_i = d sc xd (sum_i q_i c_i) - dmin m (xd sum_i c_i).
-//   Q6_K: sum_i d sc (q_i - 32) x_i = d sc (xd (sum_i q_i c_i) - 32 (xd sum_i c_i)).
+//   Q6_K: sum_i d sc (q_i - 32) x_i = d sc xd (sum_i q_i c_i - 32 sum_i c_i), the code sums
+//         from the codes themselves (integers, exact).
 //   Q8_0: sum_i d q_i x_i = d xd (sum_i q_i c_i).
 template <int FORMAT, int TOKENS, int STRIDE>
 inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
@@ -522,7 +525,7 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
       uint code1 = muser_q6k_codes(low.y, high.y, uint(quarter));
       for (int t = 0; t < TOKENS; ++t) {
         int dot = muser_dot4(code0, x[t].codes[2 * quarter], 0) + muser_dot4(code1, x[t].codes[2 * quarter + 1], 0);
-        out[t * STRIDE] += sc[quarter] * (x[t].scale[quarter] * float(dot) - 32.0f * x[t].sum[quarter]);
+        out[t * STRIDE] += sc[quarter] * (x[t].scale[quarter] * (float(dot) - 32.0f * x[t].sum[quarter]));
       }
     }
   } else {
