@@ -20,7 +20,10 @@ GPU's busy time on all streams and on each, and the kernels by time; each --vari
 NAME:module.ATTR=value,... is profiled again with those settings.
 
 It first prints the copy bandwidth of the same process (decode.py's measure), the ceiling the
-kernels' figures are read against.
+kernels' figures are read against. --copy-sizes 15.34,34.29,... also times, under the profiler,
+copies (`x + 1` over float32) that move each of those many MB (read + write) as one launch: the
+kernel time (CUPTI) of a copy the size of a product, against the 4 GiB one. The copies rotate
+through buffers of 256 MB or more in all, so none reads from L2 what the one before it wrote.
 
 Each --variant NAME:module.ATTR=value,... of a decode profile is profiled again (the step traced
 again with those settings), after the default.
@@ -112,6 +115,38 @@ def summarize(events) -> dict:
     }
 
 
+def copy_sizes_profile(sizes_mb: list[float], bandwidth: float) -> None:
+    """--copy-sizes: per size, the median CUPTI time of an elementwise copy (x + 1, float32)
+    moving that many MB (read + write) in one launch, over rotating buffers (>= 256 MB in all,
+    past the H200's 50 MB L2), and its bandwidth against the 4 GiB copy's."""
+    import torch.profiler as tp
+
+    for mb in sizes_mb:
+        n = int(mb * 1e6) // 8  # float32 values: 4 bytes read + 4 written each
+        xs = [mx.random.normal((n,)) for _ in range(max(4, -(-256 * 10**6 // (8 * n))))]
+        mx.eval(xs)
+        for x in xs:
+            mx.eval(x + 1.0)
+        with tp.profile(activities=[tp.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                for x in xs:
+                    mx.eval(x + 1.0)
+        groups = collections.defaultdict(list)
+        for e in trace_events(prof):
+            if e.get("cat") == "kernel" and "dur" in e:
+                groups[e["name"]].append(e["dur"])
+        durations = max(groups.values(), key=len) if groups else []
+        if len(durations) < 3 * len(xs):
+            print(f"copy of {mb:g} MB: the profiler saw {len(durations)} launches of {3 * len(xs)}")
+            continue
+        us = statistics.median(durations)
+        print(f"copy of {mb:g} MB (one launch, {len(durations)} timed): {us:.2f} us, "
+              f"{8 * n / us / 1e6:.2f} TB/s = {100 * 8 * n / us / 1e6 / (bandwidth / 1e12):.1f} % of the 4 GiB copy",
+              flush=True)
+        del xs
+        mx.clear_cache()
+
+
 def short_name(name: str) -> str:
     """A kernel's name without MLX's namespace and its arguments."""
     return name.split("(")[0].replace("mlx::core::cu::custom_kernel_muser_", "")[:70]
@@ -164,6 +199,8 @@ def main() -> None:
                         help="profile this many 512-row prefill chunks instead of decode steps")
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME:module.ATTR=value,... profiled again with these settings (decode: recompiled)")
+    parser.add_argument("--copy-sizes", default="",
+                        help="MB,MB,...: also time one-launch copies moving that many MB (read + write)")
     args = parser.parse_args()
     if args.set:
         print(f"settings: {args.set}")
@@ -172,6 +209,8 @@ def main() -> None:
     # issue's figures want the same run's, and a lease's copy moves 3.53-3.64 TB/s.
     bandwidth = bench_decode.copy_bandwidth(4 << 30)
     print(f"copy bandwidth (4 GiB elementwise, read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
+    if args.copy_sizes:
+        copy_sizes_profile([float(v) for v in args.copy_sizes.split(",")], bandwidth)
     path = Path(args.dir) / "muse-glimmer-random-52.gguf"
     rng = np.random.default_rng(0)
     if not path.exists() or path.stat().st_size < bench_decode.ARTIFACT_BYTES * 0.9:
