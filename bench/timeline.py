@@ -22,8 +22,10 @@ NAME:module.ATTR=value,... is profiled again with those settings.
 It first prints the copy bandwidth of the same process (decode.py's measure), the ceiling the
 kernels' figures are read against. --copy-sizes 15.34,34.29,... also times, under the profiler,
 copies (`x + 1` over float32) that move each of those many MB (read + write) as one launch: the
-kernel time (CUPTI) of a copy the size of a product, against the 4 GiB one. The copies rotate
-through buffers of 256 MB or more in all, so none reads from L2 what the one before it wrote.
+kernel time (CUPTI) of a copy the size of a product, against the 4 GiB one; and a plain read of
+that many MB as one launch (READ_KERNEL: 16-byte loads, four in flight a thread; the fastest of
+a few grids), the least a product of that many bytes could take. Both rotate through buffers of
+256 MB or more in all, so none reads from L2 what the one before it left there.
 
 Each --variant NAME:module.ATTR=value,... of a decode profile is profiled again (the step traced
 again with those settings), after the default.
@@ -115,35 +117,96 @@ def summarize(events) -> dict:
     }
 
 
+# A plain read of WORDS 16-byte words (Metal text; CUDA through muser_mlx.kernels.to_cuda):
+# thread i of T reads words i, i + T, i + 2T, i + 3T, ... four loads in flight, and stores only
+# if their XOR is a value it practically never is (so the loads cannot be dropped).
+READ_KERNEL = """
+const device uint4* words = (const device uint4*)data;
+uint step = threadgroups_per_grid.x * threads_per_threadgroup.x;
+uint acc = 0u;
+for (uint i = thread_position_in_grid.x; i < uint(WORDS); i += 4u * step) {
+  uint4 a = words[i];
+  uint4 b = words[min(i + step, uint(WORDS) - 1u)];
+  uint4 c = words[min(i + 2u * step, uint(WORDS) - 1u)];
+  uint4 d = words[min(i + 3u * step, uint(WORDS) - 1u)];
+  acc ^= (a.x ^ b.y ^ c.z ^ d.w) ^ (a.y ^ b.z ^ c.w ^ d.x) ^ (a.z ^ b.w ^ c.x ^ d.y) ^ (a.w ^ b.x ^ c.y ^ d.z);
+}
+if (acc == 0x9E3779B9u) {
+  out[0] = acc;
+}
+"""
+
+
+def read_kernel():
+    from muser_mlx import kernels
+
+    if kernels.backend() == "metal":
+        return mx.fast.metal_kernel(name="read_ceiling", input_names=["data"], output_names=["out"],
+                                    source=READ_KERNEL)
+    return mx.fast.cuda_kernel(name="read_ceiling", input_names=["data"], output_names=["out"],
+                               source=kernels.to_cuda(READ_KERNEL), header=kernels.CUDA_PRELUDE)
+
+
+def timed_launches(launch, arrays, rounds: int = 3) -> list:
+    """CUPTI durations (us) of launch(a) for each array, `rounds` times over (one evaluation
+    each, after one unprofiled round): those of the kernel launched most often."""
+    import torch.profiler as tp
+
+    for a in arrays:
+        mx.eval(launch(a))
+    with tp.profile(activities=[tp.ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            for a in arrays:
+                mx.eval(launch(a))
+    groups = collections.defaultdict(list)
+    for e in trace_events(prof):
+        if e.get("cat") == "kernel" and "dur" in e:
+            groups[e["name"]].append(e["dur"])
+    durations = max(groups.values(), key=len) if groups else []
+    return durations if len(durations) >= rounds * len(arrays) else []
+
+
 def copy_sizes_profile(sizes_mb: list[float], bandwidth: float) -> None:
     """--copy-sizes: per size, the median CUPTI time of an elementwise copy (x + 1, float32)
     moving that many MB (read + write) in one launch, over rotating buffers (>= 256 MB in all,
     past the H200's 50 MB L2), and its bandwidth against the 4 GiB copy's."""
-    import torch.profiler as tp
+    kernel = read_kernel()
+
+    def report(what: str, nbytes: int, durations: list) -> None:
+        if not durations:
+            print(f"{what}: the profiler did not see every launch")
+            return
+        us = statistics.median(durations)
+        print(f"{what} (one launch, {len(durations)} timed): {us:.2f} us, {nbytes / us / 1e6:.2f} TB/s = "
+              f"{100 * nbytes / us / 1e6 / (bandwidth / 1e12):.1f} % of the 4 GiB copy", flush=True)
 
     for mb in sizes_mb:
         n = int(mb * 1e6) // 8  # float32 values: 4 bytes read + 4 written each
-        xs = [mx.random.normal((n,)) for _ in range(max(4, -(-256 * 10**6 // (8 * n))))]
+        count = max(4, -(-256 * 10**6 // (8 * n)))
+        xs = [mx.random.normal((n,)) for _ in range(count)]
         mx.eval(xs)
-        for x in xs:
-            mx.eval(x + 1.0)
-        with tp.profile(activities=[tp.ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                for x in xs:
-                    mx.eval(x + 1.0)
-        groups = collections.defaultdict(list)
-        for e in trace_events(prof):
-            if e.get("cat") == "kernel" and "dur" in e:
-                groups[e["name"]].append(e["dur"])
-        durations = max(groups.values(), key=len) if groups else []
-        if len(durations) < 3 * len(xs):
-            print(f"copy of {mb:g} MB: the profiler saw {len(durations)} launches of {3 * len(xs)}")
-            continue
-        us = statistics.median(durations)
-        print(f"copy of {mb:g} MB (one launch, {len(durations)} timed): {us:.2f} us, "
-              f"{8 * n / us / 1e6:.2f} TB/s = {100 * 8 * n / us / 1e6 / (bandwidth / 1e12):.1f} % of the 4 GiB copy",
-              flush=True)
+        report(f"copy of {mb:g} MB", 8 * n, timed_launches(lambda x: x + 1.0, xs))
+        words = int(mb * 1e6) // 16
         del xs
+        mx.clear_cache()
+        data = [mx.random.normal((4 * words,)).view(mx.uint32) for _ in range(count)]  # count x mb >= 256 MB too
+        mx.eval(data)
+        best = None
+        for per_sm, threads in ((4, 256), (8, 256), (16, 128), (2, 1024)):
+            blocks = 132 * per_sm  # the H200's SMs
+
+            def launch(a, blocks=blocks, threads=threads):
+                return kernel(inputs=[a], template=[("WORDS", words)], grid=(blocks * threads, 1, 1),
+                              threadgroup=(threads, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.uint32])[0]
+
+            durations = timed_launches(launch, data)
+            print(f"  read of {mb:g} MB, grid {blocks} x {threads}: "
+                  f"{statistics.median(durations) if durations else float('nan'):.2f} us")
+            if durations and (best is None or statistics.median(durations) < statistics.median(best[1])):
+                best = (f"{blocks} x {threads}", durations)
+        if best:
+            report(f"read of {mb:g} MB, grid {best[0]}", 16 * words, best[1])
+        del data
         mx.clear_cache()
 
 
