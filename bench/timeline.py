@@ -20,7 +20,8 @@ GPU's busy time on all streams and on each, and the kernels by time; each --vari
 NAME:module.ATTR=value,... is profiled again with those settings.
 
 It first prints the copy bandwidth of the same process (decode.py's measure), the ceiling the
-kernels' figures are read against. --copy-sizes 15.34,34.29,... also times, under the profiler,
+kernels' figures are read against, then the same copy's bandwidth in GPU time (CUPTI, one 1 GiB
+launch), as the kernels are timed. --copy-sizes 15.34,34.29,... also times, under the profiler,
 copies (`x + 1` over float32) that move each of those many MB (read + write) as one launch: the
 kernel time (CUPTI) of a copy the size of a product, against the 4 GiB one; and a plain read of
 that many MB as one launch (READ_KERNEL: 16-byte loads, four in flight a thread; the fastest of
@@ -272,6 +273,17 @@ def main() -> None:
     # issue's figures want the same run's, and a lease's copy moves 3.53-3.64 TB/s.
     bandwidth = bench_decode.copy_bandwidth(4 << 30)
     print(f"copy bandwidth (4 GiB elementwise, read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
+    # The same copy in GPU time (CUPTI), as the kernels below are timed: the host-timed figure
+    # above includes a launch's host latency and moved 3.10-3.65 TB/s on leases where this one
+    # gave 3.81 (RESULTS.md, session 25).
+    xs = [mx.random.normal((1 << 27,)) for _ in range(4)]  # 512 MiB each: 1 GiB moved a launch
+    mx.eval(xs)
+    durations = timed_launches(lambda x: x + 1.0, xs)
+    if durations:
+        print(f"copy bandwidth in GPU time (1 GiB elementwise, read+write, CUPTI median of {len(durations)}): "
+              f"{(1 << 30) / statistics.median(durations) / 1e6:.2f} TB/s", flush=True)
+    del xs
+    mx.clear_cache()
     if args.copy_sizes:
         copy_sizes_profile([float(v) for v in args.copy_sizes.split(",")], bandwidth)
     path = Path(args.dir) / "muse-glimmer-random-52.gguf"
