@@ -167,6 +167,21 @@ def timed_launches(launch, arrays, rounds: int = 3) -> list:
     return durations if len(durations) >= rounds * len(arrays) else []
 
 
+def gpu_copy_bandwidth() -> None:
+    """Prints the copy's bandwidth in GPU time (CUPTI), as the kernels are timed: one 1 GiB
+    `x + 1` launch (read + write) over 4 rotating buffers. The host-timed 4 GiB figure includes
+    a launch's host latency: it moved 3.10-3.65 TB/s on leases where this gave 3.81 (RESULTS.md,
+    session 25)."""
+    xs = [mx.random.normal((1 << 27,)) for _ in range(4)]  # 512 MiB each: 1 GiB moved a launch
+    mx.eval(xs)
+    durations = timed_launches(lambda x: x + 1.0, xs)
+    if durations:
+        print(f"copy bandwidth in GPU time (1 GiB elementwise, read+write, CUPTI median of {len(durations)}): "
+              f"{(1 << 30) / statistics.median(durations) / 1e6:.2f} TB/s", flush=True)
+    del xs
+    mx.clear_cache()
+
+
 def copy_sizes_profile(sizes_mb: list[float], bandwidth: float) -> None:
     """--copy-sizes: per size, the median CUPTI time of an elementwise copy (x + 1, float32)
     moving that many MB (read + write) in one launch, over rotating buffers (>= 256 MB in all,
@@ -273,17 +288,7 @@ def main() -> None:
     # issue's figures want the same run's, and a lease's copy moves 3.53-3.64 TB/s.
     bandwidth = bench_decode.copy_bandwidth(4 << 30)
     print(f"copy bandwidth (4 GiB elementwise, read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
-    # The same copy in GPU time (CUPTI), as the kernels below are timed: the host-timed figure
-    # above includes a launch's host latency and moved 3.10-3.65 TB/s on leases where this one
-    # gave 3.81 (RESULTS.md, session 25).
-    xs = [mx.random.normal((1 << 27,)) for _ in range(4)]  # 512 MiB each: 1 GiB moved a launch
-    mx.eval(xs)
-    durations = timed_launches(lambda x: x + 1.0, xs)
-    if durations:
-        print(f"copy bandwidth in GPU time (1 GiB elementwise, read+write, CUPTI median of {len(durations)}): "
-              f"{(1 << 30) / statistics.median(durations) / 1e6:.2f} TB/s", flush=True)
-    del xs
-    mx.clear_cache()
+    gpu_copy_bandwidth()
     if args.copy_sizes:
         copy_sizes_profile([float(v) for v in args.copy_sizes.split(",")], bandwidth)
     path = Path(args.dir) / "muse-glimmer-random-52.gguf"
