@@ -167,25 +167,35 @@ def timed_launches(launch, arrays, rounds: int = 3) -> list:
     return durations if len(durations) >= rounds * len(arrays) else []
 
 
+def copy_launches(nbytes: int) -> tuple[int, list]:
+    """One `x + 1` launch (float32) moving about `nbytes` (read + write), over rotating buffers
+    of 256 MB or more in all (past the H200's 50 MB L2): (bytes moved a launch, CUPTI
+    durations in us, empty if the profiler missed a launch)."""
+    n = nbytes // 8  # float32 values: 4 bytes read + 4 written each
+    xs = [mx.random.normal((n,)) for _ in range(max(4, -(-256 * 10**6 // (8 * n))))]
+    mx.eval(xs)
+    durations = timed_launches(lambda x: x + 1.0, xs)
+    del xs
+    mx.clear_cache()
+    return 8 * n, durations
+
+
 def gpu_copy_bandwidth() -> None:
     """Prints the copy's bandwidth in GPU time (CUPTI), as the kernels are timed: one 1 GiB
     `x + 1` launch (read + write) over 4 rotating buffers. The host-timed 4 GiB figure includes
     a launch's host latency: it moved 3.10-3.65 TB/s on leases where this gave 3.81 (RESULTS.md,
     session 25)."""
-    xs = [mx.random.normal((1 << 27,)) for _ in range(4)]  # 512 MiB each: 1 GiB moved a launch
-    mx.eval(xs)
-    durations = timed_launches(lambda x: x + 1.0, xs)
+    moved, durations = copy_launches(1 << 30)
     if durations:
         print(f"copy bandwidth in GPU time (1 GiB elementwise, read+write, CUPTI median of {len(durations)}): "
-              f"{(1 << 30) / statistics.median(durations) / 1e6:.2f} TB/s", flush=True)
-    del xs
-    mx.clear_cache()
+              f"{moved / statistics.median(durations) / 1e6:.2f} TB/s", flush=True)
 
 
 def copy_sizes_profile(sizes_mb: list[float], bandwidth: float) -> None:
-    """--copy-sizes: per size, the median CUPTI time of an elementwise copy (x + 1, float32)
-    moving that many MB (read + write) in one launch, over rotating buffers (>= 256 MB in all,
-    past the H200's 50 MB L2), and its bandwidth against the 4 GiB copy's."""
+    """--copy-sizes: per size, the median CUPTI time of one copy launch moving that many MB
+    (copy_launches) and of one READ_KERNEL launch reading them (the fastest of four grids, each
+    printed), over rotating buffers of 256 MB or more, and their bandwidth against the 4 GiB
+    copy's."""
     kernel = read_kernel()
 
     def report(what: str, nbytes: int, durations: list) -> None:
@@ -197,15 +207,10 @@ def copy_sizes_profile(sizes_mb: list[float], bandwidth: float) -> None:
               f"{100 * nbytes / us / 1e6 / (bandwidth / 1e12):.1f} % of the 4 GiB copy", flush=True)
 
     for mb in sizes_mb:
-        n = int(mb * 1e6) // 8  # float32 values: 4 bytes read + 4 written each
-        count = max(4, -(-256 * 10**6 // (8 * n)))
-        xs = [mx.random.normal((n,)) for _ in range(count)]
-        mx.eval(xs)
-        report(f"copy of {mb:g} MB", 8 * n, timed_launches(lambda x: x + 1.0, xs))
+        report(f"copy of {mb:g} MB", *copy_launches(int(mb * 1e6)))
         words = int(mb * 1e6) // 16
-        del xs
-        mx.clear_cache()
-        data = [mx.random.normal((4 * words,)).view(mx.uint32) for _ in range(count)]  # count x mb >= 256 MB too
+        count = max(4, -(-256 * 10**6 // (16 * words)))  # 256 MB or more in all, as the copies
+        data = [mx.random.normal((4 * words,)).view(mx.uint32) for _ in range(count)]
         mx.eval(data)
         best = None
         for per_sm, threads in ((4, 256), (8, 256), (16, 128), (2, 1024)):
@@ -216,12 +221,12 @@ def copy_sizes_profile(sizes_mb: list[float], bandwidth: float) -> None:
                               threadgroup=(threads, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.uint32])[0]
 
             durations = timed_launches(launch, data)
-            print(f"  read of {mb:g} MB, grid {blocks} x {threads}: "
-                  f"{statistics.median(durations) if durations else float('nan'):.2f} us")
-            if durations and (best is None or statistics.median(durations) < statistics.median(best[1])):
-                best = (f"{blocks} x {threads}", durations)
+            us = statistics.median(durations) if durations else float("nan")
+            print(f"  read of {mb:g} MB, grid {blocks} x {threads}: {us:.2f} us")
+            if durations and (best is None or us < best[0]):
+                best = (us, f"{blocks} x {threads}", durations)
         if best:
-            report(f"read of {mb:g} MB, grid {best[0]}", 16 * words, best[1])
+            report(f"read of {mb:g} MB, grid {best[1]}", 16 * words, best[2])
         del data
         mx.clear_cache()
 
@@ -285,7 +290,7 @@ def main() -> None:
         print(f"settings: {args.set}")
         bench_decode.apply_settings(args.set)
     # The copy ceiling of this process, for the kernels' % of it (RESULTS.md tables): the
-    # issue's figures want the same run's, and a lease's copy moves 3.53-3.64 TB/s.
+    # issue's figures want the same run's, and a lease's copy moves 3.10-3.65 TB/s.
     bandwidth = bench_decode.copy_bandwidth(4 << 30)
     print(f"copy bandwidth (4 GiB elementwise, read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     gpu_copy_bandwidth()
