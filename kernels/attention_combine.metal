@@ -15,7 +15,9 @@
 // Bounds: SIMD groups past the last block (CUDA's surplus) return whole.
 // SPLITS comes from partial's length, read at run time.
 // SPLITS is at most 128 (ops.attention sizes the splits so).
-// Template constants: HEADS, HEAD_DIM, GATE, G_OFF.
+// WOVEN 1: oq and os in q8x's woven layout (formats.woven_positions) for a product that reads
+// it (kernel product's WOVEN); HEADS * HEAD_DIM is a multiple of 64 (HEAD_DIM is).
+// Template constants: HEADS, HEAD_DIM, GATE, G_OFF, WOVEN.
 const int MAX_SPLITS = 128;
 const uint SPLITS = uint(partial_shape[0]) / uint(HEADS * (HEAD_DIM + 2));
 const device float* partial_o = partial;
@@ -69,4 +71,4 @@ float o = total / weight_sum;
 if (GATE) {
   o /= 1.0f + exp(-y[G_OFF + head * uint(HEAD_DIM) + channel]);
 }
-muser_quantize_block(o, lane, oq, od, os, block);
+muser_quantize_block<WOVEN ? HEADS * HEAD_DIM / 64 : 0>(o, lane, oq, od, os, block);

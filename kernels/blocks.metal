@@ -393,18 +393,45 @@ inline uint2 muser_words2(const device uint8_t* base, size_t offset) {
   return uint2(muser_funnel(w0, w1, shift), muser_funnel(w1, w2, shift));
 }
 
+// q8x's woven layout (formats.woven_positions), for products whose lanes read whole 64-value
+// units: within each run of 32 units (a row of UNITS units; the last run holds n <= 32), piece
+// k of unit j sits PER_PIECE * (k n + j) elements into the run (PER_UNIT elements a unit: 64
+// codes in pieces of 16, or 8 sums in pieces of 4). muser_code_at / muser_sum_at: where code or
+// sum i of a row sits; WOVEN_UNITS 0 is the plain layout (i itself).
+template <int PER_UNIT, int PER_PIECE>
+inline uint muser_woven(uint i, uint units) {
+  uint unit = i / uint(PER_UNIT);
+  uint run = unit / 32u;
+  uint within = i % uint(PER_UNIT);
+  uint n = min(32u, units - 32u * run);
+  return 32u * uint(PER_UNIT) * run + uint(PER_PIECE) * ((within / uint(PER_PIECE)) * n + unit % 32u) +
+         within % uint(PER_PIECE);
+}
+
+template <int WOVEN_UNITS>
+inline uint muser_code_at(uint i) {
+  return WOVEN_UNITS != 0 ? muser_woven<64, 16>(i, uint(WOVEN_UNITS)) : i;
+}
+
+template <int WOVEN_UNITS>
+inline uint muser_sum_at(uint i) {
+  return WOVEN_UNITS != 0 ? muser_woven<8, 4>(i, uint(WOVEN_UNITS)) : i;
+}
+
 // One 32-value block of activations quantized by a SIMD group, lane l holding value l: writes
-// codes xq[32 * block + l], the scale xd[block] and the four sums xs[4 * block + l / 8].
+// codes xq[32 * block + l], the scale xd[block] and the four sums xs[4 * block + l / 8]
+// (WOVEN_UNITS > 0: codes and sums at their woven places in a row of that many 64-value units).
+template <int WOVEN_UNITS = 0>
 inline void muser_quantize_block(float value, uint lane, device int8_t* xq, device float* xd,
                                  device float* xs, uint block) {
   float d = simd_max(fabs(value)) / 127.0f;
   float q = d > 0.0f ? round(value / d) : 0.0f;
-  xq[32u * block + lane] = int8_t(q);
+  xq[muser_code_at<WOVEN_UNITS>(32u * block + lane)] = int8_t(q);
   float sum = q + simd_shuffle_xor(q, 1u);
   sum += simd_shuffle_xor(sum, 2u);
   sum += simd_shuffle_xor(sum, 4u);
   if (lane % 8u == 0u) {
-    xs[4u * block + lane / 8u] = d * sum;
+    xs[muser_sum_at<WOVEN_UNITS>(4u * block + lane / 8u)] = d * sum;
   }
   if (lane == 0u) {
     xd[block] = d;
@@ -440,25 +467,27 @@ inline uint muser_q6k_codes(uint low, uint high, uint quarter) {
 //   Q6_K: super-block u / 8, half h = (u % 8) / 4, positions l0 = 8 (u % 4) .. l0 + 7 of each
 //         of the half's four 32-value quarters.
 //   Q8_0: block u.
-template <int FORMAT>
+// WOVEN_UNITS > 0: x's codes and sums are woven (muser_code_at), in rows of that many
+// 64-value units.
+template <int FORMAT, int WOVEN_UNITS = 0>
 inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, const device float* xd,
                               const device float* xs, uint unit) {
   uint super_block = unit / 8u;
   if (FORMAT == MUSER_Q4_K) {
     uint c = unit % 8u;
     uint first = 256u * super_block + 64u * (c / 2u) + 16u * (c % 2u);  // value 0 of "a"
-    uint4 a = *((const device uint4*)(xq + first));
-    uint4 b = *((const device uint4*)(xq + first + 32u));
+    uint4 a = *((const device uint4*)(xq + muser_code_at<WOVEN_UNITS>(first)));
+    uint4 b = *((const device uint4*)(xq + muser_code_at<WOVEN_UNITS>(first + 32u)));
     x.codes[0] = a.x; x.codes[1] = a.y; x.codes[2] = a.z; x.codes[3] = a.w;
     x.codes[4] = b.x; x.codes[5] = b.y; x.codes[6] = b.z; x.codes[7] = b.w;
     x.scale[0] = xd[first / 32u];
     x.scale[1] = xd[first / 32u + 1u];
-    x.sum[0] = xs[first / 8u] + xs[first / 8u + 1u];
-    x.sum[1] = xs[first / 8u + 4u] + xs[first / 8u + 5u];
+    x.sum[0] = xs[muser_sum_at<WOVEN_UNITS>(first / 8u)] + xs[muser_sum_at<WOVEN_UNITS>(first / 8u + 1u)];
+    x.sum[1] = xs[muser_sum_at<WOVEN_UNITS>(first / 8u + 4u)] + xs[muser_sum_at<WOVEN_UNITS>(first / 8u + 5u)];
   } else if (FORMAT == MUSER_Q6_K) {
     uint first = 256u * super_block + 128u * ((unit % 8u) / 4u) + 8u * (unit % 4u);
     for (int quarter = 0; quarter < 4; ++quarter) {
-      uint2 codes = *((const device uint2*)(xq + first + 32u * uint(quarter)));
+      uint2 codes = *((const device uint2*)(xq + muser_code_at<WOVEN_UNITS>(first + 32u * uint(quarter))));
       x.codes[2 * quarter] = codes.x;
       x.codes[2 * quarter + 1] = codes.y;
       x.scale[quarter] = xd[first / 32u + uint(quarter)];
@@ -466,8 +495,8 @@ inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, c
       x.sum[quarter] = float(muser_dot4(codes.y, 0x01010101u, muser_dot4(codes.x, 0x01010101u, 0)));
     }
   } else {
-    uint4 a = *((const device uint4*)(xq + 32u * unit));
-    uint4 b = *((const device uint4*)(xq + 32u * unit + 16u));
+    uint4 a = *((const device uint4*)(xq + muser_code_at<WOVEN_UNITS>(32u * unit)));
+    uint4 b = *((const device uint4*)(xq + muser_code_at<WOVEN_UNITS>(32u * unit + 16u)));
     x.codes[0] = a.x; x.codes[1] = a.y; x.codes[2] = a.z; x.codes[3] = a.w;
     x.codes[4] = b.x; x.codes[5] = b.y; x.codes[6] = b.z; x.codes[7] = b.w;
     x.scale[0] = xd[unit];
@@ -559,18 +588,19 @@ struct muser_x_unit64 {
   float sum[2];
 };
 
-template <int FORMAT>
+// (WOVEN_UNITS > 0: woven x, whose 32 consecutive units' k-th pieces are contiguous.)
+template <int FORMAT, int WOVEN_UNITS = 0>
 inline void muser_load_x_unit(thread muser_x_unit64& x, const device int8_t* xq, const device float* xd,
                               const device float* xs, uint unit) {
   uint block = 2u * unit;  // the first of the unit's two 32-value blocks
   for (int k = 0; k < 4; ++k) {
-    uint4 words = *((const device uint4*)(xq + 64u * unit + 16u * uint(k)));
+    uint4 words = *((const device uint4*)(xq + muser_code_at<WOVEN_UNITS>(64u * unit + 16u * uint(k))));
     x.codes[4 * k] = words.x; x.codes[4 * k + 1] = words.y; x.codes[4 * k + 2] = words.z; x.codes[4 * k + 3] = words.w;
   }
   x.scale[0] = xd[block];
   x.scale[1] = xd[block + 1u];
-  float4 sums_a = *((const device float4*)(xs + 4u * block));
-  float4 sums_b = *((const device float4*)(xs + 4u * block + 4u));
+  float4 sums_a = *((const device float4*)(xs + muser_sum_at<WOVEN_UNITS>(4u * block)));
+  float4 sums_b = *((const device float4*)(xs + muser_sum_at<WOVEN_UNITS>(4u * block + 4u)));
   x.sum[0] = (sums_a.x + sums_a.y) + (sums_a.z + sums_a.w);
   x.sum[1] = (sums_b.x + sums_b.y) + (sums_b.z + sums_b.w);
 }
@@ -621,6 +651,13 @@ struct muser_x_global {
   const device float* xs;
 };
 
+// muser_x_woven: the same arrays with codes and sums woven (muser_code_at; IN a multiple of 64).
+struct muser_x_woven {
+  const device int8_t* xq;
+  const device float* xd;
+  const device float* xs;
+};
+
 // words: x's codes as 16-byte chunks, chunk i (of all TOKENS rows, in order) at muser_x_slot(i)
 // (a slot stays within its aligned group of 4). A SIMD group's lanes read chunk k of
 // consecutive units (4 chunks a wide Q4_K unit, 2 a Q8_0 one; 16-byte reads, 8 lanes at a
@@ -638,16 +675,24 @@ inline uint muser_x_slot(uint chunk) {
 
 // Threads first, first + step, ... of a threadgroup copy TOKENS rows of q8x x to words
 // (TOKENS * IN / 16 chunks) and blocks (TOKENS * IN / 64); the caller then waits at a
-// threadgroup barrier.
-template <int TOKENS, int IN>
+// threadgroup barrier. WOVEN_UNITS > 0: x arrives woven (IN / 64 units a row); the copy is
+// in the plain order either way.
+template <int TOKENS, int IN, int WOVEN_UNITS = 0>
 inline void muser_stage_x(const device int8_t* xq, const device float* xd, const device float* xs,
                           threadgroup uint4* words, threadgroup float4* blocks, uint first, uint step) {
   for (uint i = first; i < uint(TOKENS * IN / 16); i += step) {
-    words[muser_x_slot(i)] = ((const device uint4*)xq)[i];
+    uint row = i / uint(IN / 16);
+    uint at = WOVEN_UNITS != 0 ? uint(IN) * row + muser_code_at<WOVEN_UNITS>(16u * (i - uint(IN / 16) * row)) : 16u * i;
+    words[muser_x_slot(i)] = *((const device uint4*)(xq + at));
   }
   for (uint p = first; p < uint(TOKENS * IN / 64); p += step) {
-    float4 sums_a = ((const device float4*)xs)[2u * p];
-    float4 sums_b = ((const device float4*)xs)[2u * p + 1u];
+    uint row = p / uint(IN / 64);
+    uint at = 8u * (p - uint(IN / 64) * row);  // the unit's first sum in its row
+    const device float* sums = xs + uint(IN / 8) * row;
+    float4 sums_a = WOVEN_UNITS != 0 ? *((const device float4*)(sums + muser_sum_at<WOVEN_UNITS>(at)))
+                                     : ((const device float4*)xs)[2u * p];
+    float4 sums_b = WOVEN_UNITS != 0 ? *((const device float4*)(sums + muser_sum_at<WOVEN_UNITS>(at + 4u)))
+                                     : ((const device float4*)xs)[2u * p + 1u];
     blocks[p] = float4(xd[2u * p], (sums_a.x + sums_a.y) + (sums_a.z + sums_a.w), xd[2u * p + 1u],
                        (sums_b.x + sums_b.y) + (sums_b.z + sums_b.w));
   }
@@ -658,6 +703,11 @@ inline void muser_stage_x(const device int8_t* xq, const device float* xd, const
 template <int FORMAT, int IN, class X>
 inline void muser_load_x(thread X& x, muser_x_global source, int t, uint unit) {
   muser_load_x_unit<FORMAT>(x, source.xq + t * IN, source.xd + t * (IN / 32), source.xs + t * (IN / 8), unit);
+}
+
+template <int FORMAT, int IN, class X>
+inline void muser_load_x(thread X& x, muser_x_woven source, int t, uint unit) {
+  muser_load_x_unit<FORMAT, IN / 64>(x, source.xq + t * IN, source.xd + t * (IN / 32), source.xs + t * (IN / 8), unit);
 }
 
 template <int FORMAT, int IN>

@@ -28,9 +28,13 @@
 // 1.25 bytes), then every SIMD group reads it there: one copy of x through L1 a threadgroup
 // instead of one a SIMD group, and reads without bank conflicts. Only for weights in wide Q4_K
 // units or Q8_0 (both weights of the launch), IN a multiple of 64 (the host checks).
+// WOVEN 1: x's codes and sums arrive in q8x's woven layout (formats.woven_positions: each run
+// of 32 64-value units stored piece by piece, so that a SIMD group's 16-byte loads of its
+// lanes' wide units are contiguous), as attention_combine writes them for the o-projection;
+// IN a multiple of 64 (the host checks). Results equal the plain layout's bit for bit.
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
 // ROWS, UNROLL (units per lane at a time), WIDE (1: Q4_K weights in 64-value units,
-// blocks.metal's muser_x_unit64; other formats ignore it), STAGE, EPILOGUE.
+// blocks.metal's muser_x_unit64; other formats ignore it), STAGE, WOVEN, EPILOGUE.
 threadgroup float best_rows[8 * TOKENS * 2];
 const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
 const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);
@@ -48,9 +52,16 @@ for (int i = 0; i < TOKENS * ROWS; ++i) {
 threadgroup uint4 x_words[STAGE ? TOKENS * IN / 16 : 1];
 threadgroup float4 x_blocks[STAGE ? TOKENS * IN / 64 : 1];
 if (STAGE) {
-  muser_stage_x<TOKENS, IN>(xq, xd, xs, x_words, x_blocks, warp * 32u + lane, warps * 32u);
+  muser_stage_x<TOKENS, IN, WOVEN ? IN / 64 : 0>(xq, xd, xs, x_words, x_blocks, warp * 32u + lane, warps * 32u);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   muser_x_staged x = {x_words, x_blocks};
+  if (in_a) {
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, x, lane, acc);
+  } else if (active) {
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_b, first_row, x, lane, acc);
+  }
+} else if (WOVEN) {
+  muser_x_woven x = {xq, xd, xs};
   if (in_a) {
     muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, x, lane, acc);
   } else if (active) {

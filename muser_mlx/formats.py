@@ -648,6 +648,46 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return codes, scales, sums.astype(np.float32)
 
 
+# q8x's woven layout, for a product whose lanes each read whole 64-value units (wide Q4_K):
+# within each run of 32 such units (2,048 values; a row's last run may hold fewer, n), piece k
+# of unit j sits at (k n + j) pieces into the run. Codes come in pieces of 16 (four a unit),
+# sums in pieces of 4 (two a unit); scales stay in order. So lane j's k-th 16-byte load of a
+# SIMD group's 32 units is one contiguous 512 bytes, not 16 cache lines (bench/RESULTS.md,
+# session 26). attention_combine writes it for the o-projection (kernel product's WOVEN).
+Q8X_WOVEN_UNIT = 64  # values a unit
+Q8X_WOVEN_RUN = 32  # units a run
+
+
+def woven_positions(n: int, per_unit: int, per_piece: int) -> np.ndarray:
+    """Where each of a row's n elements (per_unit a 64-value unit: 64 codes or 8 sums) sits in
+    the woven layout, in pieces of per_piece: int64 [n], a permutation (woven[positions] = flat)."""
+    if n % per_unit or per_unit % per_piece:
+        raise ValueError(f"a woven row of {n} elements is not whole units of {per_unit} in pieces of {per_piece}")
+    units = n // per_unit
+    i = np.arange(n)
+    unit, within = i // per_unit, i % per_unit
+    run, j = unit // Q8X_WOVEN_RUN, unit % Q8X_WOVEN_RUN
+    in_run = np.minimum(Q8X_WOVEN_RUN, units - Q8X_WOVEN_RUN * run)
+    piece, element = within // per_piece, within % per_piece
+    return Q8X_WOVEN_RUN * per_unit * run + per_piece * (piece * in_run + j) + element
+
+
+def weave_activations(codes: np.ndarray, sums: np.ndarray, woven: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """q8x codes [..., n] and sums [..., n/8] (n a multiple of 64) in the woven layout
+    (woven=False: back from it to the plain one); scales do not move."""
+    n = codes.shape[-1]
+    if n % Q8X_WOVEN_UNIT:
+        raise ValueError(f"activations of {n} values are not whole {Q8X_WOVEN_UNIT}-value units to weave")
+    code_at = woven_positions(n, Q8X_WOVEN_UNIT, 16)
+    sum_at = woven_positions(n // Q8X_SUM, Q8X_WOVEN_UNIT // Q8X_SUM, 4)
+    if not woven:
+        return codes[..., code_at], sums[..., sum_at]
+    out_codes, out_sums = np.empty_like(codes), np.empty_like(sums)
+    out_codes[..., code_at] = codes
+    out_sums[..., sum_at] = sums
+    return out_codes, out_sums
+
+
 Q8K_BLOCK = 256  # values per scale of the CPU's K-quant products' x (llama.cpp's q8_K)
 
 

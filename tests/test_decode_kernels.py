@@ -140,6 +140,58 @@ def test_products_that_stage_x_match_numpy(backend, rng, monkeypatch, rows, simd
         np.testing.assert_array_equal(np.array(ops.Product(a, b, tokens=tokens)(x)), y)
 
 
+WOVEN_CASES = {  # first weight's format, its config, the second weight's format, staged
+    "wide": (GGMLType.Q4_K, ops.ProductConfig(2, 4, 2, 1), None),
+    "wide-one-at-a-time": (GGMLType.Q4_K, ops.ProductConfig(2, 2, 1, 1), None),
+    "units32": (GGMLType.Q4_K, ops.ProductConfig(2, 4, 2, 0), None),
+    "Q6_K": (GGMLType.Q6_K, ops.ProductConfig(2, 4), None),
+    "Q8_0": (GGMLType.Q8_0, ops.ProductConfig(2, 4, 2), None),
+    "staged": (GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 1), GGMLType.Q8_0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WOVEN_CASES))
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_products_read_woven_x_as_the_plain_layout_bit_for_bit(backend, rng, monkeypatch, case, tokens):
+    """Product(woven=True): x's codes and sums in q8x's woven layout (ops.weave, as
+    attention_combine writes the o-projection's x). 2,560 values: a run of 32 64-value units
+    and a short run of 8, so both strides of the layout are read. The result is the plain
+    layout's bit for bit (the same values, added in the same order)."""
+    first, config, second = WOVEN_CASES[case]
+    monkeypatch.setitem(ops.PRODUCT_CONFIG, first, config)
+    if second is not None:
+        monkeypatch.setitem(ops.PRODUCT_CONFIG, second, config)
+        monkeypatch.setattr(ops.fused_products, "STAGE_MIN_IN", 2048)
+    in_features = 2560
+    a, a_values = weight(rng, first, in_features, int(rng.integers(5, 40)), "a")
+    b, b_values = weight(rng, second, in_features, 11, "b") if second else (None, None)
+    x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32))
+    plain, woven = ops.Product(a, b, tokens=tokens), ops.Product(a, b, tokens=tokens, woven=True)
+    assert woven.x_woven and dict(woven.template)["WOVEN"] == 1 and dict(plain.template)["WOVEN"] == 0
+    assert dict(woven.template)["STAGE"] == int(second is not None)
+    woven_x = ops.weave(x)
+    assert not np.array_equal(np.array(woven_x.codes), np.array(x.codes))  # the layout moved
+    with kernels.poisoned_outputs():
+        expected_bits = np.array(plain(x))
+        out = np.array(woven(woven_x))
+    expected = x_values @ a_values.T
+    if second:
+        expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
+    assert np.isfinite(out).all() and relative_error(out, expected) <= PRODUCT_BOUND
+    np.testing.assert_array_equal(out, expected_bits)
+
+
+def test_woven_x_is_a_switch_and_needs_whole_64_value_units(rng, monkeypatch):
+    a, _ = weight(rng, GGMLType.Q8_0, 96, 8, "odd")
+    with pytest.raises(ValueError, match="'odd' takes 96 inputs; woven x needs a multiple of 64"):
+        ops.Product(a, woven=True)
+    with pytest.raises(ValueError, match="96 values are not whole 64-value units"):
+        ops.weave(q8x(rng.standard_normal((1, 96)).astype(np.float32))[0])
+    b, _ = weight(rng, GGMLType.Q4_K, 256, 8, "b")
+    monkeypatch.setattr(ops.fused_products, "WOVEN_X", False)
+    assert not ops.Product(b, woven=True).x_woven and dict(ops.Product(b, woven=True).template)["WOVEN"] == 0
+
+
 def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
     monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 3))
     a, _ = weight(rng, GGMLType.Q4_K, 256, 8, "a")
@@ -340,6 +392,24 @@ def test_attention_decode_matches_numpy_and_writes_its_slot(backend, rng, monkey
     others = np.arange(capacity) != slot
     np.testing.assert_array_equal(written_keys[:, :, others], keys[:, :, others])
     np.testing.assert_array_equal(written_values[:, :, others], values[:, :, others])
+
+
+@pytest.mark.parametrize("variant", ["muse", "llama"])
+def test_attention_decode_writes_woven_x_for_the_o_projection(backend, rng, variant):
+    """woven=True: the same q8x o, its codes and sums at their woven places (ops.weave)."""
+    heads, kv_heads, gate, qk_norm, rope_spec = {"muse": (40, 8, True, True, (64, True)),  # 2,560 values
+                                                 "llama": (4, 2, False, False, (64, False))}[variant]
+    inputs, expected, _ = attention_case(rng, heads, kv_heads, 256, 200, gate, False, qk_norm, rope_spec)
+    with kernels.poisoned_outputs():
+        plain = ops.attention_decode(**inputs)[0]
+        mx.eval(plain)
+        woven = ops.attention_decode(**inputs, woven=True)[0]
+        mx.eval(woven)
+    assert_within_half_a_code(ops.weave(woven, woven=False), expected, slack=2e-3)
+    codes, sums = formats.weave_activations(np.array(plain.codes), np.array(plain.sums))
+    np.testing.assert_array_equal(np.array(woven.codes), codes)
+    np.testing.assert_array_equal(np.array(woven.sums), sums)
+    np.testing.assert_array_equal(np.array(woven.scales), np.array(plain.scales))
 
 
 def test_attention_decode_refuses_a_float32_cache(rng):

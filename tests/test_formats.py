@@ -150,3 +150,23 @@ def test_activations_rounded_per_256_values_lie_within_half_a_step(rng):
 def test_activations_of_a_partial_256_value_block_are_refused():
     with pytest.raises(ValueError, match="not whole 256-value blocks"):
         formats.quantize_activations_super(np.zeros((1, 288), np.float32))
+
+
+def test_woven_layout_puts_each_run_s_pieces_side_by_side(rng):
+    """formats.woven_positions, by hand: in a run of n units, code piece k of unit j starts at
+    16 (k n + j); 2,560 values are a run of 32 units, then one of 8."""
+    at = formats.woven_positions(2560, 64, 16)
+    assert sorted(at) == list(range(2560))
+    for value, place in [(0, 0), (15, 15), (16, 16 * 32), (64, 16), (64 * 31 + 48, 16 * (3 * 32 + 31)),
+                         (2048, 2048), (2048 + 16, 2048 + 16 * 8), (2048 + 64 * 7 + 63, 2048 + 16 * (3 * 8 + 7) + 15)]:
+        assert at[value] == place, value
+    sums = formats.woven_positions(320, 8, 4)  # the same 2,560 values' sums, 4 a piece
+    assert [sums[i] for i in (0, 4, 8, 256 + 4, 319)] == [0, 4 * 32, 4, 256 + 4 * 8, 256 + 4 * (8 + 7) + 3]
+    codes, _, sums_values = formats.quantize_activations(rng.standard_normal((2, 2560)).astype(np.float32))
+    woven_codes, woven_sums = formats.weave_activations(codes, sums_values)
+    np.testing.assert_array_equal(woven_codes[:, at], codes)
+    back = formats.weave_activations(woven_codes, woven_sums, woven=False)
+    np.testing.assert_array_equal(back[0], codes)
+    np.testing.assert_array_equal(back[1], sums_values)
+    with pytest.raises(ValueError, match="not whole units of 64"):
+        formats.woven_positions(96, 64, 16)

@@ -103,7 +103,16 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 24), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
          ("OUT_B", 8), ("IN", 512), ("TOKENS", 2), ("ROWS", 4), ("UNROLL", 2), ("WIDE", 1), ("STAGE", 1),
-         ("EPILOGUE", 0)],
+         ("WOVEN", 1), ("EPILOGUE", 0)],
+    ),
+    "product_woven": (  # the o-projection's form: wide Q4_K units reading woven x from device memory
+        "product",
+        [InputSpec(mx.uint8, 2, 24 * 2304), InputSpec(mx.uint8, 2, 24 * 2304), InputSpec(mx.int8, 2, 4096),
+         InputSpec(mx.float32, 2, 128), InputSpec(mx.float32, 2, 512), InputSpec(mx.float32, 1, 2)],
+        [mx.float32],
+        [("FORMAT_A", 12), ("ROW_BYTES_A", 2304), ("OUT_A", 24), ("FORMAT_B", 12), ("ROW_BYTES_B", 2304),
+         ("OUT_B", 0), ("IN", 4096), ("TOKENS", 1), ("ROWS", 2), ("UNROLL", 2), ("WIDE", 1), ("STAGE", 0),
+         ("WOVEN", 1), ("EPILOGUE", 0)],
     ),
     "product_head": (
         "product",
@@ -112,7 +121,7 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 14), ("ROW_BYTES_A", 420), ("OUT_A", 40), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
          ("OUT_B", 0), ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 1), ("WIDE", 0), ("STAGE", 0),
-         ("EPILOGUE", 1)],
+         ("WOVEN", 0), ("EPILOGUE", 1)],
     ),
     "product_glu": (
         "product_glu",
@@ -150,7 +159,7 @@ LAUNCHES = {
         "attention_combine",
         [InputSpec(mx.float32, 1, 32 * 64 * 130), InputSpec(mx.float32, 1, 8192 + 512)],
         [mx.int8, mx.float32, mx.float32],
-        [("HEADS", 32), ("HEAD_DIM", 128), ("GATE", 1), ("G_OFF", 4096)],
+        [("HEADS", 32), ("HEAD_DIM", 128), ("GATE", 1), ("G_OFF", 4096), ("WOVEN", 1)],
     ),
     "argmax": (
         "argmax",
@@ -346,7 +355,7 @@ def test_cuda_launches_take_the_include_form(tmp_path, monkeypatch):
 # tokens, rows, unroll and wide units; ops._config caps them so that every launch fits. Checked
 # here on Muse Glimmer's decode shapes at the configurations the ops choose (GPU-free: nvcc's
 # ptxas counts the registers).
-MUSE_PRODUCTS = {
+MUSE_PRODUCTS = {  # shape, format, the second weight's (attn_output reads woven x, as in the model)
     "q+gate|k+v": ((6656, 8192), GGMLType.Q4_K, (6656, 2048), GGMLType.Q8_0),
     "attn_output": ((4096, 6656), GGMLType.Q4_K, None, None),
     "ffn_down Q4_K": ((19968, 6656), GGMLType.Q4_K, None, None),
@@ -373,7 +382,7 @@ def _registers(program: str, tmp_path) -> int:
 def test_product_launches_fit_the_register_file(case, tokens, tmp_path):
     shape, ggml_type, second_shape, second_type = MUSE_PRODUCTS[case]
     second = _stand_in(second_shape, second_type, "b") if second_shape else None
-    product = ops.Product(_stand_in(shape, ggml_type, "a"), second, tokens=tokens)
+    product = ops.Product(_stand_in(shape, ggml_type, "a"), second, tokens=tokens, woven=case == "attn_output")
     template, _, threadgroup, _ = product.launch_arguments()
     row_bytes = [value for name, value in template if name.startswith("ROW_BYTES")]
     inputs = [InputSpec(mx.uint8, 2, product.out_a * row_bytes[0]),

@@ -138,7 +138,8 @@ class Attention(nn.Module):
             parts["gate"] = (t("attn_gate.weight"), None)
         self.input_proj = Projections(parts)
         self.o_proj = Linear(t("attn_output.weight"))
-        self.decode_output = fused_products(lambda: ops.Product(t("attn_output.weight")))
+        # Its x comes from attention_combine only, which can write it woven (ops.weave).
+        self.decode_output = fused_products(lambda: ops.Product(t("attn_output.weight"), woven=True))
         if config.qk_norm:
             self.q_norm = vector(t("attn_q_norm.weight"))
             self.k_norm = vector(t("attn_k_norm.weight"))
@@ -195,7 +196,8 @@ class Attention(nn.Module):
             y, keys, values, position, after, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
             offsets=(offsets["q"], offsets["k"], offsets["v"]), gate=offsets.get("gate"),
             q_weight=self.q_norm if c.qk_norm else None, k_weight=self.k_norm if c.qk_norm else None,
-            bias=self.qkv_bias if c.qkv_bias else None, rope=rope, eps=c.eps, scale=c.attention_scale)
+            bias=self.qkv_bias if c.qkv_bias else None, rope=rope, eps=c.eps, scale=c.attention_scale,
+            woven=self.decode_output.x_woven)
         return self.decode_output(o), keys, values
 
 

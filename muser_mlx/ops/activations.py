@@ -10,12 +10,14 @@ reads it. formats.quantize_activations is the numpy reference; formats.py states
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from muser_mlx import kernels
-from muser_mlx.formats import Q8X_BLOCK, Q8X_SUM
+from muser_mlx.formats import Q8X_BLOCK, Q8X_SUM, Q8X_WOVEN_UNIT, woven_positions
 
 
 class Q8X(NamedTuple):
@@ -78,3 +80,24 @@ def quantize_rows_mlx(x: mx.array) -> Q8X:
     sums = codes.reshape(*x.shape[:-1], -1, Q8X_BLOCK // Q8X_SUM, Q8X_SUM).sum(axis=-1) * scales[..., None]
     return Q8X(codes.astype(mx.int8).reshape(x.shape), scales,
                sums.reshape(*x.shape[:-1], n // Q8X_SUM))
+
+
+@functools.lru_cache(maxsize=None)
+def _woven_order(n: int, woven: bool) -> tuple[mx.array, mx.array]:
+    """Gather indices for x [..., n]'s codes and sums: into the woven layout, or back from it."""
+    code_at = woven_positions(n, Q8X_WOVEN_UNIT, 16)
+    sum_at = woven_positions(n // Q8X_SUM, Q8X_WOVEN_UNIT // Q8X_SUM, 4)
+    if woven:
+        code_at, sum_at = np.argsort(code_at), np.argsort(sum_at)
+    return mx.array(code_at.astype(np.int32)), mx.array(sum_at.astype(np.int32))
+
+
+def weave(x: Q8X, woven: bool = True) -> Q8X:
+    """x's codes and sums in q8x's woven layout (formats.woven_positions; n a multiple of 64), or
+    (woven=False) back from it: the CPU rendering of what attention_combine writes for kernel
+    product's WOVEN, and how that product's CPU rendering reads it."""
+    n = x.shape[-1]
+    if n % Q8X_WOVEN_UNIT:
+        raise ValueError(f"activations of {n} values are not whole {Q8X_WOVEN_UNIT}-value units to weave")
+    code_order, sum_order = _woven_order(n, woven)
+    return Q8X(mx.take(x.codes, code_order, axis=-1), x.scales, mx.take(x.sums, sum_order, axis=-1))

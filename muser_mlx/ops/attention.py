@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from muser_mlx import cpu_ext, kernels
-from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx
+from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx, weave
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 
 
@@ -149,7 +149,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                      *, heads: int,
                      kv_heads: int, head_dim: int, offsets: tuple[int, int, int], gate: int | None,
                      q_weight: mx.array | None, k_weight: mx.array | None, bias: mx.array | None,
-                     rope: dict | None, eps: float, scale: float):
+                     rope: dict | None, eps: float, scale: float, woven: bool = False):
     """One decode token's attention from its projections to the output projection's input.
 
     y: float32 [1, width], the q/k/v (and gate) projections' output: q at offsets[0]
@@ -162,6 +162,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     keys, values: the layer's cache [1, kv_heads, capacity, head_dim] float16: slot p % capacity
     receives this token's key and value, slots 0 .. min(p + 1, capacity) - 1 are attended (a full
     cache: capacity > p; a sliding-window ring: capacity = window).
+    woven: o's codes and sums in q8x's woven layout (ops.weave), for a Product whose x_woven is set.
     Returns (o as q8x [1, heads * head_dim], keys, values): on a GPU, kernels attention_decode
     (norm, RoPE, cache write in place, split attention) and attention_combine (splits merged,
     gate, quantized), the caches returned as given; on the CPU, MLX ops and new cache arrays."""
@@ -172,8 +173,9 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                          f"heads {heads}/{kv_heads}, head_dim {head_dim}")
     q_off, k_off, v_off = offsets
     if kernels.backend() == "cpu":
-        return _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, offsets, gate,
-                                     q_weight, k_weight, bias, rope, eps, scale)
+        o, keys, values = _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, offsets, gate,
+                                                q_weight, k_weight, bias, rope, eps, scale)
+        return (weave(o) if woven else o), keys, values
     group = heads // kv_heads
     head_group = max(g for g in range(1, min(group, ATTENTION_HEAD_GROUP) + 1) if group % g == 0)
     # Keys per split, from a few sizes (each a kernel): ATTENTION_SPLITS splits or more.
@@ -202,7 +204,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
         "attention_combine",
         inputs=[partial, y],
         template=[("HEADS", heads), ("HEAD_DIM", head_dim), ("GATE", int(gate is not None)),
-                  ("G_OFF", gate or 0)],
+                  ("G_OFF", gate or 0), ("WOVEN", int(bool(woven)))],
         grid=(heads * head_dim, 1, 1),  # a SIMD group per 32 channels
         threadgroup=(256, 1, 1),
         output_shapes=q8x_shapes((1,), heads * head_dim),

@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from muser_mlx import kernels
 from muser_mlx.formats import GGMLType, block_format
-from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx
+from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx, weave
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.products import linear
 
@@ -55,10 +55,18 @@ STAGE_MIN_IN = 8192
 # (bench/linear.py --products measures both). CUPTI in a Muse Glimmer step (RESULTS.md, sessions
 # 21-23): q+gate with k+v (Q4_K, 6656 wide) in wide units with 2 SIMD groups a threadgroup
 # (12.24 us, against 12.42 with 4 and 14.06 with 8 in 32-value units); the o-projection (Q4_K,
-# 4096 wide) with 4, both of a lane's wide units at once (6.16 us against 6.36 one at a time
-# and 6.39 with 8 SIMD groups).
+# 4096 wide) with 4, both of a lane's wide units at once, x woven (WOVEN_X): 6.15 us, against
+# 6.19 with 2 SIMD groups, 6.21 with 8, 6.76 one unit at a time, 7.24 with 4 rows, 6.45 in
+# 32-value units four at once (session 26, each the default of its own process).
 PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 2, 1, 1),
                                  (GGMLType.Q4_K, 4096): ProductConfig(2, 4, 2, 1)}
+
+# Whether a Product made with woven=True (the o-projection: attention_combine writes its x)
+# reads x in q8x's woven layout (kernel product's WOVEN; formats.woven_positions): a SIMD
+# group's 16-byte loads of its lanes' 64-value units become contiguous, 4 L1 wavefronts a load
+# instead of 16 (bench/RESULTS.md, session 26). The producer asks the Product (x_woven), so
+# turning this off (a bench variant) changes both ends.
+WOVEN_X = True
 
 # product_glu's overrides for one (format, input width), before PRODUCT_CONFIG_BY_WIDTH's:
 # Muse Glimmer's gate/up (Q4_K, 6656 wide) with four rows a SIMD group in wide units.
@@ -124,11 +132,17 @@ class Product:
     returning [..., out + out2] (first's columns, then second's).
     head: (logit scale s, softcap c) for the LM head: returns (c * tanh(s * x W.T / c) [..., out],
     best [rows, groups, 2]), the per-threadgroup maxima kernel argmax reduces (`greedy`), both
-    views of the launch's one output; c = 0: no softcap. On the CPU: the same math on x's
+    views of the launch's one output; c = 0: no softcap.
+    woven: the caller can give x in q8x's woven layout (in a multiple of 64); whether it must is
+    `x_woven` (WOVEN_X), read when the step is built. On the CPU: the same math on x's
     dequantized values (MLX ops)."""
 
-    def __init__(self, weight, second=None, head: tuple[float, float] | None = None, tokens: int = 1):
+    def __init__(self, weight, second=None, head: tuple[float, float] | None = None, tokens: int = 1,
+                 woven: bool = False):
         ggml_type = _format(weight, "product")
+        if woven and weight.shape[0] % 64:
+            raise ValueError(f"product: {weight.name!r} takes {weight.shape[0]} inputs; woven x needs a multiple of 64")
+        self.woven = woven
         self.formats = {ggml_type}  # the launch's weight formats
         if second is not None:
             self.formats.add(_format(second, "product"))
@@ -148,7 +162,7 @@ class Product:
     def launch_arguments(self):
         """(template, grid, threadgroup, threadgroups) for the configuration in force now."""
         config = _config(self.ggml_type, self.in_features, self.tokens)
-        key = (config, STAGE_MIN_IN, STAGE_BYTES)  # bench variants may change the module's constants
+        key = (config, STAGE_MIN_IN, STAGE_BYTES, self.x_woven)  # bench variants may change the module's constants
         if self._launch[0] != key:
             rows, simd_groups, unroll, wide, stage = config
             stage = self._stages(wide) if stage else 0
@@ -156,7 +170,7 @@ class Product:
             template = (_weight_template("A", self.weight) + [("OUT_A", self.out_a)]
                         + _weight_template("B", self.second if self.second is not None else self.weight)
                         + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
-                           ("UNROLL", unroll), ("WIDE", wide), ("STAGE", stage),
+                           ("UNROLL", unroll), ("WIDE", wide), ("STAGE", stage), ("WOVEN", int(self.x_woven)),
                            ("EPILOGUE", int(self.head is not None))])
             self._launch = (key, (template, (32 * simd_groups * groups, 1, 1), (32 * simd_groups, 1, 1), groups))
         return self._launch[1]
@@ -170,6 +184,11 @@ class Product:
         fits = (self.in_features % 64 == 0 and self.in_features >= STAGE_MIN_IN
                 and self.tokens * self.in_features * 5 // 4 <= STAGE_BYTES)
         return int(readable and fits)
+
+    @property
+    def x_woven(self) -> bool:
+        """Whether x must reach this product in q8x's woven layout (ops.weave) now."""
+        return self.woven and WOVEN_X
 
     @property
     def template(self) -> list:
@@ -202,7 +221,7 @@ class Product:
 
     def _mlx(self, x: Q8X):
         """The CPU rendering."""
-        values = x.dequantize()
+        values = (weave(x, woven=False) if self.x_woven else x).dequantize()
         y = linear(values, self.weight)
         if self.second is not None:
             y = mx.concatenate([y, linear(values, self.second)], axis=-1)
