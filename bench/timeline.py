@@ -29,7 +29,10 @@ a few grids), the least a product of that many bytes could take. Both rotate thr
 256 MB or more in all, so none reads from L2 what the one before it left there.
 
 Each --variant NAME:module.ATTR=value,... of a decode profile is profiled again (the step traced
-again with those settings), after the default.
+again with those settings), after the default. A variant's short products read slow: the
+o-projection took 6.95-7.05 µs as a variant and 6.15-6.21 as the default in the same process,
+whichever configuration was which (bench/RESULTS.md, session 26). Compare the short products
+as defaults (--set), one process each.
 
 --set changes module constants before the step is compiled (decode.py's --variant settings),
 e.g. `--set muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1`.

@@ -56,8 +56,8 @@ STAGE_MIN_IN = 8192
 # 21-23): q+gate with k+v (Q4_K, 6656 wide) in wide units with 2 SIMD groups a threadgroup
 # (12.24 us, against 12.42 with 4 and 14.06 with 8 in 32-value units); the o-projection (Q4_K,
 # 4096 wide) with 4, both of a lane's wide units at once, x woven (WOVEN_X): 6.15 us, against
-# 6.19 with 2 SIMD groups, 6.21 with 8, 6.76 one unit at a time, 7.24 with 4 rows, 6.45 in
-# 32-value units four at once (session 26, each the default of its own process).
+# 6.19 with 2 SIMD groups, 6.21 with 8, 6.76 one unit at a time, 6.46 / 7.24 with 3 / 4
+# rows, 6.45 in 32-value units four at once (session 26, each its own process's default).
 PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 2, 1, 1),
                                  (GGMLType.Q4_K, 4096): ProductConfig(2, 4, 2, 1)}
 
