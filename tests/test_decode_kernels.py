@@ -181,15 +181,31 @@ def test_products_read_woven_x_as_the_plain_layout_bit_for_bit(backend, rng, mon
     np.testing.assert_array_equal(out, expected_bits)
 
 
-def test_woven_x_is_a_switch_and_needs_whole_64_value_units(rng, monkeypatch):
+def test_woven_x_is_a_switch_and_each_product_refuses_the_other_layout(rng, monkeypatch):
     a, _ = weight(rng, GGMLType.Q8_0, 96, 8, "odd")
     with pytest.raises(ValueError, match="'odd' takes 96 inputs; woven x needs a multiple of 64"):
         ops.Product(a, woven=True)
     with pytest.raises(ValueError, match="96 values are not whole 64-value units"):
         ops.weave(q8x(rng.standard_normal((1, 96)).astype(np.float32))[0])
     b, _ = weight(rng, GGMLType.Q4_K, 256, 8, "b")
+    x, values = q8x(rng.standard_normal((1, 256)).astype(np.float32))
+    woven_x = ops.weave(x)
+    assert isinstance(woven_x, ops.WovenQ8X) and type(ops.weave(woven_x, woven=False)) is ops.Q8X
+    np.testing.assert_array_equal(np.array(woven_x.dequantize()), np.array(x.dequantize()))
+    with pytest.raises(ValueError, match="already woven"):
+        ops.weave(woven_x)
+    with pytest.raises(ValueError, match="not woven"):
+        ops.weave(x, woven=False)
+    with pytest.raises(ValueError, match="product: the launch reads woven q8x x, got plain"):
+        ops.Product(b, woven=True)(x)
+    with pytest.raises(ValueError, match="product: the launch reads plain q8x x, got woven"):
+        ops.Product(b)(woven_x)
+    gate, _ = weight(rng, GGMLType.Q4_K, 256, 32, "gate")
+    with pytest.raises(ValueError, match="product_glu: the launch reads plain q8x x, got woven"):
+        ops.GatedProduct(gate, gate)(woven_x)
     monkeypatch.setattr(ops.fused_products, "WOVEN_X", False)
     assert not ops.Product(b, woven=True).x_woven and dict(ops.Product(b, woven=True).template)["WOVEN"] == 0
+    assert np.isfinite(np.array(ops.Product(b, woven=True)(x))).all()
 
 
 def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
@@ -405,6 +421,7 @@ def test_attention_decode_writes_woven_x_for_the_o_projection(backend, rng, vari
         mx.eval(plain)
         woven = ops.attention_decode(**inputs, woven=True)[0]
         mx.eval(woven)
+    assert isinstance(woven, ops.WovenQ8X) and not isinstance(plain, ops.WovenQ8X)
     assert_within_half_a_code(ops.weave(woven, woven=False), expected, slack=2e-3)
     codes, sums = formats.weave_activations(np.array(plain.codes), np.array(plain.sums))
     np.testing.assert_array_equal(np.array(woven.codes), codes)

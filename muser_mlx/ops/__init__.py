@@ -11,7 +11,7 @@ from muser_mlx.ops.attention import (attention, attention_decode, attention_dtyp
                                      split_heads)
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.embedding import check_token_ids, embedding, embedding_unchecked, make_resident
-from muser_mlx.ops.activations import Q8X, quantize_rows, weave
+from muser_mlx.ops.activations import Q8X, WovenQ8X, quantize_rows, weave
 from muser_mlx.ops.fused_products import (GLU_CONFIG_BY_WIDTH, PRODUCT_CONFIG, PRODUCT_CONFIG_BY_WIDTH, PRODUCT_FORMATS, GatedProduct,
                                           NoProductKernelError, Product, ProductConfig, gelu_tanh,
                                           greedy, product, product_glu)
@@ -25,5 +25,5 @@ __all__ = [
     "embedding_unchecked", "GatedProduct", "gelu_tanh", "greedy", "linear", "linear_path",
     "make_resident", "MatvecKernel", "NoProductKernelError", "paced_products", "product", "Product", "product_glu",
     "ProductConfig", "qk_norm_rope", "qk_norm_rope_mlx", "quantize_rows", "residual_norm",
-    "residual_norm_quant", "rounded_products", "split_heads", "weave",
+    "residual_norm_quant", "rounded_products", "split_heads", "weave", "WovenQ8X",
 ]

@@ -92,12 +92,26 @@ def _woven_order(n: int, woven: bool) -> tuple[mx.array, mx.array]:
     return mx.array(code_at.astype(np.int32)), mx.array(sum_at.astype(np.int32))
 
 
+class WovenQ8X(Q8X):
+    """A Q8X whose codes and sums are in q8x's woven layout (`weave`, formats.woven_positions):
+    what attention_combine writes for a Product made with woven=True. Such a Product refuses a
+    plain Q8X, and every other product refuses this one."""
+
+    __slots__ = ()
+
+    def dequantize(self) -> mx.array:
+        return weave(self, woven=False).dequantize()
+
+
 def weave(x: Q8X, woven: bool = True) -> Q8X:
-    """x's codes and sums in q8x's woven layout (formats.woven_positions; n a multiple of 64), or
-    (woven=False) back from it: the CPU rendering of what attention_combine writes for kernel
-    product's WOVEN, and how that product's CPU rendering reads it."""
+    """x's codes and sums in q8x's woven layout as a WovenQ8X (n a multiple of 64), or
+    (woven=False) a WovenQ8X back in the plain one: the CPU rendering of what attention_combine
+    writes for kernel product's WOVEN, and how that product's CPU rendering reads it."""
     n = x.shape[-1]
     if n % Q8X_WOVEN_UNIT:
         raise ValueError(f"activations of {n} values are not whole {Q8X_WOVEN_UNIT}-value units to weave")
+    if isinstance(x, WovenQ8X) == woven:
+        raise ValueError(f"weave: x is {'already' if woven else 'not'} woven")
     code_order, sum_order = _woven_order(n, woven)
-    return Q8X(mx.take(x.codes, code_order, axis=-1), x.scales, mx.take(x.sums, sum_order, axis=-1))
+    return (WovenQ8X if woven else Q8X)(mx.take(x.codes, code_order, axis=-1), x.scales,
+                                       mx.take(x.sums, sum_order, axis=-1))

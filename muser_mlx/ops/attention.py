@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from muser_mlx import cpu_ext, kernels
-from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx, weave
+from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, WovenQ8X, q8x_shapes, quantize_rows_mlx, weave
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 
 
@@ -162,7 +162,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     keys, values: the layer's cache [1, kv_heads, capacity, head_dim] float16: slot p % capacity
     receives this token's key and value, slots 0 .. min(p + 1, capacity) - 1 are attended (a full
     cache: capacity > p; a sliding-window ring: capacity = window).
-    woven: o's codes and sums in q8x's woven layout (ops.weave), for a Product whose x_woven is set.
+    woven: o as a WovenQ8X (ops.weave's layout), for a Product whose x_woven is set.
     Returns (o as q8x [1, heads * head_dim], keys, values): on a GPU, kernels attention_decode
     (norm, RoPE, cache write in place, split attention) and attention_combine (splits merged,
     gate, quantized), the caches returned as given; on the CPU, MLX ops and new cache arrays."""
@@ -210,7 +210,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
         output_shapes=q8x_shapes((1,), heads * head_dim),
         output_dtypes=Q8X_DTYPES,
     )
-    return Q8X(codes, scales, sums), keys, values
+    return (WovenQ8X if woven else Q8X)(codes, scales, sums), keys, values
 
 
 def _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, offsets, gate,

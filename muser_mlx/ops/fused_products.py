@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from muser_mlx import kernels
 from muser_mlx.formats import GGMLType, block_format
-from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows_mlx, weave
+from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, WovenQ8X, q8x_shapes, quantize_rows_mlx
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.products import linear
 
@@ -118,10 +118,14 @@ def _weight_template(suffix: str, weight) -> list:
     return [(f"FORMAT_{suffix}", int(fmt.ggml_type)), (f"ROW_BYTES_{suffix}", fmt.row_bytes(weight.shape[0]))]
 
 
-def _check_rows(x: Q8X, in_features: int, tokens: int, what: str) -> None:
+def _check_rows(x: Q8X, in_features: int, tokens: int, what: str, woven: bool = False) -> None:
     if x.shape[-1] != in_features or math.prod(x.shape[:-1]) != tokens:
         raise ValueError(f"{what}: x of shape {list(x.shape)} does not fit: the launch takes {tokens} "
                          f"rows of {in_features} features")
+    if isinstance(x, WovenQ8X) != woven:
+        layouts = ("woven", "plain") if woven else ("plain", "woven")
+        raise ValueError(f"{what}: the launch reads {layouts[0]} q8x x, got {layouts[1]} "
+                         f"(ops.weave; Product(woven=True) with fused_products.WOVEN_X reads woven x)")
 
 
 class Product:
@@ -199,7 +203,7 @@ class Product:
         return self.launch_arguments()[2]
 
     def __call__(self, x: Q8X):
-        _check_rows(x, self.in_features, self.tokens, "product")
+        _check_rows(x, self.in_features, self.tokens, "product", self.x_woven)
         lead = tuple(x.shape[:-1])
         if kernels.backend() == "cpu":
             return self._mlx(x)
@@ -221,7 +225,7 @@ class Product:
 
     def _mlx(self, x: Q8X):
         """The CPU rendering."""
-        values = (weave(x, woven=False) if self.x_woven else x).dequantize()
+        values = x.dequantize()  # a WovenQ8X's own dequantize() unweaves it
         y = linear(values, self.weight)
         if self.second is not None:
             y = mx.concatenate([y, linear(values, self.second)], axis=-1)
