@@ -64,8 +64,8 @@ PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 2, 1, 1
 # Whether a Product made with woven=True (the o-projection: attention_combine writes its x)
 # reads x in q8x's woven layout (kernel product's WOVEN; formats.woven_positions): a SIMD
 # group's 16-byte loads of its lanes' 64-value units become contiguous, 4 L1 wavefronts a load
-# instead of 16 (bench/RESULTS.md, session 26). The producer asks the Product (x_woven), so
-# turning this off (a bench variant) changes both ends.
+# instead of 16: 6.15 us against 6.21 (bench/RESULTS.md, session 26). The producer asks the
+# Product (x_woven), so turning this off (`timeline.py --set`) changes both ends.
 WOVEN_X = True
 
 # product_glu's overrides for one (format, input width), before PRODUCT_CONFIG_BY_WIDTH's:
