@@ -11,7 +11,7 @@
 // every step); y f32 [Y_WIDTH]. oq int8 [HEADS * HEAD_DIM], od [HEADS * HEAD_DIM / 32], os [HEADS * HEAD_DIM / 8].
 // Grid: one SIMD group per 32 channels of one head (one q8x block): HEADS * HEAD_DIM / 32
 // SIMD groups; lane l takes channel l of the block and every split's weight.
-// Bytes per call: HEADS * SPLITS * (HEAD_DIM + 2) * 4 read, HEADS * HEAD_DIM * 1.375 written.
+// Bytes per call: HEADS * SPLITS * (HEAD_DIM + 2) * 4 read, HEADS * HEAD_DIM * 1.625 written.
 // Bounds: SIMD groups past the last block (CUDA's surplus) return whole.
 // SPLITS comes from partial's length, read at run time.
 // SPLITS is at most 128 (ops.attention sizes the splits so).

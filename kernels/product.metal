@@ -20,7 +20,7 @@
 // consecutive lanes read consecutive weight bytes; it loads its unit of x once for
 // all ROWS rows. A code times an activation code is an integer (muser_dot4: four at a time);
 // the block scales apply once per 32 or 16 values. simd_sum adds the lanes.
-// Bytes per call: OUT_A * ROW_BYTES_A + OUT_B * ROW_BYTES_B + TOKENS * IN * 1.375 read,
+// Bytes per call: OUT_A * ROW_BYTES_A + OUT_B * ROW_BYTES_B + TOKENS * IN * 1.625 read,
 // TOKENS * (OUT_A + OUT_B) * 4 written.
 // Bounds: SIMD groups past the last row group (the last threadgroup's surplus) compute nothing
 // and store nothing, but reach the barrier; rows past OUT re-read row OUT-1 and are not stored.

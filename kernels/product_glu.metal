@@ -11,8 +11,8 @@
 // Grid: one threadgroup per 32 rows (one q8x block of f): 32 / ROWS SIMD groups, each taking
 // ROWS rows of both weights the way kernel product does (lane l: units l, l + 32, ...). The
 // products meet in threadgroup memory; SIMD group t then quantizes token t's block.
-// Bytes per call: OUT * (ROW_BYTES_G + ROW_BYTES_U) + TOKENS * IN * 1.375 read,
-// TOKENS * OUT * 1.375 written.
+// Bytes per call: OUT * (ROW_BYTES_G + ROW_BYTES_U) + TOKENS * IN * 1.625 read,
+// TOKENS * OUT * 1.625 written.
 // Bounds: OUT is a multiple of 32 (the host checks), so every threadgroup is whole and every
 // row exists.
 // Template constants: FORMAT_G, ROW_BYTES_G, FORMAT_U, ROW_BYTES_U, OUT, IN, TOKENS, ROWS,
