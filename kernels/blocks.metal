@@ -643,16 +643,11 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
 }
 
 // Where a product's units read x: muser_x_global, the q8x arrays in device memory (TOKENS rows
-// of IN values); muser_x_staged, a threadgroup's copy of them (muser_stage_x; IN a multiple of
-// 64) for wide Q4_K units and Q8_0 units.
+// of IN values; WOVEN_UNITS > 0: codes and sums woven, muser_code_at, in rows of that many
+// 64-value units); muser_x_staged, a threadgroup's copy of them (muser_stage_x; IN a multiple
+// of 64) for wide Q4_K units and Q8_0 units.
+template <int WOVEN_UNITS = 0>
 struct muser_x_global {
-  const device int8_t* xq;
-  const device float* xd;
-  const device float* xs;
-};
-
-// muser_x_woven: the same arrays with codes and sums woven (muser_code_at; IN a multiple of 64).
-struct muser_x_woven {
   const device int8_t* xq;
   const device float* xd;
   const device float* xs;
@@ -700,14 +695,10 @@ inline void muser_stage_x(const device int8_t* xq, const device float* xd, const
 
 // Unit u of token t's activations, from either source: the same values (the staged sums are
 // added in the same order).
-template <int FORMAT, int IN, class X>
-inline void muser_load_x(thread X& x, muser_x_global source, int t, uint unit) {
-  muser_load_x_unit<FORMAT>(x, source.xq + t * IN, source.xd + t * (IN / 32), source.xs + t * (IN / 8), unit);
-}
-
-template <int FORMAT, int IN, class X>
-inline void muser_load_x(thread X& x, muser_x_woven source, int t, uint unit) {
-  muser_load_x_unit<FORMAT, IN / 64>(x, source.xq + t * IN, source.xd + t * (IN / 32), source.xs + t * (IN / 8), unit);
+template <int FORMAT, int IN, class X, int WOVEN_UNITS>
+inline void muser_load_x(thread X& x, muser_x_global<WOVEN_UNITS> source, int t, uint unit) {
+  muser_load_x_unit<FORMAT, WOVEN_UNITS>(x, source.xq + t * IN, source.xd + t * (IN / 32), source.xs + t * (IN / 8),
+                                         unit);
 }
 
 template <int FORMAT, int IN>

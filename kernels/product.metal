@@ -60,15 +60,8 @@ if (STAGE) {
   } else if (active) {
     muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_b, first_row, x, lane, acc);
   }
-} else if (WOVEN) {
-  muser_x_woven x = {xq, xd, xs};
-  if (in_a) {
-    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, x, lane, acc);
-  } else if (active) {
-    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_b, first_row, x, lane, acc);
-  }
 } else {
-  muser_x_global x = {xq, xd, xs};
+  muser_x_global<WOVEN ? IN / 64 : 0> x = {xq, xd, xs};
   if (in_a) {
     muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, x, lane, acc);
   } else if (active) {
