@@ -215,6 +215,18 @@ inline float muser_unit_float(uint placed) {
   return as_type<float>(placed | 0x3F800000u);
 }
 
+// Integers as floats without a conversion instruction (which runs at 16 a clock on an SM,
+// an eighth of the FMA rate): the integer added into the mantissa of a power-of-two float,
+// that float subtracted again, exactly. muser_uint_float: 0 <= c < 2^23; muser_int_float:
+// |v| < 2^22. The same values as float(c) and float(v), bit for bit.
+inline float muser_uint_float(uint c) {
+  return as_type<float>(c | 0x4B000000u) - 8388608.0f;
+}
+
+inline float muser_int_float(int v) {
+  return as_type<float>(uint(v + 0x4B400000)) - 12582912.0f;
+}
+
 // Q4_K / Q5_K: (scale, min) of sub-block j (0..7) from the 12 scale bytes as three words
 // (bytes 4-7, 8-11 and 12-15 of the super-block); muser_scale_min's rule.
 inline uint2 muser_scale_min_words(uint s0, uint s1, uint s2, uint j) {
@@ -454,7 +466,7 @@ struct muser_x_unit {
 // positions' qh word (bits 2q, 2q+1).
 inline float muser_q6k_scale(uint2 scales, uint k, float d) {
   uint word = k < 4u ? scales.x : scales.y;
-  return d * float(int(word << (24u - 8u * (k % 4u))) >> 24);
+  return d * muser_int_float(int(word << (24u - 8u * (k % 4u))) >> 24);
 }
 
 inline uint muser_q6k_codes(uint low, uint high, uint quarter) {
@@ -492,7 +504,7 @@ inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, c
       x.codes[2 * quarter + 1] = codes.y;
       x.scale[quarter] = xd[first / 32u + uint(quarter)];
       // The quarter's code sum, an integer (|sum| <= 1016): from its codes, not a load of xs.
-      x.sum[quarter] = float(muser_dot4(codes.y, 0x01010101u, muser_dot4(codes.x, 0x01010101u, 0)));
+      x.sum[quarter] = muser_int_float(muser_dot4(codes.y, 0x01010101u, muser_dot4(codes.x, 0x01010101u, 0)));
     }
   } else {
     uint4 a = *((const device uint4*)(xq + muser_code_at<WOVEN_UNITS>(32u * unit)));
@@ -525,15 +537,16 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     // takes the 1/16 (exact: a power of two).
     uint low[4] = {quants.x & 0x0F0F0F0Fu, quants.y & 0x0F0F0F0Fu, quants.z & 0x0F0F0F0Fu, quants.w & 0x0F0F0F0Fu};
     uint high[4] = {quants.x & 0xF0F0F0F0u, quants.y & 0xF0F0F0F0u, quants.z & 0xF0F0F0F0u, quants.w & 0xF0F0F0F0u};
-    float scale_a = d * float(pairs.x);
-    float scale_b = d * float(pairs.z) * 0.0625f;
+    float scale_a = d * muser_uint_float(pairs.x);
+    float scale_b = d * muser_uint_float(pairs.z) * 0.0625f;
     for (int t = 0; t < TOKENS; ++t) {
       int dot_a = muser_dot4(low[1], x[t].codes[1], muser_dot4(low[0], x[t].codes[0], 0)) +
                   muser_dot4(low[3], x[t].codes[3], muser_dot4(low[2], x[t].codes[2], 0));
       int dot_b = muser_dot4u(high[1], x[t].codes[5], muser_dot4u(high[0], x[t].codes[4], 0)) +
                   muser_dot4u(high[3], x[t].codes[7], muser_dot4u(high[2], x[t].codes[6], 0));
-      out[t * STRIDE] += (scale_a * x[t].scale[0] * float(dot_a) + scale_b * x[t].scale[1] * float(dot_b)) -
-                         dmin * (float(pairs.y) * x[t].sum[0] + float(pairs.w) * x[t].sum[1]);
+      out[t * STRIDE] += (scale_a * x[t].scale[0] * muser_int_float(dot_a) +
+                          scale_b * x[t].scale[1] * muser_int_float(dot_b)) -
+                         dmin * (muser_uint_float(pairs.y) * x[t].sum[0] + muser_uint_float(pairs.w) * x[t].sum[1]);
     }
   } else if (FORMAT == MUSER_Q6_K) {
     size_t block = row + 210u * super_block;
@@ -554,7 +567,7 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
       uint code1 = muser_q6k_codes(low.y, high.y, uint(quarter));
       for (int t = 0; t < TOKENS; ++t) {
         int dot = muser_dot4(code0, x[t].codes[2 * quarter], 0) + muser_dot4(code1, x[t].codes[2 * quarter + 1], 0);
-        out[t * STRIDE] += sc[quarter] * (x[t].scale[quarter] * (float(dot) - 32.0f * x[t].sum[quarter]));
+        out[t * STRIDE] += sc[quarter] * (x[t].scale[quarter] * (muser_int_float(dot) - 32.0f * x[t].sum[quarter]));
       }
     }
   } else {
@@ -571,7 +584,7 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
       for (int word = 0; word < 8; ++word) {
         dot = muser_dot4(codes[word], x[t].codes[word], dot);
       }
-      out[t * STRIDE] += d * x[t].scale[0] * float(dot);
+      out[t * STRIDE] += d * x[t].scale[0] * muser_int_float(dot);
     }
   }
 }
@@ -623,10 +636,12 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
   // The high nibbles in place: dot_b counts them 16 times, scale_b takes the 1/16 (exact).
   uint high[8] = {q0.x & 0xF0F0F0F0u, q0.y & 0xF0F0F0F0u, q0.z & 0xF0F0F0F0u, q0.w & 0xF0F0F0F0u,
                   q1.x & 0xF0F0F0F0u, q1.y & 0xF0F0F0F0u, q1.z & 0xF0F0F0F0u, q1.w & 0xF0F0F0F0u};
-  float scale_a = d * float(pairs.x);
-  float scale_b = d * float(pairs.z) * 0.0625f;
-  float min_a = dmin * float(pairs.y);
-  float min_b = dmin * float(pairs.w);
+  // (The 6-bit scales and the dots, |dot_a| <= 32 * 15 * 127 and |dot_b| <= 32 * 240 * 127,
+  // below 2^22, become floats without a conversion: muser_uint_float, muser_int_float.)
+  float scale_a = d * muser_uint_float(pairs.x);
+  float scale_b = d * muser_uint_float(pairs.z) * 0.0625f;
+  float min_a = dmin * muser_uint_float(pairs.y);
+  float min_b = dmin * muser_uint_float(pairs.w);
   for (int t = 0; t < TOKENS; ++t) {
     // Four short chains a dot, not one of eight: these launches wait on their latency.
     int part_a[4];
@@ -637,7 +652,8 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     }
     int dot_a = (part_a[0] + part_a[1]) + (part_a[2] + part_a[3]);
     int dot_b = (part_b[0] + part_b[1]) + (part_b[2] + part_b[3]);
-    out[t * STRIDE] += (scale_a * x[t].scale[0] * float(dot_a) + scale_b * x[t].scale[1] * float(dot_b)) -
+    out[t * STRIDE] += (scale_a * x[t].scale[0] * muser_int_float(dot_a) +
+                        scale_b * x[t].scale[1] * muser_int_float(dot_b)) -
                        (min_a * x[t].sum[0] + min_b * x[t].sum[1]);
   }
 }

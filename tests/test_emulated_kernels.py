@@ -525,6 +525,26 @@ def test_device_atomics_a_last_threadgroup_done_sum(rng):
     assert np.isnan(total[0])
 
 
+INT_FLOAT = kernels.kernel_source("int_float", ("v", "c"), ("out",), """\
+uint i = thread_position_in_grid.x;
+out[2u * i] = muser_int_float(v[i]);
+out[2u * i + 1u] = muser_uint_float(c[i]);
+""")
+
+
+def test_integers_become_floats_exactly_without_a_conversion(rng):
+    """blocks.metal's muser_int_float (|v| < 2^22) and muser_uint_float (c < 2^23), which the
+    product kernels use for their dots and 6-bit scales: float(v) exactly, over both ranges'
+    ends and random values between."""
+    ends = np.array([0, 1, -1, 2, -2, 127, -128, 975360, -975360, (1 << 22) - 1, -(1 << 22) + 1], np.int64)
+    v = np.concatenate([ends, rng.integers(-(1 << 22) + 1, 1 << 22, 8192 - len(ends))]).astype(np.int32)
+    c = np.concatenate([[0, 1, 63, 255, (1 << 23) - 1], rng.integers(0, 1 << 23, 8192 - 5)]).astype(np.uint32)
+    (out,) = run("int_float", [v, c], [("WIDTH", 1)], (8192, 1, 1), (256, 1, 1), [(8192, 2)], [mx.float32],
+                 source=INT_FLOAT)
+    np.testing.assert_array_equal(out[:, 0], v.astype(np.float32))
+    np.testing.assert_array_equal(out[:, 1], c.astype(np.float32))
+
+
 # ---------------------------------------------------------------------------------------------
 # Our kernels, broken: the emulator catches each
 # ---------------------------------------------------------------------------------------------
