@@ -227,6 +227,18 @@ inline float muser_int_float(int v) {
   return as_type<float>(uint(v + 0x4B400000)) - 12582912.0f;
 }
 
+// float(v) by either route: INT_FLOATS 1, muser_int_float / muser_uint_float; 0, a conversion
+// instruction (the products choose per launch: kernel product's INT_FLOATS).
+template <int INT_FLOATS>
+inline float muser_float_of(int v) {
+  return INT_FLOATS != 0 ? muser_int_float(v) : float(v);
+}
+
+template <int INT_FLOATS>
+inline float muser_float_of_u(uint c) {
+  return INT_FLOATS != 0 ? muser_uint_float(c) : float(c);
+}
+
 // Q4_K / Q5_K: (scale, min) of sub-block j (0..7) from the 12 scale bytes as three words
 // (bytes 4-7, 8-11 and 12-15 of the super-block); muser_scale_min's rule.
 inline uint2 muser_scale_min_words(uint s0, uint s1, uint s2, uint j) {
@@ -464,9 +476,10 @@ struct muser_x_unit {
 // (two words) times d; and four 6-bit codes of one quarter (0..3) as bytes, from a word of its
 // ql run (quarters 0 and 1 in the low nibbles, 2 and 3 in the high ones) and the same
 // positions' qh word (bits 2q, 2q+1).
+template <int INT_FLOATS>
 inline float muser_q6k_scale(uint2 scales, uint k, float d) {
   uint word = k < 4u ? scales.x : scales.y;
-  return d * muser_int_float(int(word << (24u - 8u * (k % 4u))) >> 24);
+  return d * muser_float_of<INT_FLOATS>(int(word << (24u - 8u * (k % 4u))) >> 24);
 }
 
 inline uint muser_q6k_codes(uint low, uint high, uint quarter) {
@@ -504,7 +517,7 @@ inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, c
       x.codes[2 * quarter + 1] = codes.y;
       x.scale[quarter] = xd[first / 32u + uint(quarter)];
       // The quarter's code sum, an integer (|sum| <= 1016): from its codes, not a load of xs.
-      x.sum[quarter] = muser_int_float(muser_dot4(codes.y, 0x01010101u, muser_dot4(codes.x, 0x01010101u, 0)));
+      x.sum[quarter] = float(muser_dot4(codes.y, 0x01010101u, muser_dot4(codes.x, 0x01010101u, 0)));
     }
   } else {
     uint4 a = *((const device uint4*)(xq + muser_code_at<WOVEN_UNITS>(32u * unit)));
@@ -521,7 +534,7 @@ inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, c
 //   Q6_K: sum_i d sc (q_i - 32) x_i = d sc xd (sum_i q_i c_i - 32 sum_i c_i), the code sums
 //         from the codes themselves (integers, exact).
 //   Q8_0: sum_i d q_i x_i = d xd (sum_i q_i c_i).
-template <int FORMAT, int TOKENS, int STRIDE>
+template <int FORMAT, int TOKENS, int STRIDE, int INT_FLOATS>
 inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
                            thread const muser_x_unit* x, thread float* out) {
   uint super_block = unit / 8u;
@@ -537,16 +550,17 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     // takes the 1/16 (exact: a power of two).
     uint low[4] = {quants.x & 0x0F0F0F0Fu, quants.y & 0x0F0F0F0Fu, quants.z & 0x0F0F0F0Fu, quants.w & 0x0F0F0F0Fu};
     uint high[4] = {quants.x & 0xF0F0F0F0u, quants.y & 0xF0F0F0F0u, quants.z & 0xF0F0F0F0u, quants.w & 0xF0F0F0F0u};
-    float scale_a = d * muser_uint_float(pairs.x);
-    float scale_b = d * muser_uint_float(pairs.z) * 0.0625f;
+    float scale_a = d * muser_float_of_u<INT_FLOATS>(pairs.x);
+    float scale_b = d * muser_float_of_u<INT_FLOATS>(pairs.z) * 0.0625f;
     for (int t = 0; t < TOKENS; ++t) {
       int dot_a = muser_dot4(low[1], x[t].codes[1], muser_dot4(low[0], x[t].codes[0], 0)) +
                   muser_dot4(low[3], x[t].codes[3], muser_dot4(low[2], x[t].codes[2], 0));
       int dot_b = muser_dot4u(high[1], x[t].codes[5], muser_dot4u(high[0], x[t].codes[4], 0)) +
                   muser_dot4u(high[3], x[t].codes[7], muser_dot4u(high[2], x[t].codes[6], 0));
-      out[t * STRIDE] += (scale_a * x[t].scale[0] * muser_int_float(dot_a) +
-                          scale_b * x[t].scale[1] * muser_int_float(dot_b)) -
-                         dmin * (muser_uint_float(pairs.y) * x[t].sum[0] + muser_uint_float(pairs.w) * x[t].sum[1]);
+      out[t * STRIDE] += (scale_a * x[t].scale[0] * muser_float_of<INT_FLOATS>(dot_a) +
+                          scale_b * x[t].scale[1] * muser_float_of<INT_FLOATS>(dot_b)) -
+                         dmin * (muser_float_of_u<INT_FLOATS>(pairs.y) * x[t].sum[0] +
+                                 muser_float_of_u<INT_FLOATS>(pairs.w) * x[t].sum[1]);
     }
   } else if (FORMAT == MUSER_Q6_K) {
     size_t block = row + 210u * super_block;
@@ -559,7 +573,7 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     float d = float(as_type<half>(*((const device ushort*)(weight + block + 208u))));
     float sc[4];
     for (int quarter = 0; quarter < 4; ++quarter) {
-      sc[quarter] = muser_q6k_scale(scales, 2u * uint(quarter) + l0 / 16u, d);  // this quarter's 16 values
+      sc[quarter] = muser_q6k_scale<INT_FLOATS>(scales, 2u * uint(quarter) + l0 / 16u, d);  // this quarter's 16 values
     }
     for (int quarter = 0; quarter < 4; ++quarter) {
       uint2 low = quarter % 2 == 0 ? low_a : low_b;
@@ -567,7 +581,7 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
       uint code1 = muser_q6k_codes(low.y, high.y, uint(quarter));
       for (int t = 0; t < TOKENS; ++t) {
         int dot = muser_dot4(code0, x[t].codes[2 * quarter], 0) + muser_dot4(code1, x[t].codes[2 * quarter + 1], 0);
-        out[t * STRIDE] += sc[quarter] * (x[t].scale[quarter] * (muser_int_float(dot) - 32.0f * x[t].sum[quarter]));
+        out[t * STRIDE] += sc[quarter] * (x[t].scale[quarter] * (muser_float_of<INT_FLOATS>(dot) - 32.0f * x[t].sum[quarter]));
       }
     }
   } else {
@@ -584,7 +598,7 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
       for (int word = 0; word < 8; ++word) {
         dot = muser_dot4(codes[word], x[t].codes[word], dot);
       }
-      out[t * STRIDE] += d * x[t].scale[0] * muser_int_float(dot);
+      out[t * STRIDE] += d * x[t].scale[0] * muser_float_of<INT_FLOATS>(dot);
     }
   }
 }
@@ -620,7 +634,7 @@ inline void muser_load_x_unit(thread muser_x_unit64& x, const device int8_t* xq,
 
 // Wide unit u of one Q4_K row dotted with TOKENS tokens; adds into out[t * STRIDE] (kernels
 // take wide units for Q4_K only).
-template <int FORMAT, int TOKENS, int STRIDE>
+template <int FORMAT, int TOKENS, int STRIDE, int INT_FLOATS>
 inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
                            thread const muser_x_unit64* x, thread float* out) {
   const device uint8_t* block = weight + row + 144u * (unit / 4u);
@@ -637,11 +651,11 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
   uint high[8] = {q0.x & 0xF0F0F0F0u, q0.y & 0xF0F0F0F0u, q0.z & 0xF0F0F0F0u, q0.w & 0xF0F0F0F0u,
                   q1.x & 0xF0F0F0F0u, q1.y & 0xF0F0F0F0u, q1.z & 0xF0F0F0F0u, q1.w & 0xF0F0F0F0u};
   // (The 6-bit scales and the dots, |dot_a| <= 32 * 15 * 127 and |dot_b| <= 32 * 240 * 127,
-  // below 2^22, become floats without a conversion: muser_uint_float, muser_int_float.)
-  float scale_a = d * muser_uint_float(pairs.x);
-  float scale_b = d * muser_uint_float(pairs.z) * 0.0625f;
-  float min_a = dmin * muser_uint_float(pairs.y);
-  float min_b = dmin * muser_uint_float(pairs.w);
+  // below 2^22, become floats without a conversion where INT_FLOATS is 1: muser_float_of.)
+  float scale_a = d * muser_float_of_u<INT_FLOATS>(pairs.x);
+  float scale_b = d * muser_float_of_u<INT_FLOATS>(pairs.z) * 0.0625f;
+  float min_a = dmin * muser_float_of_u<INT_FLOATS>(pairs.y);
+  float min_b = dmin * muser_float_of_u<INT_FLOATS>(pairs.w);
   for (int t = 0; t < TOKENS; ++t) {
     // Four short chains a dot, not one of eight: these launches wait on their latency.
     int part_a[4];
@@ -652,8 +666,8 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     }
     int dot_a = (part_a[0] + part_a[1]) + (part_a[2] + part_a[3]);
     int dot_b = (part_b[0] + part_b[1]) + (part_b[2] + part_b[3]);
-    out[t * STRIDE] += (scale_a * x[t].scale[0] * muser_int_float(dot_a) +
-                        scale_b * x[t].scale[1] * muser_int_float(dot_b)) -
+    out[t * STRIDE] += (scale_a * x[t].scale[0] * muser_float_of<INT_FLOATS>(dot_a) +
+                        scale_b * x[t].scale[1] * muser_float_of<INT_FLOATS>(dot_b)) -
                        (min_a * x[t].sum[0] + min_b * x[t].sum[1]);
   }
 }
@@ -750,7 +764,7 @@ inline void muser_load_x(thread muser_x_unit& x, muser_x_staged source, int t, u
 // nothing). Adds each lane's share into acc[t * ROWS + r]; the caller sums the lanes. The units
 // are X's: muser_x_unit (32 values) or, for Q4_K, muser_x_unit64 (64; muser_rows_dot's WIDE).
 template <class X, int UNIT_VALUES, int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL,
-          class SOURCE>
+          int INT_FLOATS, class SOURCE>
 inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, SOURCE source, uint lane,
                                  thread float* acc) {
   const uint UNITS = uint(IN / UNIT_VALUES);
@@ -770,7 +784,7 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
     for (int u = 0; u < UNROLL; ++u) {
       for (int r = 0; r < ROWS; ++r) {
         uint row = min(first_row + uint(r), uint(OUT - 1));
-        muser_unit_dot<FORMAT, TOKENS, ROWS>(weight, size_t(row) * size_t(ROW_BYTES), units[u], x + u * TOKENS,
+        muser_unit_dot<FORMAT, TOKENS, ROWS, INT_FLOATS>(weight, size_t(row) * size_t(ROW_BYTES), units[u], x + u * TOKENS,
                                              part + u * TOKENS * ROWS + r);
       }
     }
@@ -787,13 +801,14 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
 // muser_rows_dot_units in 32-value units, or in wide ones for Q4_K when WIDE is 1 (other
 // formats ignore WIDE). SOURCE: muser_x_global, or muser_x_staged for the formats and units it
 // holds.
-template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE, class SOURCE>
+template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE, int INT_FLOATS,
+          class SOURCE>
 inline void muser_rows_dot(const device uint8_t* weight, uint first_row, SOURCE source, uint lane, thread float* acc) {
   if (WIDE != 0 && FORMAT == MUSER_Q4_K) {
-    muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL>(
+    muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS>(
         weight, first_row, source, lane, acc);
   } else {
-    muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL>(
+    muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS>(
         weight, first_row, source, lane, acc);
   }
 }

@@ -32,9 +32,12 @@
 // of 32 64-value units stored piece by piece, so that a SIMD group's 16-byte loads of its
 // lanes' wide units are contiguous), as attention_combine writes them for the o-projection;
 // IN a multiple of 64 (the host checks). Results equal the plain layout's bit for bit.
+// INT_FLOATS 1: the integer dots and scales become floats by adding into a float's mantissa
+// (blocks.metal's muser_int_float) instead of conversion instructions (16 a clock on an SM):
+// the same values bit for bit, more instructions, fewer of the slow kind.
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
 // ROWS, UNROLL (units per lane at a time), WIDE (1: Q4_K weights in 64-value units,
-// blocks.metal's muser_x_unit64; other formats ignore it), STAGE, WOVEN, EPILOGUE.
+// blocks.metal's muser_x_unit64; other formats ignore it), STAGE, WOVEN, EPILOGUE, INT_FLOATS.
 threadgroup float best_rows[8 * TOKENS * 2];
 const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
 const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);
@@ -56,16 +59,16 @@ if (STAGE) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   muser_x_staged x = {x_words, x_blocks};
   if (in_a) {
-    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, x, lane, acc);
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_a, first_row, x, lane, acc);
   } else if (active) {
-    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_b, first_row, x, lane, acc);
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_b, first_row, x, lane, acc);
   }
 } else {
   muser_x_global<WOVEN ? IN / 64 : 0> x = {xq, xd, xs};
   if (in_a) {
-    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_a, first_row, x, lane, acc);
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_a, first_row, x, lane, acc);
   } else if (active) {
-    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_b, first_row, x, lane, acc);
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_b, first_row, x, lane, acc);
   }
 }
 const uint WIDTH = EPILOGUE == 0 ? uint(OUT_A + OUT_B) : uint(OUT_A);

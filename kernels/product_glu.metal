@@ -29,8 +29,8 @@ for (int i = 0; i < TOKENS * ROWS; ++i) {
   up[i] = 0.0f;
 }
 muser_x_global<> x = {xq, xd, xs};
-muser_rows_dot<FORMAT_G, ROW_BYTES_G, OUT, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_gate, first_row, x, lane, gate);
-muser_rows_dot<FORMAT_U, ROW_BYTES_U, OUT, ROWS, TOKENS, IN, UNROLL, WIDE>(weight_up, first_row, x, lane, up);
+muser_rows_dot<FORMAT_G, ROW_BYTES_G, OUT, ROWS, TOKENS, IN, UNROLL, WIDE, 0>(weight_gate, first_row, x, lane, gate);
+muser_rows_dot<FORMAT_U, ROW_BYTES_U, OUT, ROWS, TOKENS, IN, UNROLL, WIDE, 0>(weight_up, first_row, x, lane, up);
 for (int t = 0; t < TOKENS; ++t) {
   for (int r = 0; r < ROWS; ++r) {
     float g = simd_sum(gate[t * ROWS + r]);

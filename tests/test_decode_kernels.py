@@ -115,6 +115,34 @@ def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, 
     assert_within_half_a_code(glu, g / (1 + np.exp(-g)) * u)
 
 
+@pytest.mark.parametrize("wide", [0, 1], ids=["units32", "wide"])
+@pytest.mark.parametrize("formats_ab", FORMAT_PAIRS, ids=lambda p: "+".join(t.name for t in p if t))
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_products_that_make_floats_without_conversions_equal_those_that_convert_bit_for_bit(
+        backend, rng, monkeypatch, formats_ab, tokens, wide):
+    """ProductConfig.int_floats (kernel product's INT_FLOATS): the integer dots and scales
+    become floats through a float's mantissa (blocks.metal's muser_int_float) instead of
+    conversion instructions: the same values, so the same result bit for bit; and numpy's."""
+    first, second = formats_ab
+    in_features = 256 * int(rng.integers(2, 6))
+    a, a_values = weight(rng, first, in_features, int(rng.integers(3, 30)) * 2 + 1, "a")
+    b, b_values = weight(rng, second, in_features, 9, "b") if second else (None, None)
+    x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32) * 4)
+    outs = []
+    for int_floats in (0, 1):
+        for ggml_type in {first, second} - {None}:
+            monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(2, 4, 1, wide, 0, int_floats))
+        product = ops.Product(a, b, tokens=tokens)
+        assert dict(product.template)["INT_FLOATS"] == int_floats
+        with kernels.poisoned_outputs():
+            outs.append(np.array(product(x)))
+    expected = x_values @ a_values.T
+    if second:
+        expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
+    assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
 @pytest.mark.parametrize("rows, simd_groups, unroll", [(2, 4, 1), (2, 2, 2), (1, 8, 1)])
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_products_that_stage_x_match_numpy(backend, rng, monkeypatch, rows, simd_groups, unroll, tokens):
@@ -218,6 +246,9 @@ def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
         ops.Product(a)
     monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 2))
     with pytest.raises(ValueError, match="stage must be 0 or 1"):
+        ops.Product(a)
+    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 0, 2))
+    with pytest.raises(ValueError, match="int_floats must be 0 or 1"):
         ops.Product(a)
 
 

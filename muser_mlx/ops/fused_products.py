@@ -31,6 +31,7 @@ class ProductConfig(NamedTuple):
     unroll: int = 1
     wide: int = 0  # 1: Q4_K in 64-value units (one scale unpack per 64 values); other formats ignore it
     stage: int = 0  # 1: kernel product copies x to threadgroup memory first where it can (Product._stages)
+    int_floats: int = 0  # 1: kernel product's INT_FLOATS (integers to floats without conversions); product_glu: 0
 
 
 # Chosen by `bench/linear.py --products` and CUPTI in a real step (`bench/timeline.py`) on the
@@ -58,8 +59,16 @@ STAGE_MIN_IN = 8192
 # 4096 wide) with 4, both of a lane's wide units at once, x woven (WOVEN_X): 6.15 us, against
 # 6.19 with 2 SIMD groups, 6.21 with 8, 6.76 one unit at a time, 6.46 / 7.24 with 3 / 4
 # rows, 6.45 in 32-value units four at once (session 26, each its own process's default).
+#
+# int_floats (kernel product's INT_FLOATS: integers to floats without conversion instructions,
+# the same values) for the o-projection and the LM head (Q6_K, 6656 wide; the only launch of
+# Muse Glimmer whose first weight is Q6_K with 6656 inputs): CUPTI in a step on the H200
+# (session 27), all products with it against none: o-projection 6.04 us against 6.13, head
+# 309.6 against 315.0; but product_glu 45.5 against 44.8 and Q4_K ffn_down 23.0 against 22.8
+# (more instructions), q+gate and Q6_K ffn_down the same. So those keep conversions.
 PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 2, 1, 1),
-                                 (GGMLType.Q4_K, 4096): ProductConfig(2, 4, 2, 1)}
+                                 (GGMLType.Q4_K, 4096): ProductConfig(2, 4, 2, 1, 0, 1),
+                                 (GGMLType.Q6_K, 6656): ProductConfig(2, 4, 1, 0, 0, 1)}
 
 # Whether a Product made with woven=True (the o-projection: attention_combine writes its x)
 # reads x in q8x's woven layout (kernel product's WOVEN; formats.woven_positions): a SIMD
@@ -83,6 +92,8 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
         raise ValueError(f"product config for {ggml_type.name}: unroll must be 1, 2 or 4, got {config.unroll}")
     if config.stage not in (0, 1):
         raise ValueError(f"product config for {ggml_type.name}: stage must be 0 or 1, got {config.stage}")
+    if config.int_floats not in (0, 1):
+        raise ValueError(f"product config for {ggml_type.name}: int_floats must be 0 or 1, got {config.int_floats}")
     if config.wide not in (0, 1):
         raise ValueError(f"product config for {ggml_type.name}: wide must be 0 or 1 (Q4_K in 64-value units), "
                          f"got {config.wide}")
@@ -168,14 +179,14 @@ class Product:
         config = _config(self.ggml_type, self.in_features, self.tokens)
         key = (config, STAGE_MIN_IN, STAGE_BYTES, self.x_woven)  # bench variants may change the module's constants
         if self._launch[0] != key:
-            rows, simd_groups, unroll, wide, stage = config
+            rows, simd_groups, unroll, wide, stage, int_floats = config
             stage = self._stages(wide) if stage else 0
             groups = -(-(-(-self.out_a // rows) - (-self.out_b // rows)) // simd_groups)  # threadgroups
             template = (_weight_template("A", self.weight) + [("OUT_A", self.out_a)]
                         + _weight_template("B", self.second if self.second is not None else self.weight)
                         + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
                            ("UNROLL", unroll), ("WIDE", wide), ("STAGE", stage), ("WOVEN", int(self.x_woven)),
-                           ("EPILOGUE", int(self.head is not None))])
+                           ("EPILOGUE", int(self.head is not None)), ("INT_FLOATS", int_floats)])
             self._launch = (key, (template, (32 * simd_groups * groups, 1, 1), (32 * simd_groups, 1, 1), groups))
         return self._launch[1]
 
@@ -263,7 +274,7 @@ class GatedProduct:
         """(template, grid, threadgroup) for the configuration in force now."""
         config = _config(self.ggml_type, self.in_features, self.tokens, glu=True)
         if self._launch[0] != config:
-            rows, _, unroll, wide, _ = config  # product_glu reads x from device memory (no stage)
+            rows, _, unroll, wide, *_ = config  # product_glu reads x from device memory (no stage)
             template = (_weight_template("G", self.gate) + _weight_template("U", self.up)
                         + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
                            ("UNROLL", unroll), ("WIDE", wide), ("ACTIVATION", ACTIVATIONS[self.activation])])
