@@ -62,10 +62,12 @@ STAGE_MIN_IN = 8192
 #
 # int_floats (kernel product's INT_FLOATS: integers to floats without conversion instructions,
 # the same values) for the o-projection and the LM head (Q6_K, 6656 wide; the only launch of
-# Muse Glimmer whose first weight is Q6_K with 6656 inputs): CUPTI in a step on the H200
-# (session 27), all products with it against none: o-projection 6.04 us against 6.13, head
-# 309.6 against 315.0; but product_glu 45.5 against 44.8 and Q4_K ffn_down 23.0 against 22.8
-# (more instructions), q+gate and Q6_K ffn_down the same. So those keep conversions.
+# Muse Glimmer whose first weight is Q6_K with 6656 inputs). CUPTI in a step on the H200
+# (session 27): the o-projection 6.03-6.04 us in four processes, against 6.13 without.
+# product_glu took 45.5 us with it against 44.8-45.0 without, so it keeps conversions; the
+# others moved within their run-to-run spread. The head: 314.3-315.0 at the final commit,
+# 315.0 without; 309.6 in a first build that also made Q6_K x's code sums this way
+# (muser_load_x_unit, which INT_FLOATS does not reach).
 PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 2, 1, 1),
                                  (GGMLType.Q4_K, 4096): ProductConfig(2, 4, 2, 1, 0, 1),
                                  (GGMLType.Q6_K, 6656): ProductConfig(2, 4, 1, 0, 0, 1)}
