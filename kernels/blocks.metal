@@ -216,9 +216,9 @@ inline float muser_unit_float(uint placed) {
 }
 
 // Integers as floats without a conversion instruction (which runs at 16 a clock on an SM,
-// an eighth of the FMA rate): the integer added into the mantissa of a power-of-two float,
-// that float subtracted again, exactly. muser_uint_float: 0 <= c < 2^23; muser_int_float:
-// |v| < 2^22. The same values as float(c) and float(v), bit for bit.
+// an eighth of the FMA rate): the integer added into the mantissa of 2^23 (c, 0 <= c < 2^23)
+// or of 1.5 * 2^23 (v, |v| < 2^22: negative ones borrow from the 0.5), and that float
+// subtracted again, exactly. The same values as float(c) and float(v), bit for bit.
 inline float muser_uint_float(uint c) {
   return as_type<float>(c | 0x4B000000u) - 8388608.0f;
 }
@@ -800,7 +800,7 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
 
 // muser_rows_dot_units in 32-value units, or in wide ones for Q4_K when WIDE is 1 (other
 // formats ignore WIDE). SOURCE: muser_x_global, or muser_x_staged for the formats and units it
-// holds.
+// holds. INT_FLOATS: how the units' integer dots and scales become floats (muser_float_of).
 template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE, int INT_FLOATS,
           class SOURCE>
 inline void muser_rows_dot(const device uint8_t* weight, uint first_row, SOURCE source, uint lane, thread float* acc) {
