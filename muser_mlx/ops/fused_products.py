@@ -22,9 +22,10 @@ PRODUCT_FORMATS = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
 class ProductConfig(NamedTuple):
     """Rows per SIMD group, SIMD groups per threadgroup and units per lane at a time (their
     loads issued together) of kernel product for a weight format (a launch of two weights
-    takes its first's), wide units, and whether x is staged in threadgroup memory (kernel
-    product only); product_glu takes `rows`, `unroll` and `wide` (its threadgroups hold 32
-    rows: 32 / rows SIMD groups)."""
+    takes its first's), wide units, whether x is staged in threadgroup memory and whether
+    integers become floats without conversion instructions (both kernel product only);
+    product_glu takes `rows`, `unroll` and `wide` (its threadgroups hold 32 rows: 32 / rows
+    SIMD groups)."""
 
     rows: int
     simd_groups: int
