@@ -235,7 +235,7 @@ inline float muser_float_of(int v) {
 }
 
 template <int INT_FLOATS>
-inline float muser_float_of_u(uint c) {
+inline float muser_float_of(uint c) {
   return INT_FLOATS != 0 ? muser_uint_float(c) : float(c);
 }
 
@@ -550,8 +550,8 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     // takes the 1/16 (exact: a power of two).
     uint low[4] = {quants.x & 0x0F0F0F0Fu, quants.y & 0x0F0F0F0Fu, quants.z & 0x0F0F0F0Fu, quants.w & 0x0F0F0F0Fu};
     uint high[4] = {quants.x & 0xF0F0F0F0u, quants.y & 0xF0F0F0F0u, quants.z & 0xF0F0F0F0u, quants.w & 0xF0F0F0F0u};
-    float scale_a = d * muser_float_of_u<INT_FLOATS>(pairs.x);
-    float scale_b = d * muser_float_of_u<INT_FLOATS>(pairs.z) * 0.0625f;
+    float scale_a = d * muser_float_of<INT_FLOATS>(pairs.x);
+    float scale_b = d * muser_float_of<INT_FLOATS>(pairs.z) * 0.0625f;
     for (int t = 0; t < TOKENS; ++t) {
       int dot_a = muser_dot4(low[1], x[t].codes[1], muser_dot4(low[0], x[t].codes[0], 0)) +
                   muser_dot4(low[3], x[t].codes[3], muser_dot4(low[2], x[t].codes[2], 0));
@@ -559,8 +559,8 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
                   muser_dot4u(high[3], x[t].codes[7], muser_dot4u(high[2], x[t].codes[6], 0));
       out[t * STRIDE] += (scale_a * x[t].scale[0] * muser_float_of<INT_FLOATS>(dot_a) +
                           scale_b * x[t].scale[1] * muser_float_of<INT_FLOATS>(dot_b)) -
-                         dmin * (muser_float_of_u<INT_FLOATS>(pairs.y) * x[t].sum[0] +
-                                 muser_float_of_u<INT_FLOATS>(pairs.w) * x[t].sum[1]);
+                         dmin * (muser_float_of<INT_FLOATS>(pairs.y) * x[t].sum[0] +
+                                 muser_float_of<INT_FLOATS>(pairs.w) * x[t].sum[1]);
     }
   } else if (FORMAT == MUSER_Q6_K) {
     size_t block = row + 210u * super_block;
@@ -573,7 +573,7 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     float d = float(as_type<half>(*((const device ushort*)(weight + block + 208u))));
     float sc[4];
     for (int quarter = 0; quarter < 4; ++quarter) {
-      sc[quarter] = muser_q6k_scale<INT_FLOATS>(scales, 2u * uint(quarter) + l0 / 16u, d);  // this quarter's 16 values
+      sc[quarter] = muser_q6k_scale<INT_FLOATS>(scales, 2u * uint(quarter) + l0 / 16u, d);  // the quarter's 16 values
     }
     for (int quarter = 0; quarter < 4; ++quarter) {
       uint2 low = quarter % 2 == 0 ? low_a : low_b;
@@ -581,7 +581,8 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
       uint code1 = muser_q6k_codes(low.y, high.y, uint(quarter));
       for (int t = 0; t < TOKENS; ++t) {
         int dot = muser_dot4(code0, x[t].codes[2 * quarter], 0) + muser_dot4(code1, x[t].codes[2 * quarter + 1], 0);
-        out[t * STRIDE] += sc[quarter] * (x[t].scale[quarter] * (muser_float_of<INT_FLOATS>(dot) - 32.0f * x[t].sum[quarter]));
+        float codes = muser_float_of<INT_FLOATS>(dot);
+        out[t * STRIDE] += sc[quarter] * (x[t].scale[quarter] * (codes - 32.0f * x[t].sum[quarter]));
       }
     }
   } else {
@@ -652,10 +653,10 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
                   q1.x & 0xF0F0F0F0u, q1.y & 0xF0F0F0F0u, q1.z & 0xF0F0F0F0u, q1.w & 0xF0F0F0F0u};
   // (The 6-bit scales and the dots, |dot_a| <= 32 * 15 * 127 and |dot_b| <= 32 * 240 * 127,
   // below 2^22, become floats without a conversion where INT_FLOATS is 1: muser_float_of.)
-  float scale_a = d * muser_float_of_u<INT_FLOATS>(pairs.x);
-  float scale_b = d * muser_float_of_u<INT_FLOATS>(pairs.z) * 0.0625f;
-  float min_a = dmin * muser_float_of_u<INT_FLOATS>(pairs.y);
-  float min_b = dmin * muser_float_of_u<INT_FLOATS>(pairs.w);
+  float scale_a = d * muser_float_of<INT_FLOATS>(pairs.x);
+  float scale_b = d * muser_float_of<INT_FLOATS>(pairs.z) * 0.0625f;
+  float min_a = dmin * muser_float_of<INT_FLOATS>(pairs.y);
+  float min_b = dmin * muser_float_of<INT_FLOATS>(pairs.w);
   for (int t = 0; t < TOKENS; ++t) {
     // Four short chains a dot, not one of eight: these launches wait on their latency.
     int part_a[4];
@@ -784,8 +785,8 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
     for (int u = 0; u < UNROLL; ++u) {
       for (int r = 0; r < ROWS; ++r) {
         uint row = min(first_row + uint(r), uint(OUT - 1));
-        muser_unit_dot<FORMAT, TOKENS, ROWS, INT_FLOATS>(weight, size_t(row) * size_t(ROW_BYTES), units[u], x + u * TOKENS,
-                                             part + u * TOKENS * ROWS + r);
+        muser_unit_dot<FORMAT, TOKENS, ROWS, INT_FLOATS>(weight, size_t(row) * size_t(ROW_BYTES), units[u],
+                                                         x + u * TOKENS, part + u * TOKENS * ROWS + r);
       }
     }
     for (int u = 0; u < UNROLL; ++u) {

@@ -59,16 +59,20 @@ if (STAGE) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   muser_x_staged x = {x_words, x_blocks};
   if (in_a) {
-    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_a, first_row, x, lane, acc);
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_a, first_row, x,
+                                                                                         lane, acc);
   } else if (active) {
-    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_b, first_row, x, lane, acc);
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_b, first_row, x,
+                                                                                         lane, acc);
   }
 } else {
   muser_x_global<WOVEN ? IN / 64 : 0> x = {xq, xd, xs};
   if (in_a) {
-    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_a, first_row, x, lane, acc);
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_a, first_row, x,
+                                                                                         lane, acc);
   } else if (active) {
-    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_b, first_row, x, lane, acc);
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_b, first_row, x,
+                                                                                         lane, acc);
   }
 }
 const uint WIDTH = EPILOGUE == 0 ? uint(OUT_A + OUT_B) : uint(OUT_A);
