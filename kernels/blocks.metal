@@ -427,7 +427,7 @@ inline uint muser_woven(uint i, uint units) {
   uint unit = i / uint(PER_UNIT);
   uint run = unit / 32u;
   uint within = i % uint(PER_UNIT);
-  uint n = min(32u, units - 32u * run);
+  uint n = units % 32u == 0u ? 32u : min(32u, units - 32u * run);  // (units: a constant)
   return 32u * uint(PER_UNIT) * run + uint(PER_PIECE) * ((within / uint(PER_PIECE)) * n + unit % 32u) +
          within % uint(PER_PIECE);
 }
@@ -494,7 +494,7 @@ inline uint muser_q6k_codes(uint low, uint high, uint quarter) {
 //   Q8_0: block u.
 // WOVEN_UNITS > 0: x's codes and sums are woven (muser_code_at), in rows of that many
 // 64-value units.
-template <int FORMAT, int WOVEN_UNITS = 0>
+template <int FORMAT, int WOVEN_UNITS = 0, int INT_FLOATS = 0>
 inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, const device float* xd,
                               const device float* xs, uint unit) {
   uint super_block = unit / 8u;
@@ -516,8 +516,10 @@ inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, c
       x.codes[2 * quarter] = codes.x;
       x.codes[2 * quarter + 1] = codes.y;
       x.scale[quarter] = xd[first / 32u + uint(quarter)];
-      // The quarter's code sum, an integer (|sum| <= 1016): from its codes, not a load of xs.
-      x.sum[quarter] = float(muser_dot4(codes.y, 0x01010101u, muser_dot4(codes.x, 0x01010101u, 0)));
+      // The quarter's code sum, an integer (|sum| <= 1016): from its codes, not a load of xs
+      // (a float by INT_FLOATS's route, muser_float_of).
+      int sum = muser_dot4(codes.y, 0x01010101u, muser_dot4(codes.x, 0x01010101u, 0));
+      x.sum[quarter] = muser_float_of<INT_FLOATS>(sum);
     }
   } else {
     uint4 a = *((const device uint4*)(xq + muser_code_at<WOVEN_UNITS>(32u * unit)));
@@ -534,7 +536,7 @@ inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, c
 //   Q6_K: sum_i d sc (q_i - 32) x_i = d sc xd (sum_i q_i c_i - 32 sum_i c_i), the code sums
 //         from the codes themselves (integers, exact).
 //   Q8_0: sum_i d q_i x_i = d xd (sum_i q_i c_i).
-template <int FORMAT, int TOKENS, int STRIDE, int INT_FLOATS>
+template <int FORMAT, int TOKENS, int STRIDE, int INT_FLOATS, int LEAN>
 inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
                            thread const muser_x_unit* x, thread float* out) {
   uint super_block = unit / 8u;
@@ -617,7 +619,7 @@ struct muser_x_unit64 {
 };
 
 // (WOVEN_UNITS > 0: woven x, whose 32 consecutive units' k-th pieces are contiguous.)
-template <int FORMAT, int WOVEN_UNITS = 0>
+template <int FORMAT, int WOVEN_UNITS = 0, int INT_FLOATS = 0>
 inline void muser_load_x_unit(thread muser_x_unit64& x, const device int8_t* xq, const device float* xd,
                               const device float* xs, uint unit) {
   uint block = 2u * unit;  // the first of the unit's two 32-value blocks
@@ -634,8 +636,11 @@ inline void muser_load_x_unit(thread muser_x_unit64& x, const device int8_t* xq,
 }
 
 // Wide unit u of one Q4_K row dotted with TOKENS tokens; adds into out[t * STRIDE] (kernels
-// take wide units for Q4_K only).
-template <int FORMAT, int TOKENS, int STRIDE, int INT_FLOATS>
+// take wide units for Q4_K only). LEAN 1: each integer dot is multiplied by its 6-bit scale
+// as an integer (|63 * dot| < 2^22, dot_b taken / 16 first, exactly) before it becomes a
+// float, so that no float scale products are formed: fewer instructions a unit-row, another
+// rounding order, the same bound (kernel product's LEAN).
+template <int FORMAT, int TOKENS, int STRIDE, int INT_FLOATS, int LEAN>
 inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
                            thread const muser_x_unit64* x, thread float* out) {
   const device uint8_t* block = weight + row + 144u * (unit / 4u);
@@ -657,6 +662,27 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
   float scale_b = d * muser_float_of<INT_FLOATS>(pairs.z) * 0.0625f;
   float min_a = dmin * muser_float_of<INT_FLOATS>(pairs.y);
   float min_b = dmin * muser_float_of<INT_FLOATS>(pairs.w);
+  if (LEAN != 0) {
+    float m_a = muser_float_of<INT_FLOATS>(pairs.y);
+    float m_b = muser_float_of<INT_FLOATS>(pairs.w);
+    for (int t = 0; t < TOKENS; ++t) {
+      int part_a[4];
+      int part_b[4];
+      for (int k = 0; k < 4; ++k) {
+        part_a[k] = muser_dot4(low[2 * k + 1], x[t].codes[2 * k + 1], muser_dot4(low[2 * k], x[t].codes[2 * k], 0));
+        part_b[k] = muser_dot4u(high[2 * k + 1], x[t].codes[9 + 2 * k],
+                                muser_dot4u(high[2 * k], x[t].codes[8 + 2 * k], 0));
+      }
+      // 6-bit scale times dot as integers, |.| <= 63 * 32 * 15 * 127 < 2^22 (dot_b is 16 times
+      // an integer: the shift is exact).
+      int dot_a = int(pairs.x) * ((part_a[0] + part_a[1]) + (part_a[2] + part_a[3]));
+      int dot_b = int(pairs.z) * (((part_b[0] + part_b[1]) + (part_b[2] + part_b[3])) >> 4);
+      float p = x[t].scale[0] * muser_float_of<INT_FLOATS>(dot_a) + x[t].scale[1] * muser_float_of<INT_FLOATS>(dot_b);
+      float m = m_a * x[t].sum[0] + m_b * x[t].sum[1];
+      out[t * STRIDE] = fma(d, p, fma(-dmin, m, out[t * STRIDE]));
+    }
+    return;
+  }
   for (int t = 0; t < TOKENS; ++t) {
     // Four short chains a dot, not one of eight: these launches wait on their latency.
     int part_a[4];
@@ -726,13 +752,13 @@ inline void muser_stage_x(const device int8_t* xq, const device float* xd, const
 
 // Unit u of token t's activations, from either source: the same values (the staged sums are
 // added in the same order).
-template <int FORMAT, int IN, class X, int WOVEN_UNITS>
+template <int FORMAT, int IN, int INT_FLOATS, class X, int WOVEN_UNITS>
 inline void muser_load_x(thread X& x, muser_x_global<WOVEN_UNITS> source, int t, uint unit) {
-  muser_load_x_unit<FORMAT, WOVEN_UNITS>(x, source.xq + t * IN, source.xd + t * (IN / 32), source.xs + t * (IN / 8),
-                                         unit);
+  muser_load_x_unit<FORMAT, WOVEN_UNITS, INT_FLOATS>(x, source.xq + t * IN, source.xd + t * (IN / 32),
+                                                     source.xs + t * (IN / 8), unit);
 }
 
-template <int FORMAT, int IN>
+template <int FORMAT, int IN, int INT_FLOATS>
 inline void muser_load_x(thread muser_x_unit64& x, muser_x_staged source, int t, uint unit) {  // wide Q4_K
   uint first = uint(t) * uint(IN / 16) + 4u * unit;
   for (int k = 0; k < 4; ++k) {
@@ -746,7 +772,7 @@ inline void muser_load_x(thread muser_x_unit64& x, muser_x_staged source, int t,
   x.sum[1] = pair.w;
 }
 
-template <int FORMAT, int IN>
+template <int FORMAT, int IN, int INT_FLOATS>
 inline void muser_load_x(thread muser_x_unit& x, muser_x_staged source, int t, uint unit) {  // Q8_0
   uint first = uint(t) * uint(IN / 16) + 2u * unit;
   uint4 a = source.words[muser_x_slot(first)];
@@ -757,6 +783,40 @@ inline void muser_load_x(thread muser_x_unit& x, muser_x_staged source, int t, u
   x.scale[0] = (unit & 1u) != 0u ? pair.z : pair.x;
 }
 
+// One pass of muser_rows_dot_units: the UNROLL units base, base + 32, ... of each row (CLAMP:
+// a unit past the row's last re-reads the last unit and adds nothing).
+template <class X, int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int INT_FLOATS,
+          int LEAN, bool CLAMP, class SOURCE>
+inline void muser_rows_dot_pass(const device uint8_t* weight, uint first_row, SOURCE source, uint base,
+                                uint units_count, thread float* acc) {
+  X x[UNROLL * TOKENS];
+  uint units[UNROLL];
+  for (int u = 0; u < UNROLL; ++u) {
+    units[u] = CLAMP ? min(base + 32u * uint(u), units_count - 1u) : base + 32u * uint(u);
+    for (int t = 0; t < TOKENS; ++t) {
+      muser_load_x<FORMAT, IN, INT_FLOATS>(x[u * TOKENS + t], source, t, units[u]);
+    }
+  }
+  float part[UNROLL * TOKENS * ROWS];
+  for (int i = 0; i < UNROLL * TOKENS * ROWS; ++i) {
+    part[i] = 0.0f;
+  }
+  for (int u = 0; u < UNROLL; ++u) {
+    for (int r = 0; r < ROWS; ++r) {
+      uint row = min(first_row + uint(r), uint(OUT - 1));
+      muser_unit_dot<FORMAT, TOKENS, ROWS, INT_FLOATS, LEAN>(weight, size_t(row) * size_t(ROW_BYTES), units[u],
+                                                             x + u * TOKENS, part + u * TOKENS * ROWS + r);
+    }
+  }
+  for (int u = 0; u < UNROLL; ++u) {
+    if (!CLAMP || base + 32u * uint(u) < units_count) {
+      for (int i = 0; i < TOKENS * ROWS; ++i) {
+        acc[i] += part[u * TOKENS * ROWS + i];
+      }
+    }
+  }
+}
+
 // The ROWS rows first_row.. of a weight (rows past OUT re-read row OUT-1; the caller never
 // stores them) dotted with TOKENS tokens of q8x activations (from `source`) by one SIMD group:
 // lane l takes units l, l + 32, ... of every row, so the lanes' weight loads are consecutive.
@@ -764,37 +824,20 @@ inline void muser_load_x(thread muser_x_unit& x, muser_x_staged source, int t, u
 // together before any is used (a unit past the row's last re-reads the last unit and adds
 // nothing). Adds each lane's share into acc[t * ROWS + r]; the caller sums the lanes. The units
 // are X's: muser_x_unit (32 values) or, for Q4_K, muser_x_unit64 (64; muser_rows_dot's WIDE).
+// Rows of exactly 32 * UNROLL units take one pass without a loop or a clamp, the lane's
+// bound said aloud, so that the compiler folds the units' arithmetic.
 template <class X, int UNIT_VALUES, int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL,
-          int INT_FLOATS, class SOURCE>
+          int INT_FLOATS, int LEAN, class SOURCE>
 inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, SOURCE source, uint lane,
                                  thread float* acc) {
   const uint UNITS = uint(IN / UNIT_VALUES);
-  for (uint base = lane; base < UNITS; base += 32u * uint(UNROLL)) {
-    X x[UNROLL * TOKENS];
-    uint units[UNROLL];
-    for (int u = 0; u < UNROLL; ++u) {
-      units[u] = min(base + 32u * uint(u), UNITS - 1u);
-      for (int t = 0; t < TOKENS; ++t) {
-        muser_load_x<FORMAT, IN>(x[u * TOKENS + t], source, t, units[u]);
-      }
-    }
-    float part[UNROLL * TOKENS * ROWS];
-    for (int i = 0; i < UNROLL * TOKENS * ROWS; ++i) {
-      part[i] = 0.0f;
-    }
-    for (int u = 0; u < UNROLL; ++u) {
-      for (int r = 0; r < ROWS; ++r) {
-        uint row = min(first_row + uint(r), uint(OUT - 1));
-        muser_unit_dot<FORMAT, TOKENS, ROWS, INT_FLOATS>(weight, size_t(row) * size_t(ROW_BYTES), units[u],
-                                                         x + u * TOKENS, part + u * TOKENS * ROWS + r);
-      }
-    }
-    for (int u = 0; u < UNROLL; ++u) {
-      if (base + 32u * uint(u) < UNITS) {
-        for (int i = 0; i < TOKENS * ROWS; ++i) {
-          acc[i] += part[u * TOKENS * ROWS + i];
-        }
-      }
+  if (IN / UNIT_VALUES == 32 * UNROLL) {
+    muser_rows_dot_pass<X, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN, false>(
+        weight, first_row, source, lane & 31u, UNITS, acc);
+  } else {
+    for (uint base = lane; base < UNITS; base += 32u * uint(UNROLL)) {
+      muser_rows_dot_pass<X, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN, true>(
+          weight, first_row, source, base, UNITS, acc);
     }
   }
 }
@@ -803,13 +846,13 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
 // formats ignore WIDE). SOURCE: muser_x_global, or muser_x_staged for the formats and units it
 // holds. INT_FLOATS: how the units' integer dots and scales become floats (muser_float_of).
 template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE, int INT_FLOATS,
-          class SOURCE>
+          int LEAN = 0, class SOURCE>
 inline void muser_rows_dot(const device uint8_t* weight, uint first_row, SOURCE source, uint lane, thread float* acc) {
   if (WIDE != 0 && FORMAT == MUSER_Q4_K) {
-    muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS>(
+    muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN>(
         weight, first_row, source, lane, acc);
   } else {
-    muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS>(
+    muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN>(
         weight, first_row, source, lane, acc);
   }
 }

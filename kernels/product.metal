@@ -34,10 +34,16 @@
 // IN a multiple of 64 (the host checks). Results equal the plain layout's bit for bit.
 // INT_FLOATS 1: the integer dots and scales become floats by adding into a float's mantissa
 // (blocks.metal's muser_int_float) instead of conversion instructions (16 a clock on an SM):
-// the same values bit for bit, more instructions, fewer of the slow kind.
+// the same values bit for bit, more instructions, fewer of the slow kind; Q6_K x's code sums
+// too.
+// LEAN 1: wide Q4_K units scale each integer dot by its 6-bit scale as integers, with no
+// float scale products (blocks.metal's muser_unit_dot), and ROWS 2 without the head's epilogue reduces both rows in one butterfly: 5 shuffles, not
+// 10 (lanes 0-15 end with row 0's total, 16-31 with row 1's; CUDA's simd_sum adds in that order).
+// Another rounding order than LEAN 0's within the same bound. Other formats ignore it.
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
 // ROWS, UNROLL (units per lane at a time), WIDE (1: Q4_K weights in 64-value units,
-// blocks.metal's muser_x_unit64; other formats ignore it), STAGE, WOVEN, EPILOGUE, INT_FLOATS.
+// blocks.metal's muser_x_unit64; other formats ignore it), STAGE, WOVEN, EPILOGUE, INT_FLOATS,
+// LEAN.
 threadgroup float best_rows[8 * TOKENS * 2];
 const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
 const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);
@@ -59,49 +65,64 @@ if (STAGE) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   muser_x_staged x = {x_words, x_blocks};
   if (in_a) {
-    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_a, first_row, x,
-                                                                                         lane, acc);
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN>(
+        weight_a, first_row, x, lane, acc);
   } else if (active) {
-    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_b, first_row, x,
-                                                                                         lane, acc);
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN>(
+        weight_b, first_row, x, lane, acc);
   }
 } else {
   muser_x_global<WOVEN ? IN / 64 : 0> x = {xq, xd, xs};
   if (in_a) {
-    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_a, first_row, x,
-                                                                                         lane, acc);
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN>(
+        weight_a, first_row, x, lane, acc);
   } else if (active) {
-    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS>(weight_b, first_row, x,
-                                                                                         lane, acc);
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN>(
+        weight_b, first_row, x, lane, acc);
   }
 }
 const uint WIDTH = EPILOGUE == 0 ? uint(OUT_A + OUT_B) : uint(OUT_A);
 device float* best = y + uint(TOKENS) * WIDTH;  // EPILOGUE 1 only
 uint rows = in_a ? uint(OUT_A) : uint(OUT_B);
 uint column = in_a ? first_row : uint(OUT_A) + first_row;
-for (int t = 0; t < TOKENS; ++t) {
-  float top = -3.0e38f;
-  float top_row = 0.0f;
-  for (int r = 0; r < ROWS; ++r) {
-    float total = simd_sum(acc[t * ROWS + r]);
-    if (EPILOGUE == 1) {
-      total *= params[0];
-      if (params[1] > 0.0f) {
-        total = params[1] * tanh(total / params[1]);
-      }
+if (LEAN != 0 && ROWS == 2 && EPILOGUE == 0) {  // both rows in one butterfly
+  for (int t = 0; t < TOKENS; ++t) {
+    bool upper = (lane & 16u) != 0u;
+    float total = (upper ? acc[t * ROWS + 1] : acc[t * ROWS]) +
+                  simd_shuffle_xor(upper ? acc[t * ROWS] : acc[t * ROWS + 1], 16);
+    for (ushort offset = 8; offset > 0; offset /= 2) {
+      total += simd_shuffle_xor(total, offset);
     }
-    bool stored = active && first_row + uint(r) < rows;
-    if (stored && lane == uint(r)) {
-      y[uint(t) * WIDTH + column + uint(r)] = total;
-    }
-    if (stored && total > top) {
-      top = total;
-      top_row = float(first_row + uint(r));
+    uint r = upper ? 1u : 0u;
+    if (active && first_row + r < rows && (lane & 15u) == 0u) {
+      y[uint(t) * WIDTH + column + r] = total;
     }
   }
-  if (EPILOGUE == 1 && lane == 0u) {
-    best_rows[(warp * uint(TOKENS) + uint(t)) * 2u] = top;
-    best_rows[(warp * uint(TOKENS) + uint(t)) * 2u + 1u] = top_row;
+} else {
+  for (int t = 0; t < TOKENS; ++t) {
+    float top = -3.0e38f;
+    float top_row = 0.0f;
+    for (int r = 0; r < ROWS; ++r) {
+      float total = simd_sum(acc[t * ROWS + r]);
+      if (EPILOGUE == 1) {
+        total *= params[0];
+        if (params[1] > 0.0f) {
+          total = params[1] * tanh(total / params[1]);
+        }
+      }
+      bool stored = active && first_row + uint(r) < rows;
+      if (stored && lane == uint(r)) {
+        y[uint(t) * WIDTH + column + uint(r)] = total;
+      }
+      if (stored && total > top) {
+        top = total;
+        top_row = float(first_row + uint(r));
+      }
+    }
+    if (EPILOGUE == 1 && lane == 0u) {
+      best_rows[(warp * uint(TOKENS) + uint(t)) * 2u] = top;
+      best_rows[(warp * uint(TOKENS) + uint(t)) * 2u + 1u] = top_row;
+    }
   }
 }
 if (EPILOGUE == 1) {

@@ -116,6 +116,26 @@ def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, 
 
 
 @pytest.mark.parametrize("wide", [0, 1], ids=["units32", "wide"])
+@pytest.mark.parametrize("unroll", [1, 2])
+@pytest.mark.parametrize("formats_ab", FORMAT_PAIRS[:3], ids=lambda p: "+".join(t.name for t in p if t))
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_products_whose_rows_are_one_pass_of_the_lanes_match_numpy(backend, rng, monkeypatch, formats_ab, tokens,
+                                                                   unroll, wide):
+    """Rows of exactly 32 * unroll units (the o-projection's: 64 wide units, 2 a lane) take
+    blocks.metal's one-pass form (no loop, no clamp); against numpy, and against the same
+    launch on rows one unit longer, which loop and clamp."""
+    first, _ = formats_ab
+    unit = 64 if wide and first == GGMLType.Q4_K else 32
+    monkeypatch.setitem(ops.PRODUCT_CONFIG, first, ops.ProductConfig(2, 4, unroll, wide))
+    for in_features in (32 * unroll * unit, 32 * unroll * unit + 256):
+        a, a_values = weight(rng, first, in_features, int(rng.integers(3, 20)) * 2 + 1, "a")
+        x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32))
+        with kernels.poisoned_outputs():
+            y = np.array(ops.product(x, a))
+        assert np.isfinite(y).all() and relative_error(y, x_values @ a_values.T) <= PRODUCT_BOUND
+
+
+@pytest.mark.parametrize("wide", [0, 1], ids=["units32", "wide"])
 @pytest.mark.parametrize("formats_ab", FORMAT_PAIRS, ids=lambda p: "+".join(t.name for t in p if t))
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_products_that_make_floats_without_conversions_equal_those_that_convert_bit_for_bit(
@@ -141,6 +161,38 @@ def test_products_that_make_floats_without_conversions_equal_those_that_convert_
         expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
     assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
     np.testing.assert_array_equal(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("rows, unroll, stage", [(2, 2, 0), (2, 1, 1), (1, 2, 0), (3, 1, 0)])
+@pytest.mark.parametrize("formats_ab", [(GGMLType.Q4_K, None), (GGMLType.Q4_K, GGMLType.Q8_0)],
+                         ids=lambda p: "+".join(t.name for t in p if t))
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_lean_products_match_numpy_and_the_plain_arithmetic(backend, rng, monkeypatch, formats_ab, tokens, rows,
+                                                           unroll, stage):
+    """ProductConfig.lean (kernel product's LEAN): wide Q4_K dots scaled by their 6-bit scales
+    as integers, and two rows reduced in one butterfly (ROWS 2); another rounding order, so
+    against numpy within the products' bound and against LEAN 0 within float32 rounding. x is
+    scaled so that some dots reach the integer bound's order (|63 * dot| up to ~2^21)."""
+    first, second = formats_ab
+    monkeypatch.delitem(ops.PRODUCT_CONFIG_BY_WIDTH, (GGMLType.Q4_K, 4096), raising=False)
+    monkeypatch.setattr(ops.fused_products, "STAGE_MIN_IN", 4096)
+    in_features = 4096 if stage else 256 * int(rng.integers(2, 9))
+    a, a_values = weight(rng, first, in_features, int(rng.integers(3, 20)) * 2 + 1, "a")
+    b, b_values = weight(rng, second, in_features, 7, "b") if second else (None, None)
+    x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32) * 8)
+    outs = []
+    for lean in (0, 1):
+        for ggml_type in {first, second} - {None}:
+            monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(rows, 4, unroll, 1, stage, 1, lean))
+        product = ops.Product(a, b, tokens=tokens)
+        assert dict(product.template)["LEAN"] == lean and dict(product.template)["STAGE"] == stage
+        with kernels.poisoned_outputs():
+            outs.append(np.array(product(x)))
+    expected = x_values @ a_values.T
+    if second:
+        expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
+    assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
+    assert relative_error(outs[1], outs[0]) <= 1e-6
 
 
 @pytest.mark.parametrize("rows, simd_groups, unroll", [(2, 4, 1), (2, 2, 2), (1, 8, 1)])
@@ -249,6 +301,9 @@ def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
         ops.Product(a)
     monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 0, 2))
     with pytest.raises(ValueError, match="int_floats must be 0 or 1"):
+        ops.Product(a)
+    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 0, 1, 2))
+    with pytest.raises(ValueError, match="lean must be 0 or 1"):
         ops.Product(a)
 
 

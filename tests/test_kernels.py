@@ -103,7 +103,7 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 24), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
          ("OUT_B", 8), ("IN", 512), ("TOKENS", 2), ("ROWS", 4), ("UNROLL", 2), ("WIDE", 1), ("STAGE", 1),
-         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 0)],
+         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 0)],
     ),
     "product_woven": (  # the o-projection's form: wide Q4_K units reading woven x from device memory
         "product",
@@ -112,7 +112,7 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 2304), ("OUT_A", 24), ("FORMAT_B", 12), ("ROW_BYTES_B", 2304),
          ("OUT_B", 0), ("IN", 4096), ("TOKENS", 1), ("ROWS", 2), ("UNROLL", 2), ("WIDE", 1), ("STAGE", 0),
-         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 1)],
+         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 1), ("LEAN", 1)],
     ),
     "product_head": (
         "product",
@@ -121,7 +121,7 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 14), ("ROW_BYTES_A", 420), ("OUT_A", 40), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
          ("OUT_B", 0), ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 1), ("WIDE", 0), ("STAGE", 0),
-         ("WOVEN", 0), ("EPILOGUE", 1), ("INT_FLOATS", 1)],
+         ("WOVEN", 0), ("EPILOGUE", 1), ("INT_FLOATS", 1), ("LEAN", 0)],
     ),
     "product_glu": (
         "product_glu",

@@ -22,8 +22,9 @@ PRODUCT_FORMATS = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
 class ProductConfig(NamedTuple):
     """Rows per SIMD group, SIMD groups per threadgroup and units per lane at a time (their
     loads issued together) of kernel product for a weight format (a launch of two weights
-    takes its first's), wide units, whether x is staged in threadgroup memory and whether
-    integers become floats without conversion instructions (both kernel product only);
+    takes its first's), wide units, whether x is staged in threadgroup memory, whether
+    integers become floats without conversion instructions and whether wide Q4_K units take
+    the lean arithmetic (the last three kernel product only);
     product_glu takes `rows`, `unroll` and `wide` (its threadgroups hold 32 rows: 32 / rows
     SIMD groups)."""
 
@@ -33,6 +34,7 @@ class ProductConfig(NamedTuple):
     wide: int = 0  # 1: Q4_K in 64-value units (one scale unpack per 64 values); other formats ignore it
     stage: int = 0  # 1: kernel product copies x to threadgroup memory first where it can (Product._stages)
     int_floats: int = 0  # 1: kernel product's INT_FLOATS (integers to floats without conversions); product_glu: 0
+    lean: int = 0  # 1: kernel product's LEAN (wide Q4_K dots scaled as integers, two rows in one butterfly)
 
 
 # Chosen by `bench/linear.py --products` and CUPTI in a real step (`bench/timeline.py`) on the
@@ -66,11 +68,16 @@ STAGE_MIN_IN = 8192
 # Muse Glimmer whose first weight is Q6_K with 6656 inputs). CUPTI in a step on the H200
 # (session 27): the o-projection 6.03-6.04 us in four processes, against 6.13 without.
 # product_glu took 45.5 us with it against 44.8-45.0 without, so it keeps conversions; the
-# others moved within their run-to-run spread. The head: 314.3-315.0 at the final commit,
-# 315.0 without; 309.6 in a first build that also made Q6_K x's code sums this way
-# (muser_load_x_unit, which INT_FLOATS does not reach).
+# others moved within their run-to-run spread. The head: 314.3-315.0, 315.0 without; with
+# Q6_K x's code sums made the same way too (muser_load_x_unit), 310.6 against 315.9 in one
+# lease (session 28). On every Q6_K product it left ffn_down Q6_K unchanged (41.30 / 41.21).
+#
+# lean (kernel product's LEAN) for the o-projection: 5.94 us against 6.06 (session 28, one
+# lease, each its own process's default). Its rows are one pass of the lanes (64 wide units,
+# 2 a lane: blocks.metal's one-pass form, no loop or clamp), which alone measured 6.46: LEAN
+# is what makes that form pay. On every Q4_K product q+gate took 13.09 us against 11.84.
 PRODUCT_CONFIG_BY_WIDTH: dict = {(GGMLType.Q4_K, 6656): ProductConfig(2, 2, 1, 1),
-                                 (GGMLType.Q4_K, 4096): ProductConfig(2, 4, 2, 1, 0, 1),
+                                 (GGMLType.Q4_K, 4096): ProductConfig(2, 4, 2, 1, 0, 1, 1),
                                  (GGMLType.Q6_K, 6656): ProductConfig(2, 4, 1, 0, 0, 1)}
 
 # Whether a Product made with woven=True (the o-projection: attention_combine writes its x)
@@ -97,6 +104,8 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
         raise ValueError(f"product config for {ggml_type.name}: stage must be 0 or 1, got {config.stage}")
     if config.int_floats not in (0, 1):
         raise ValueError(f"product config for {ggml_type.name}: int_floats must be 0 or 1, got {config.int_floats}")
+    if config.lean not in (0, 1):
+        raise ValueError(f"product config for {ggml_type.name}: lean must be 0 or 1, got {config.lean}")
     if config.wide not in (0, 1):
         raise ValueError(f"product config for {ggml_type.name}: wide must be 0 or 1 (Q4_K in 64-value units), "
                          f"got {config.wide}")
@@ -182,14 +191,15 @@ class Product:
         config = _config(self.ggml_type, self.in_features, self.tokens)
         key = (config, STAGE_MIN_IN, STAGE_BYTES, self.x_woven)  # bench variants may change the module's constants
         if self._launch[0] != key:
-            rows, simd_groups, unroll, wide, stage, int_floats = config
+            rows, simd_groups, unroll, wide, stage, int_floats, lean = config
             stage = self._stages(wide) if stage else 0
             groups = -(-(-(-self.out_a // rows) - (-self.out_b // rows)) // simd_groups)  # threadgroups
             template = (_weight_template("A", self.weight) + [("OUT_A", self.out_a)]
                         + _weight_template("B", self.second if self.second is not None else self.weight)
                         + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
                            ("UNROLL", unroll), ("WIDE", wide), ("STAGE", stage), ("WOVEN", int(self.x_woven)),
-                           ("EPILOGUE", int(self.head is not None)), ("INT_FLOATS", int_floats)])
+                           ("EPILOGUE", int(self.head is not None)), ("INT_FLOATS", int_floats),
+                           ("LEAN", lean)])
             self._launch = (key, (template, (32 * simd_groups * groups, 1, 1), (32 * simd_groups, 1, 1), groups))
         return self._launch[1]
 
