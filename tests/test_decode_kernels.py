@@ -135,6 +135,26 @@ def test_products_whose_rows_are_one_pass_of_the_lanes_match_numpy(backend, rng,
         assert np.isfinite(y).all() and relative_error(y, x_values @ a_values.T) <= PRODUCT_BOUND
 
 
+def _with_and_without(monkeypatch, field: str, config, formats_ab, a, b, x, tokens: int) -> list:
+    """The product of x with a (and b) under `config` with ProductConfig field `field` set to 0,
+    then 1, for both weights' formats (each launch's template checked)."""
+    outs = []
+    for value in (0, 1):
+        for ggml_type in set(formats_ab) - {None}:
+            monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, config._replace(**{field: value}))
+        product = ops.Product(a, b, tokens=tokens)
+        assert dict(product.template)[field.upper()] == value
+        with kernels.poisoned_outputs():
+            outs.append(np.array(product(x)))
+    return outs
+
+
+def _reference_product(x_values, a_values, b_values):
+    """x A.T, then x B.T beside it when there is a second weight."""
+    expected = x_values @ a_values.T
+    return expected if b_values is None else np.concatenate([expected, x_values @ b_values.T], axis=-1)
+
+
 @pytest.mark.parametrize("wide", [0, 1], ids=["units32", "wide"])
 @pytest.mark.parametrize("formats_ab", FORMAT_PAIRS, ids=lambda p: "+".join(t.name for t in p if t))
 @pytest.mark.parametrize("tokens", [1, 3])
@@ -148,17 +168,8 @@ def test_products_that_make_floats_without_conversions_equal_those_that_convert_
     a, a_values = weight(rng, first, in_features, int(rng.integers(3, 30)) * 2 + 1, "a")
     b, b_values = weight(rng, second, in_features, 9, "b") if second else (None, None)
     x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32) * 4)
-    outs = []
-    for int_floats in (0, 1):
-        for ggml_type in {first, second} - {None}:
-            monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(2, 4, 1, wide, 0, int_floats))
-        product = ops.Product(a, b, tokens=tokens)
-        assert dict(product.template)["INT_FLOATS"] == int_floats
-        with kernels.poisoned_outputs():
-            outs.append(np.array(product(x)))
-    expected = x_values @ a_values.T
-    if second:
-        expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
+    outs = _with_and_without(monkeypatch, "int_floats", ops.ProductConfig(2, 4, 1, wide), formats_ab, a, b, x, tokens)
+    expected = _reference_product(x_values, a_values, b_values)
     assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
     np.testing.assert_array_equal(outs[1], outs[0])
 
@@ -180,17 +191,10 @@ def test_lean_products_match_numpy_and_the_plain_arithmetic(backend, rng, monkey
     a, a_values = weight(rng, first, in_features, int(rng.integers(3, 20)) * 2 + 1, "a")
     b, b_values = weight(rng, second, in_features, 7, "b") if second else (None, None)
     x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32) * 8)
-    outs = []
-    for lean in (0, 1):
-        for ggml_type in {first, second} - {None}:
-            monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(rows, 4, unroll, 1, stage, 1, lean))
-        product = ops.Product(a, b, tokens=tokens)
-        assert dict(product.template)["LEAN"] == lean and dict(product.template)["STAGE"] == stage
-        with kernels.poisoned_outputs():
-            outs.append(np.array(product(x)))
-    expected = x_values @ a_values.T
-    if second:
-        expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
+    config = ops.ProductConfig(rows, 4, unroll, 1, stage, 1)
+    outs = _with_and_without(monkeypatch, "lean", config, formats_ab, a, b, x, tokens)
+    assert dict(ops.Product(a, b, tokens=tokens).template)["STAGE"] == stage
+    expected = _reference_product(x_values, a_values, b_values)
     assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
     assert relative_error(outs[1], outs[0]) <= 1e-6
 
