@@ -14,7 +14,7 @@ Floor = weight bytes one decode step reads / copy bandwidth measured in the same
 
     python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep] [--general] [--no-compile]
                            [--repeats 1] [--step-times] [--run-spans] [--threaded]
-                           [--variant NAME:module.ATTR=value,...]
+                           [--variant NAME:module.ATTR=value,...] [--fill-trace]
 
 --variant (repeatable) also times the fused step pipelined with module constants changed, e.g.
 `--variant hg1:muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1` (the step is recompiled; a
@@ -38,6 +38,10 @@ would help a slow host.
 
 --general also times the general step (model(...): MLX ops around float32-x matvec kernels) the
 fused one replaces; --no-compile runs the fused step without mx.compile.
+
+--fill-trace prints each 512-position chunk's peak while a context is filled, and what stays
+active after it: the filling peak of 8,192 positions ranged 1.086-1.118x the file across three
+processes of the same code (RESULTS.md, session 28).
 """
 
 from __future__ import annotations
@@ -317,10 +321,22 @@ def linears_only_ms(model, steps: int) -> float:
     return 1e3 * statistics.median(times[3:])
 
 
-def fill_context(model, cache, tokens: int, rng, chunk: int = 512) -> None:
+def fill_context(model, cache, tokens: int, rng, chunk: int = 512, trace: bool = False) -> float:
+    """Prefill `tokens` random positions into `cache`, `chunk` at a time; returns MLX's peak
+    memory (bytes) since its last reset, the fill included. trace: also print each chunk's peak
+    and the memory still active after it (MLX's counts), to tell a peak that grows with the
+    context from one that varies between runs of the same code."""
+    top = mx.get_peak_memory()
     while cache[0].offset < tokens:
         n = min(chunk, tokens - cache[0].offset)
+        if trace:
+            mx.reset_peak_memory()
         mx.eval(model.hidden(mx.array(rng.integers(0, 1000, size=(1, n)), dtype=mx.int32), cache))
+        if trace:
+            print(f"  filled to {cache[0].offset:6d}: chunk peak {mx.get_peak_memory() / 1e9:.2f} GB, "
+                  f"active after it {mx.get_active_memory() / 1e9:.2f} GB", flush=True)
+        top = max(top, mx.get_peak_memory())
+    return max(top, mx.get_peak_memory())
 
 
 def spread(runs: list[float]) -> str:
@@ -336,6 +352,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS, help="fewer layers: a quick smoke run")
     parser.add_argument("--contexts", default="0,2048,8192")
+    parser.add_argument("--fill-trace", action="store_true",
+                        help="print each prefill chunk's peak memory while filling a context")
     parser.add_argument("--repeats", type=int, default=1,
                         help="pipelined figures: rounds of the default and every variant in turn (median)")
     parser.add_argument("--general", action="store_true",
@@ -386,8 +404,9 @@ def main() -> None:
     variants = [("fused", fused_step)] + ([("general", general_step)] if args.general else [])
     for context in (int(c) for c in args.contexts.split(",")):
         cache = model.make_cache()
-        fill_context(model, cache, context, rng)
-        filled = peak_gb() if context else "nothing"
+        filled = fill_context(model, cache, context, rng, trace=args.fill_trace)
+        mx.reset_peak_memory()
+        filled = f"peak {filled / 1e9:.2f} GB" if context else "nothing"
         for label, step in variants:
             ms, build_ms = decode_ms(step, model, cache, args.steps)
             kv = sum(c.nbytes for c in cache)
