@@ -635,6 +635,21 @@ inline void muser_load_x_unit(thread muser_x_unit64& x, const device int8_t* xq,
   x.sum[1] = (sums_b.x + sums_b.y) + (sums_b.z + sums_b.w);
 }
 
+// A wide Q4_K unit's two integer dots with one token's codes: low nibbles with values 0-31
+// (sub-block a), the high ones in place with values 32-63 (sub-block b, 16 times the dot),
+// in four short chains a dot, not one of eight: these launches wait on their latency.
+inline void muser_wide_dots(thread const uint* low, thread const uint* high, thread const uint* codes,
+                            thread int& dot_a, thread int& dot_b) {
+  int part_a[4];
+  int part_b[4];
+  for (int k = 0; k < 4; ++k) {
+    part_a[k] = muser_dot4(low[2 * k + 1], codes[2 * k + 1], muser_dot4(low[2 * k], codes[2 * k], 0));
+    part_b[k] = muser_dot4u(high[2 * k + 1], codes[9 + 2 * k], muser_dot4u(high[2 * k], codes[8 + 2 * k], 0));
+  }
+  dot_a = (part_a[0] + part_a[1]) + (part_a[2] + part_a[3]);
+  dot_b = (part_b[0] + part_b[1]) + (part_b[2] + part_b[3]);
+}
+
 // Wide unit u of one Q4_K row dotted with TOKENS tokens; adds into out[t * STRIDE] (kernels
 // take wide units for Q4_K only). LEAN 1: each integer dot is multiplied by its 6-bit scale
 // as an integer (|63 * dot| < 2^22, dot_b taken / 16 first, exactly) before it becomes a
@@ -658,41 +673,29 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
                   q1.x & 0xF0F0F0F0u, q1.y & 0xF0F0F0F0u, q1.z & 0xF0F0F0F0u, q1.w & 0xF0F0F0F0u};
   // (The 6-bit scales and the dots, |dot_a| <= 32 * 15 * 127 and |dot_b| <= 32 * 240 * 127,
   // below 2^22, become floats without a conversion where INT_FLOATS is 1: muser_float_of.)
-  float scale_a = d * muser_float_of<INT_FLOATS>(pairs.x);
-  float scale_b = d * muser_float_of<INT_FLOATS>(pairs.z) * 0.0625f;
-  float min_a = dmin * muser_float_of<INT_FLOATS>(pairs.y);
-  float min_b = dmin * muser_float_of<INT_FLOATS>(pairs.w);
   if (LEAN != 0) {
     float m_a = muser_float_of<INT_FLOATS>(pairs.y);
     float m_b = muser_float_of<INT_FLOATS>(pairs.w);
     for (int t = 0; t < TOKENS; ++t) {
-      int part_a[4];
-      int part_b[4];
-      for (int k = 0; k < 4; ++k) {
-        part_a[k] = muser_dot4(low[2 * k + 1], x[t].codes[2 * k + 1], muser_dot4(low[2 * k], x[t].codes[2 * k], 0));
-        part_b[k] = muser_dot4u(high[2 * k + 1], x[t].codes[9 + 2 * k],
-                                muser_dot4u(high[2 * k], x[t].codes[8 + 2 * k], 0));
-      }
+      int dot_a, dot_b;
+      muser_wide_dots(low, high, x[t].codes, dot_a, dot_b);
       // 6-bit scale times dot as integers, |.| <= 63 * 32 * 15 * 127 < 2^22 (dot_b is 16 times
       // an integer: the shift is exact).
-      int dot_a = int(pairs.x) * ((part_a[0] + part_a[1]) + (part_a[2] + part_a[3]));
-      int dot_b = int(pairs.z) * (((part_b[0] + part_b[1]) + (part_b[2] + part_b[3])) >> 4);
-      float p = x[t].scale[0] * muser_float_of<INT_FLOATS>(dot_a) + x[t].scale[1] * muser_float_of<INT_FLOATS>(dot_b);
+      float scaled_a = muser_float_of<INT_FLOATS>(int(pairs.x) * dot_a);
+      float scaled_b = muser_float_of<INT_FLOATS>(int(pairs.z) * (dot_b >> 4));
+      float p = x[t].scale[0] * scaled_a + x[t].scale[1] * scaled_b;
       float m = m_a * x[t].sum[0] + m_b * x[t].sum[1];
       out[t * STRIDE] = fma(d, p, fma(-dmin, m, out[t * STRIDE]));
     }
     return;
   }
+  float scale_a = d * muser_float_of<INT_FLOATS>(pairs.x);
+  float scale_b = d * muser_float_of<INT_FLOATS>(pairs.z) * 0.0625f;
+  float min_a = dmin * muser_float_of<INT_FLOATS>(pairs.y);
+  float min_b = dmin * muser_float_of<INT_FLOATS>(pairs.w);
   for (int t = 0; t < TOKENS; ++t) {
-    // Four short chains a dot, not one of eight: these launches wait on their latency.
-    int part_a[4];
-    int part_b[4];
-    for (int k = 0; k < 4; ++k) {
-      part_a[k] = muser_dot4(low[2 * k + 1], x[t].codes[2 * k + 1], muser_dot4(low[2 * k], x[t].codes[2 * k], 0));
-      part_b[k] = muser_dot4u(high[2 * k + 1], x[t].codes[9 + 2 * k], muser_dot4u(high[2 * k], x[t].codes[8 + 2 * k], 0));
-    }
-    int dot_a = (part_a[0] + part_a[1]) + (part_a[2] + part_a[3]);
-    int dot_b = (part_b[0] + part_b[1]) + (part_b[2] + part_b[3]);
+    int dot_a, dot_b;
+    muser_wide_dots(low, high, x[t].codes, dot_a, dot_b);
     out[t * STRIDE] += (scale_a * x[t].scale[0] * muser_float_of<INT_FLOATS>(dot_a) +
                         scale_b * x[t].scale[1] * muser_float_of<INT_FLOATS>(dot_b)) -
                        (min_a * x[t].sum[0] + min_b * x[t].sum[1]);

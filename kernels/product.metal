@@ -37,9 +37,10 @@
 // the same values bit for bit, more instructions, fewer of the slow kind; Q6_K x's code sums
 // too.
 // LEAN 1: wide Q4_K units scale each integer dot by its 6-bit scale as integers, with no
-// float scale products (blocks.metal's muser_unit_dot), and ROWS 2 without the head's epilogue reduces both rows in one butterfly: 5 shuffles, not
-// 10 (lanes 0-15 end with row 0's total, 16-31 with row 1's; CUDA's simd_sum adds in that order).
-// Another rounding order than LEAN 0's within the same bound. Other formats ignore it.
+// float scale products (blocks.metal's muser_unit_dot), and ROWS 2 without the head's
+// epilogue reduces both rows in one butterfly: 5 shuffles, not 10 (lanes 0-15 end with row
+// 0's total, 16-31 with row 1's; CUDA's simd_sum adds in that order). Another rounding order
+// than LEAN 0's within the same bound. Other formats ignore it.
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
 // ROWS, UNROLL (units per lane at a time), WIDE (1: Q4_K weights in 64-value units,
 // blocks.metal's muser_x_unit64; other formats ignore it), STAGE, WOVEN, EPILOGUE, INT_FLOATS,

@@ -24,9 +24,8 @@ class ProductConfig(NamedTuple):
     loads issued together) of kernel product for a weight format (a launch of two weights
     takes its first's), wide units, whether x is staged in threadgroup memory, whether
     integers become floats without conversion instructions and whether wide Q4_K units take
-    the lean arithmetic (the last three kernel product only);
-    product_glu takes `rows`, `unroll` and `wide` (its threadgroups hold 32 rows: 32 / rows
-    SIMD groups)."""
+    the lean arithmetic (the last three kernel product only); product_glu takes `rows`,
+    `unroll` and `wide` (its threadgroups hold 32 rows: 32 / rows SIMD groups)."""
 
     rows: int
     simd_groups: int
