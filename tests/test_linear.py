@@ -223,7 +223,7 @@ def test_paced_products_keep_the_queued_temporaries_within_the_budget(monkeypatc
     monkeypatch.setattr(products.mx, "async_eval", lambda *arrays: None)
     sizes = [300, 500, 100, 100, 900, 50]
     outs = [mx.full((2,), float(i)) for i in range(len(sizes))]
-    with ops.paced_products(budget=800):
+    with ops.paced_products(budget=800, headroom=None):
         pacer = products._PACING.pacer
         for out, nbytes in zip(outs, sizes):
             pacer.make_room(nbytes)
@@ -232,6 +232,40 @@ def test_paced_products_keep_the_queued_temporaries_within_the_budget(monkeypatc
     # 300+500 fit; 100 waits for 300; 100 fits (700); 900 waits for all and is queued alone; 50 waits for it.
     assert [id(a) for a in waited] == [id(outs[i]) for i in (0, 1, 2, 3, 4)]
     assert getattr(products._PACING, "pacer", None) is None
+
+
+def test_paced_products_wait_while_active_memory_is_past_the_headroom(monkeypatch):
+    """Besides the pieces' budget, the host waits for the oldest queued products while MLX's
+    active memory, the pacer's slots left out, is more than `headroom` past what it was when the
+    block began; with nothing queued it goes on."""
+    from muser_mlx.ops import products
+
+    active = [1000]  # MLX's active memory as the pacer sees it; each wait frees 300
+    waited = []
+
+    def wait(*arrays):
+        waited.extend(arrays)
+        active[0] -= 300
+
+    monkeypatch.setattr(products.mx, "get_active_memory", lambda: active[0])
+    monkeypatch.setattr(products.mx, "eval", wait)
+    monkeypatch.setattr(products.mx, "async_eval", lambda *arrays: None)
+    outs = [mx.full((2,), float(i)) for i in range(6)]
+    with ops.paced_products(budget=1 << 40, slots=1, headroom=500):
+        pacer = products._PACING.pacer
+        assert pacer.start == 1000
+        pacer.slots[0].values = mx.zeros((100,), dtype=mx.float16)  # 200 bytes, not counted
+        steps = []
+        for out, grown in zip(outs, (0, 550, 250, 0, 900, 2000)):
+            active[0] += grown
+            pacer.make_room(1)
+            steps.append((len(waited), active[0]))
+            pacer.queue(out, 1)
+    # 1000 and 1550 (200 of it the slot: 1350 <= 1500) queue at once; 1800 waits for the oldest
+    # (1500); 1500 goes on; 2400 waits for the three queued (1500); 3500 waits for the one
+    # queued and, nothing left to wait for, goes on at 3200.
+    assert steps == [(0, 1000), (0, 1550), (1, 1500), (1, 1500), (4, 1500), (5, 3200)]
+    assert [id(a) for a in waited] == [id(outs[i]) for i in range(5)]
 
 
 @pytest.mark.parametrize("slots", [0, 2], ids=["temporaries", "slots"])

@@ -285,7 +285,15 @@ PREFILL_TEMPORARY_BYTES = 1_000_000_000
 # GPU prefill: float16 buffers that pieces are decoded into in turn (kernel dequant_into, in
 # place), each as large as the largest piece it has held; 0: a fresh temporary a piece.
 PREFILL_SLOTS = 2
+# GPU prefill: the memory a paced block may hold beyond what was active when it began, its slots
+# not counted (bytes; None: no such bound). Before a piece is queued the host also waits for the
+# oldest ones while MLX's active memory is past that. The pieces' budget above bounds what the
+# pieces are counted as, not what run-ahead keeps alive besides them (a layer's activations, a
+# slot replaced while the GPU still reads it): filling an 8,192-position cache peaked 1.086-1.118x
+# the file in three processes of the same code (bench/RESULTS.md, session 28).
+PREFILL_ACTIVE_HEADROOM = 500_000_000
 _PACING = threading.local()
+_DEFAULT = object()  # paced_products' headroom when none is given: PREFILL_ACTIVE_HEADROOM
 
 
 class _Slot:
@@ -295,14 +303,23 @@ class _Slot:
 
 
 class _Pacer:
-    def __init__(self, budget: int, slots: int):
+    def __init__(self, budget: int, slots: int, headroom: int | None):
         self.budget = budget
         self.queued = collections.deque()  # (output, piece bytes), oldest first
         self.slots = [_Slot() for _ in range(slots)]
         self.turn = 0
+        self.headroom = headroom
+        self.start = mx.get_active_memory() if headroom is not None else 0
+
+    def over_memory(self) -> bool:
+        """Whether MLX's active memory, this pacer's slots left out, is past its start plus headroom."""
+        if self.headroom is None:
+            return False
+        slots = sum(slot.values.nbytes for slot in self.slots if slot.values is not None)
+        return mx.get_active_memory() - slots > self.start + self.headroom
 
     def make_room(self, nbytes: int) -> None:
-        while self.queued and sum(n for _, n in self.queued) + nbytes > self.budget:
+        while self.queued and (sum(n for _, n in self.queued) + nbytes > self.budget or self.over_memory()):
             mx.eval(self.queued.popleft()[0])
 
     def queue(self, out: mx.array, nbytes: int) -> None:
@@ -319,14 +336,17 @@ class _Pacer:
 
 
 @contextlib.contextmanager
-def paced_products(budget: int | None = None, slots: int | None = None):
+def paced_products(budget: int | None = None, slots: int | None = None, headroom=_DEFAULT):
     """Within this block (this thread), every GPU prefill product is queued as it is built,
     after waiting for older ones until the float16 weight pieces queued at once fit in
-    `budget` bytes (PREFILL_TEMPORARY_BYTES); with `slots` (PREFILL_SLOTS) > 0 the pieces are
-    decoded into that many reused buffers."""
+    `budget` bytes (PREFILL_TEMPORARY_BYTES) and MLX's active memory, the slots left out, is
+    within `headroom` bytes (PREFILL_ACTIVE_HEADROOM; None: unbounded) of what it was when the
+    block began; with `slots` (PREFILL_SLOTS) > 0 the pieces are decoded into that many reused
+    buffers."""
     previous = getattr(_PACING, "pacer", None)
     _PACING.pacer = _Pacer(PREFILL_TEMPORARY_BYTES if budget is None else budget,
-                           PREFILL_SLOTS if slots is None else slots)
+                           PREFILL_SLOTS if slots is None else slots,
+                           PREFILL_ACTIVE_HEADROOM if headroom is _DEFAULT else headroom)
     try:
         yield
     finally:
