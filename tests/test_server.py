@@ -97,10 +97,14 @@ def test_chat_completion_is_the_greedy_answer_with_usage(server, local):
 
 
 def test_streamed_chat_adds_up_to_the_plain_answer(server):
+    # Neither reads the prompt cache: what a request finds there depends on the one before it
+    # (the second would find the first's prompt; the first, whichever test ran before it), and
+    # usage counts it (cached_tokens).
     client = server.client()
-    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12)
+    fresh = {"cache_prompt": False}
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, extra_body=fresh)
     chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, stream=True,
-                                                 stream_options={"include_usage": True}))
+                                                 stream_options={"include_usage": True}, extra_body=fresh))
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     choices = [c.choices[0] for c in chunks if c.choices]
