@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from muser_mlx import cache as cache_module
-from muser_mlx import gguf
+from muser_mlx import gguf, kernels
 from muser_mlx.models import build_model, config_for
 from muser_mlx.models.config import MissingKeyError, MissingTensorError, ModelConfigError, TensorShapeError
 from muser_mlx.reference import Reference
@@ -62,17 +62,25 @@ def test_chunked_prefill_decode_and_a_mix_give_the_same_logits(tiny, rng, backen
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_greedy_tokens_match_the_reference_for_32_steps(tiny, rng, architecture):
+    # Each step's token is the reference's greedy one, fed the same tokens, unless the two
+    # logits are a near-tie the step's own measured difference explains: a token b picked over
+    # the reference's best a needs ref[a] - ref[b] <= |diff[a]| + |diff[b]| <= 2 max|diff|. On a
+    # GPU the cache holds float16 (hence TOLERANCE["gpu"]), and tiny random models have such
+    # ties: an exact comparison of the tokens failed once in the H200's suite (session 29).
     file, model = tiny(architecture, "Q4_K_M")
     reference = Reference(model.config, file.tensors)
-    prompt = list(random_ids(rng, model, 5))
+    tolerance = TOLERANCE["cpu" if kernels.backend() == "cpu" else "gpu"]
+    tokens = list(random_ids(rng, model, 5))
     cache = model.make_cache()
-    logits = model(np.array(prompt)[None], cache)
-    ours, theirs = list(prompt), list(prompt)
+    logits = model(np.array(tokens)[None], cache)
     for _ in range(32):
-        ours.append(int(mx.argmax(logits[0, -1]).item()))
-        logits = model(np.array(ours[-1:])[None], cache)
-        theirs.append(int(np.argmax(reference.forward(np.array(theirs))[-1])))
-    assert ours == theirs
+        ours = np.array(logits[0, -1]).astype(np.float64)
+        expected = reference.forward(np.array(tokens))[-1]
+        assert relative_error(ours, expected) <= tolerance
+        pick, best = int(np.argmax(ours)), int(np.argmax(expected))
+        assert pick == best or expected[best] - expected[pick] <= 2 * np.abs(ours - expected).max()
+        tokens.append(pick)
+        logits = model(np.array(tokens[-1:])[None], cache)
 
 
 @pytest.mark.parametrize("step", [None, 3])  # 3: window caches grow (3, 6, then 8 slots) before they wrap
