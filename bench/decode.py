@@ -41,7 +41,8 @@ fused one replaces; --no-compile runs the fused step without mx.compile.
 
 --fill-trace prints each 512-position chunk's peak while a context is filled, and what stays
 active after it: the filling peak of 8,192 positions ranged 1.086-1.118x the file across three
-processes of the same code (RESULTS.md, session 28).
+processes of the same code (RESULTS.md, session 28), before prefill's pacer also bounded active
+memory (ops.products.PREFILL_ACTIVE_HEADROOM; bench/prefill_memory.py measures it).
 """
 
 from __future__ import annotations

@@ -1,0 +1,100 @@
+"""GPU prefill's peak memory and speed against the pacer's memory headroom.
+
+Loads (writing it first if absent) the full-scale random-weight Muse Glimmer file
+bench/decode.py writes, then, for --rounds rounds, for each headroom in turn
+(`ops.products.PREFILL_ACTIVE_HEADROOM`; "none": no bound):
+- prefill: --chunks 512-row chunks from context 0 (decode.py's prefill figure: tokens/s, the
+  median over all chunks but the first; each chunk's own rate) and MLX's peak memory;
+- filling a --context cache in 512-row chunks, one evaluation a chunk (decode.py's
+  fill_context): tokens/s, the peak, and each chunk's peak.
+Peaks are MLX's own count (the model's arrays included), also as a multiple of the file.
+
+    python bench/prefill_memory.py [--dir /dev/shm] [--headrooms none,300,500,800] [--rounds 3]
+                                   [--chunks 6] [--context 8192] [--layers 52]
+
+(headrooms in MB.) On a CPU the products are not paced: the figures do not depend on the headroom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import decode  # noqa: E402
+from muser_mlx.generate import load  # noqa: E402
+from muser_mlx.ops import products  # noqa: E402
+
+
+def prefill(model, rng, chunks: int) -> tuple[float, list[float], float]:
+    cache = model.make_cache()
+    times = []
+    mx.reset_peak_memory()
+    for _ in range(chunks):
+        ids = mx.array(rng.integers(0, 1000, size=(1, 512)), dtype=mx.int32)
+        tic = time.perf_counter()
+        hidden = model.hidden(ids, cache)
+        mx.eval(model.logits(hidden[:, -1:]))
+        times.append(time.perf_counter() - tic)
+    return 512 / statistics.median(times[1:]), [512 / t for t in times[1:]], mx.get_peak_memory()
+
+
+def fill(model, rng, tokens: int) -> tuple[float, list[float]]:
+    cache = model.make_cache()
+    peaks = []
+    tic = time.perf_counter()
+    while cache[0].offset < tokens:
+        mx.reset_peak_memory()
+        n = min(512, tokens - cache[0].offset)
+        mx.eval(model.hidden(mx.array(rng.integers(0, 1000, size=(1, n)), dtype=mx.int32), cache))
+        peaks.append(mx.get_peak_memory())
+    return tokens / (time.perf_counter() - tic), peaks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+    parser.add_argument("--headrooms", default="none,300,500,800", help="MB, or none")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunks", type=int, default=6)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=decode.LAYERS, help="fewer layers: a quick smoke run")
+    args = parser.parse_args()
+    if args.chunks < 2:
+        parser.error(f"--chunks: at least 2 (the first is not timed), got {args.chunks}")
+    headrooms = [None if h.strip() == "none" else int(float(h) * 1e6) for h in args.headrooms.split(",")]
+    rng = np.random.default_rng(0)
+    path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
+    if not path.exists():
+        decode.write_file(path, rng, args.layers)
+    file_bytes = path.stat().st_size
+    model, _ = load(path)
+    for tensor in model.file.tensors.values():
+        mx.eval(tensor.data)
+    print(f"device: {mx.default_device()}; file {file_bytes / 1e9:.2f} GB; active after loading "
+          f"{mx.get_active_memory() / 1e9:.2f} GB", flush=True)
+    prefill(model, rng, 3)  # builds the kernels
+    for round_ in range(args.rounds):
+        for headroom in headrooms:
+            products.PREFILL_ACTIVE_HEADROOM = headroom
+            rate, rates, peak = prefill(model, rng, args.chunks)
+            fill_rate, peaks = fill(model, rng, args.context)
+            label = "none" if headroom is None else f"{headroom / 1e6:.0f} MB"
+            print(f"round {round_}, headroom {label}: prefill {rate:,.0f} tokens/s (chunks "
+                  f"{', '.join(f'{r:,.0f}' for r in rates)}), peak {peak / 1e9:.2f} GB "
+                  f"({peak / file_bytes:.3f}x); filling {args.context}: {fill_rate:,.0f} tokens/s, peak "
+                  f"{max(peaks) / 1e9:.2f} GB ({max(peaks) / file_bytes:.3f}x); chunk peaks "
+                  f"{' '.join(f'{p / 1e9:.2f}' for p in peaks)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
