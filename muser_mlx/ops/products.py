@@ -293,7 +293,7 @@ PREFILL_SLOTS = 2
 # the file in three processes of the same code (bench/RESULTS.md, session 28). H200, session 29
 # (bench/prefill_memory.py, three rounds, one process): unbounded 1.101-1.118x, 500 MB
 # 1.087-1.089x; 300 MB cost a quarter of prefill's speed, 500 MB none measurable at contexts
-# 0-1,536 (7,016-7,207 tokens/s a chunk) and ~4 % while filling 8,192 positions; 800 MB 1.099-1.104x.
+# 0-1,536 (7,016-7,230 tokens/s a chunk) and ~4 % while filling 8,192 positions; 800 MB 1.099-1.104x.
 PREFILL_ACTIVE_HEADROOM = 500_000_000
 _PACING = threading.local()
 _DEFAULT = object()  # paced_products' headroom when none is given: PREFILL_ACTIVE_HEADROOM
