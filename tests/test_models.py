@@ -65,8 +65,8 @@ def test_greedy_tokens_match_the_reference_for_32_steps(tiny, rng, architecture)
     # Each step's token is the reference's greedy one, fed the same tokens, unless the two
     # logits are a near-tie the step's own measured difference explains: a token b picked over
     # the reference's best a needs ref[a] - ref[b] <= |diff[a]| + |diff[b]| <= 2 max|diff|. On a
-    # GPU the cache holds float16 (hence TOLERANCE["gpu"]), and tiny random models have such
-    # ties: an exact comparison of the tokens failed once in the H200's suite (session 29).
+    # GPU the cache holds float16 and tiny random models have such ties: an exact comparison of
+    # the tokens failed once in the H200's suite (session 29).
     file, model = tiny(architecture, "Q4_K_M")
     reference = Reference(model.config, file.tensors)
     tolerance = TOLERANCE["cpu" if kernels.backend() == "cpu" else "gpu"]
