@@ -322,22 +322,21 @@ def linears_only_ms(model, steps: int) -> float:
     return 1e3 * statistics.median(times[3:])
 
 
-def fill_context(model, cache, tokens: int, rng, chunk: int = 512, trace: bool = False) -> float:
-    """Prefill `tokens` random positions into `cache`, `chunk` at a time; returns MLX's peak
-    memory (bytes) since its last reset, the fill included. trace: also print each chunk's peak
-    and the memory still active after it (MLX's counts), to tell a peak that grows with the
-    context from one that varies between runs of the same code."""
-    top = mx.get_peak_memory()
+def fill_context(model, cache, tokens: int, rng, chunk: int = 512, trace: bool = False) -> list[int]:
+    """Prefill `tokens` random positions into `cache`, `chunk` at a time, one evaluation a
+    chunk; returns each chunk's peak memory (bytes, MLX's count: the model's arrays included).
+    trace: also print each chunk's peak and the memory still active after it, to tell a peak
+    that grows with the context from one that varies between runs of the same code."""
+    peaks = []
     while cache[0].offset < tokens:
         n = min(chunk, tokens - cache[0].offset)
-        if trace:
-            mx.reset_peak_memory()
+        mx.reset_peak_memory()
         mx.eval(model.hidden(mx.array(rng.integers(0, 1000, size=(1, n)), dtype=mx.int32), cache))
+        peaks.append(mx.get_peak_memory())
         if trace:
-            print(f"  filled to {cache[0].offset:6d}: chunk peak {mx.get_peak_memory() / 1e9:.2f} GB, "
+            print(f"  filled to {cache[0].offset:6d}: chunk peak {peaks[-1] / 1e9:.2f} GB, "
                   f"active after it {mx.get_active_memory() / 1e9:.2f} GB", flush=True)
-        top = max(top, mx.get_peak_memory())
-    return top
+    return peaks
 
 
 def spread(runs: list[float]) -> str:
@@ -405,9 +404,9 @@ def main() -> None:
     variants = [("fused", fused_step)] + ([("general", general_step)] if args.general else [])
     for context in (int(c) for c in args.contexts.split(",")):
         cache = model.make_cache()
-        peak = fill_context(model, cache, context, rng, trace=args.fill_trace)
+        peaks = fill_context(model, cache, context, rng, trace=args.fill_trace)
         mx.reset_peak_memory()
-        filled = f"peak {peak / 1e9:.2f} GB" if context else "nothing"
+        filled = f"peak {max(peaks) / 1e9:.2f} GB" if peaks else "nothing"
         for label, step in variants:
             ms, build_ms = decode_ms(step, model, cache, args.steps)
             kv = sum(c.nbytes for c in cache)
@@ -475,10 +474,10 @@ def main() -> None:
         path.unlink()
 
 
-def prefill_figure(model, rng, chunks: int) -> None:
-    """512-row prefill chunks into one cache from context 0: tokens/s over all but the first."""
+def prefill_times(model, rng, chunks: int, chunk: int = 512) -> list[float]:
+    """Seconds of each of `chunks` prefill chunks (`chunk` rows and the last row's logits, one
+    evaluation a chunk) into one cache from context 0."""
     cache = model.make_cache()
-    chunk = 512
     times = []
     for _ in range(chunks):
         ids = mx.array(rng.integers(0, 1000, size=(1, chunk)), dtype=mx.int32)
@@ -486,7 +485,13 @@ def prefill_figure(model, rng, chunks: int) -> None:
         hidden = model.hidden(ids, cache)
         mx.eval(model.logits(hidden[:, -1:]))
         times.append(time.perf_counter() - tic)
-    per_chunk = statistics.median(times[1:])
+    return times
+
+
+def prefill_figure(model, rng, chunks: int) -> None:
+    """512-row prefill chunks into one cache from context 0: tokens/s over all but the first."""
+    chunk = 512
+    per_chunk = statistics.median(prefill_times(model, rng, chunks, chunk)[1:])
     layer_weights = sum(t.rows * t.row_length for n, t in model.file.tensors.items()
                         if n.startswith("blk.") and len(t.shape) == 2)
     flops = 2 * chunk * layer_weights

@@ -35,31 +35,6 @@ from muser_mlx.generate import load  # noqa: E402
 from muser_mlx.ops import products  # noqa: E402
 
 
-def prefill(model, rng, chunks: int) -> tuple[float, list[float], float]:
-    cache = model.make_cache()
-    times = []
-    mx.reset_peak_memory()
-    for _ in range(chunks):
-        ids = mx.array(rng.integers(0, 1000, size=(1, 512)), dtype=mx.int32)
-        tic = time.perf_counter()
-        hidden = model.hidden(ids, cache)
-        mx.eval(model.logits(hidden[:, -1:]))
-        times.append(time.perf_counter() - tic)
-    return 512 / statistics.median(times[1:]), [512 / t for t in times[1:]], mx.get_peak_memory()
-
-
-def fill(model, rng, tokens: int) -> tuple[float, list[float]]:
-    cache = model.make_cache()
-    peaks = []
-    tic = time.perf_counter()
-    while cache[0].offset < tokens:
-        mx.reset_peak_memory()
-        n = min(512, tokens - cache[0].offset)
-        mx.eval(model.hidden(mx.array(rng.integers(0, 1000, size=(1, n)), dtype=mx.int32), cache))
-        peaks.append(mx.get_peak_memory())
-    return tokens / (time.perf_counter() - tic), peaks
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
@@ -82,12 +57,16 @@ def main() -> None:
         mx.eval(tensor.data)
     print(f"device: {mx.default_device()}; file {file_bytes / 1e9:.2f} GB; active after loading "
           f"{mx.get_active_memory() / 1e9:.2f} GB", flush=True)
-    prefill(model, rng, 3)  # builds the kernels
+    decode.prefill_times(model, rng, 3)  # builds the kernels
     for round_ in range(args.rounds):
         for headroom in headrooms:
             products.PREFILL_ACTIVE_HEADROOM = headroom
-            rate, rates, peak = prefill(model, rng, args.chunks)
-            fill_rate, peaks = fill(model, rng, args.context)
+            mx.reset_peak_memory()
+            times = decode.prefill_times(model, rng, args.chunks)[1:]
+            rate, rates, peak = 512 / statistics.median(times), [512 / t for t in times], mx.get_peak_memory()
+            tic = time.perf_counter()
+            peaks = decode.fill_context(model, model.make_cache(), args.context, rng)
+            fill_rate = args.context / (time.perf_counter() - tic)
             label = "none" if headroom is None else f"{headroom / 1e6:.0f} MB"
             print(f"round {round_}, headroom {label}: prefill {rate:,.0f} tokens/s (chunks "
                   f"{', '.join(f'{r:,.0f}' for r in rates)}), peak {peak / 1e9:.2f} GB "

@@ -99,12 +99,10 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
                              or PRODUCT_CONFIG_BY_WIDTH.get(key, PRODUCT_CONFIG[ggml_type])))
     if config.unroll not in (1, 2, 4):
         raise ValueError(f"product config for {ggml_type.name}: unroll must be 1, 2 or 4, got {config.unroll}")
-    if config.stage not in (0, 1):
-        raise ValueError(f"product config for {ggml_type.name}: stage must be 0 or 1, got {config.stage}")
-    if config.int_floats not in (0, 1):
-        raise ValueError(f"product config for {ggml_type.name}: int_floats must be 0 or 1, got {config.int_floats}")
-    if config.lean not in (0, 1):
-        raise ValueError(f"product config for {ggml_type.name}: lean must be 0 or 1, got {config.lean}")
+    for switch in ("stage", "int_floats", "lean"):
+        if getattr(config, switch) not in (0, 1):
+            raise ValueError(f"product config for {ggml_type.name}: {switch} must be 0 or 1, "
+                             f"got {getattr(config, switch)}")
     if config.wide not in (0, 1):
         raise ValueError(f"product config for {ggml_type.name}: wide must be 0 or 1 (Q4_K in 64-value units), "
                          f"got {config.wide}")
