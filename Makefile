@@ -32,18 +32,21 @@ fuzz: $(STAMP)
 # On a machine with a GPU and the package importable (README: "On an NVIDIA GPU"):
 # the same suite, where every kernel test also runs on the GPU backend. Each kernel shape is
 # compiled on first use (CPU work), so the suite runs as SHARDS processes side by side, each
-# with every SHARDS-th test (tests/conftest.py); each writes $(GPU_LOGS)/test-gpu.<i>.log and
-# the target fails if any shard fails. TESTS runs a part (e.g. TESTS=tests/test_models.py).
+# with every SHARDS-th test (tests/conftest.py); each writes $(GPU_LOGS)/test-gpu.<i>.log, one
+# line a test as it ends (-v: a run cut off still names the test that failed), and
+# $(GPU_LOGS)/test-gpu.failed gathers every shard's failures; the target fails if any shard
+# fails. TESTS runs a part (e.g. TESTS=tests/test_models.py).
 TESTS ?= tests
 SHARDS ?= 8
 GPU_LOGS ?= .
 test-gpu:
 	@status=0; pids=""; \
 	for i in $$(seq 0 $$(($(SHARDS) - 1))); do \
-	  MUSER_TEST_SHARD=$$i/$(SHARDS) python3 -m pytest -q -p no:cacheprovider $(TESTS) \
+	  MUSER_TEST_SHARD=$$i/$(SHARDS) python3 -m pytest -v -rfE -p no:cacheprovider $(TESTS) \
 	    > $(GPU_LOGS)/test-gpu.$$i.log 2>&1 & pids="$$pids $$!"; \
 	done; \
 	for pid in $$pids; do wait $$pid || status=1; done; \
+	grep -h " FAILED\| ERROR\|^FAILED\|^ERROR" $(GPU_LOGS)/test-gpu.*.log > $(GPU_LOGS)/test-gpu.failed || true; \
 	for i in $$(seq 0 $$(($(SHARDS) - 1))); do echo "shard $$i: $$(tail -n 1 $(GPU_LOGS)/test-gpu.$$i.log)"; done; \
 	exit $$status
 
