@@ -19,6 +19,8 @@ The dtype is float16 on a GPU (half the bytes attention reads per step), float32
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 
@@ -58,7 +60,7 @@ class KVCache:
         self.advance(tokens)
         end = self.offset
         return (self.keys[:, :, :end].astype(dtype), self.values[:, :, :end].astype(dtype),
-                mx.arange(end, dtype=mx.int32), True)
+                _shared_positions(("full", end), lambda: mx.arange(end, dtype=mx.int32)), True)
 
     def advance(self, tokens: int) -> None:
         """Count `tokens` positions as written (a fused decode step wrote them itself)."""
@@ -138,8 +140,7 @@ class SlidingWindowCache:
         elif tokens > 1:
             seen = (mx.concatenate([self.keys.astype(dtype), keys.astype(dtype)], axis=2),
                     mx.concatenate([self.values.astype(dtype), values.astype(dtype)], axis=2),
-                    mx.array(np.concatenate([self.positions(), np.arange(start, start + tokens, dtype=np.int32)])),
-                    False)
+                    self._chunk_positions(start, tokens), False)
         kept = min(tokens, self.window)  # the chunk's last `window` keys stay
         # Their slots run from `first` to the ring's end, then on from slot 0: written as one
         # or two slices (no index array: one made on the host lives in managed memory, and the
@@ -155,6 +156,14 @@ class SlidingWindowCache:
         if tokens > 1:
             return seen
         return self.keys.astype(dtype), self.values.astype(dtype), mx.array(self.positions()), False
+
+    def _chunk_positions(self, start: int, tokens: int) -> mx.array:
+        """int32 [capacity + tokens]: the ring's positions (before the chunk is written), then the
+        chunk's. Every window layer of a model holds the same slots, so the one array made for
+        the first serves the rest of the chunk's layers (and attention_mask reuses its mask)."""
+        return _shared_positions(
+            ("ring", self.window, self.capacity, start, tokens, self.stale),
+            lambda: mx.array(np.concatenate([self.positions(), np.arange(start, start + tokens, dtype=np.int32)])))
 
     def advance(self, tokens: int) -> None:
         self.offset += tokens
@@ -224,12 +233,51 @@ def _grown(stored: mx.array | None, shape: tuple[int, ...], dtype) -> mx.array:
     return grown
 
 
-def attention_mask(query_positions: mx.array, key_positions: mx.array, window: int | None):
-    """Boolean [T, S]: query i may see key j when j is not in its future and, for a
-    sliding-window layer, when it is one of the last `window` positions (p-window+1 … p)."""
-    q = query_positions[:, None]
+# Per thread (an array belongs to the streams of the thread that made it), the last key
+# positions of each kind ("full", "ring") and the last mask of each window and form, with what
+# they were made from: the layers of a chunk whose caches agree share one array of each (a Muse
+# Glimmer chunk past the window: 39 window layers, one mask). One entry each, replaced by the
+# next chunk's.
+_LAST = threading.local()
+
+
+def _last(name: str) -> dict:
+    table = getattr(_LAST, name, None)
+    if table is None:
+        table = {}
+        setattr(_LAST, name, table)
+    return table
+
+
+def _shared_positions(key: tuple, make) -> mx.array:
+    table = _last("positions")
+    last = table.get(key[0])
+    if last is not None and last[0] == key:
+        return last[1]
+    positions = make()
+    table[key[0]] = (key, positions)
+    return positions
+
+
+def attention_mask(start: int, tokens: int, key_positions: mx.array, window: int | None, additive=None):
+    """[T, S] for the queries at positions start .. start + T - 1: query i may see key j when
+    j is not in its future and, for a sliding-window layer, when it is one of the last
+    `window` positions (p-window+1 … p). Boolean; or, with `additive` a float dtype, 0 where
+    visible and -inf elsewhere in that dtype: MLX's fused attention on CUDA turns a boolean
+    mask into that itself, but only after broadcasting it to every head (a [B, heads, T, S]
+    select and bias, ~84 MB a Muse Glimmer layer at a 2,560-key chunk). Asked again for the
+    same key positions array (the same object: a chunk's window layers, `_chunk_positions`),
+    start, tokens, window and form, it returns the mask it made last time."""
+    table = _last("masks")
+    last = table.get((window, additive))
+    if last is not None and last[0] is key_positions and last[1] == (start, tokens):
+        return last[2]
+    q = mx.arange(start, start + tokens, dtype=mx.int32)[:, None]
     k = key_positions[None, :]
     visible = k <= q
     if window is not None:
         visible = visible & (k > q - window)
+    if additive is not None:
+        visible = mx.where(visible, mx.array(0.0, dtype=additive), mx.array(-np.inf, dtype=additive))
+    table[window, additive] = (key_positions, (start, tokens), visible)
     return visible

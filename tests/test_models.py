@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from muser_mlx import cache as cache_module
-from muser_mlx import gguf, kernels
+from muser_mlx import gguf, kernels, ops
 from muser_mlx.models import build_model, config_for
 from muser_mlx.models.config import MissingKeyError, MissingTensorError, ModelConfigError, TensorShapeError
 from muser_mlx.reference import Reference
@@ -123,6 +123,71 @@ def test_prefill_chunks_within_a_wide_window_match_the_reference(tmp_path, rng, 
     logits = np.array(mx.concatenate(pieces, axis=1))[0]
     expected = Reference(model.config, file.tensors).forward(ids)
     assert relative_error(logits, expected) <= TOLERANCE[backend]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
+def test_a_chunk_past_the_window_builds_one_mask_in_the_form_attention_takes(tiny, rng, monkeypatch,
+                                                                            architecture, dtype):
+    """A chunk past the window: its window layers share one mask (cache.attention_mask reuses
+    the one it made for the same key positions array), boolean for float32 attention and
+    additive (0 / -inf) float16 for float16 attention (a GPU prefill chunk: MLX's attention on
+    CUDA would broadcast a boolean mask to every head before converting it). Either way the
+    chunk's logits are the reference's. Attention itself runs in float32 here; on a GPU the
+    chunk's products multiply in float16 (TOLERANCE["gpu"])."""
+    file, model = tiny(architecture, "F32")
+    ids = random_ids(rng, model, 3 * WINDOW + 2)
+    original = ops.attention
+    masks = []
+
+    def recording(q, keys, values, scale, mask=None):
+        masks.append(mask)
+        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+            assert mask.dtype == mx.float16
+            visible = mask == 0
+            assert bool(mx.all(visible | (mask == -np.inf)))  # 0 or -inf, nothing else
+            mask = visible
+        return original(q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32), scale, mask)
+
+    monkeypatch.setattr(ops, "attention", recording)
+    monkeypatch.setattr(ops, "attention_dtype", lambda tokens, head_dim, backend=None: dtype)
+    cache = model.make_cache()
+    mx.eval(model(ids[None, :WINDOW], cache))
+    masks.clear()
+    logits = np.array(model(ids[None, WINDOW:], cache))[0]  # the window caches wrap in this chunk
+    sliding = model.config.swa_layers
+    window_masks = [mask for mask, is_window in zip(masks, sliding) if is_window]
+    assert len(masks) == len(sliding) and len(window_masks) >= 2
+    assert all(mask is window_masks[0] for mask in window_masks)
+    assert window_masks[0].dtype == (mx.float16 if dtype == mx.float16 else mx.bool_)
+    assert window_masks[0].shape == (ids.size - WINDOW, WINDOW + ids.size - WINDOW)
+    expected = Reference(model.config, file.tensors).forward(ids)[WINDOW:]
+    on_cpu = mx.default_device() == mx.cpu and dtype == mx.float32
+    assert relative_error(logits, expected) <= TOLERANCE["cpu" if on_cpu else "gpu"]
+
+
+def test_attention_mask_forms_and_reuse(rng):
+    """cache.attention_mask against numpy, in both forms, on keys in ring order; asked again
+    with the same positions array, start and tokens it returns its mask, and never for another
+    array of the same values or another start."""
+    positions = mx.array(rng.permutation(40).astype(np.int32) - 3)  # a ring's order; some never visible
+    start, tokens, window = 30, 10, 8
+    query = np.arange(start, start + tokens)[:, None]
+    key = np.array(positions)[None, :]
+    expected = (key <= query) & (key > query - window)
+    visible = cache_module.attention_mask(start, tokens, positions, window)
+    np.testing.assert_array_equal(np.array(visible), expected)
+    additive = cache_module.attention_mask(start, tokens, positions, window, additive=mx.float16)
+    assert additive.dtype == mx.float16
+    np.testing.assert_array_equal(np.array(additive.astype(mx.float32)), np.where(expected, 0.0, -np.inf))
+    assert cache_module.attention_mask(start, tokens, positions, window, additive=mx.float16) is additive
+    assert cache_module.attention_mask(start, tokens, positions, window) is visible  # each form its own
+    copy = mx.array(np.array(positions))
+    assert cache_module.attention_mask(start, tokens, copy, window, additive=mx.float16) is not additive
+    later = cache_module.attention_mask(start + 1, tokens, positions, window)
+    np.testing.assert_array_equal(np.array(later), (key <= query + 1) & (key > query + 1 - window))
+    full = cache_module.attention_mask(start, tokens, positions, None)
+    np.testing.assert_array_equal(np.array(full), key <= query)
 
 
 def test_sliding_window_caches_hold_at_most_the_window(tiny, rng):

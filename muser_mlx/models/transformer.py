@@ -171,8 +171,9 @@ class Attention(nn.Module):
             # cost more than the attention: ~0.3 ms a Muse Glimmer layer to build and convert).
             mask = "causal"
         elif tokens > 1 or self.sliding:  # one token sees a whole full cache; a ring may hold empty slots
-            query_positions = mx.arange(start, start + tokens, dtype=mx.int32)
-            mask = attention_mask(query_positions, key_positions, self.window)
+            # float16 (a GPU prefill chunk): the additive form, which MLX's attention takes as it is.
+            mask = attention_mask(start, tokens, key_positions, self.window,
+                                  additive=mx.float16 if dtype == mx.float16 else None)
         o = ops.attention(q, keys, values, c.attention_scale, mask)
         o = o.transpose(0, 2, 1, 3).reshape(batch, tokens, c.heads * c.head_dim)
         if c.attn_gate:
