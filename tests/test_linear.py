@@ -169,7 +169,12 @@ def test_cpu_pieces_run_from_a_thread_of_their_own(rng, tmp_path, monkeypatch):
 def test_cpu_pieces_do_not_unpack_later_layers_ahead_of_their_input(rng, tmp_path, monkeypatch):
     # A weight's unpacking needs nothing but the weight: unless it waits for x, the second
     # stream runs ahead through later layers' weights and holds all their temporaries (an
-    # 8-layer 203 MB model peaked 444 MB above its weights in one step before this held).
+    # 8-layer 203 MB model peaked 444 MB above its weights in one step before this held;
+    # a layer held ahead is its weights as floats, ~7 layers' worth of their Q4_K bytes).
+    # Bound: 3 layers' worth. What a step holds above its start moves in steps of ~0.3 of a
+    # layer (131 KB: one 256 x 128 float32 buffer), with how MLX's CPU stream thread and
+    # the host race to free buffers: 0.7-1.49 layers' worth in 48 runs without the shared
+    # prefill masks (26ae366), 0.7-2.08 in 64 runs with them (a bound of 2 failed one CI run).
     layers = 12
     path = testing.tiny_model(tmp_path / "m.gguf", "llama", rng, weights="Q4_K", layers=layers,
                               hidden=256, heads=4, kv_heads=2, head_dim=64, ff=768)
@@ -184,7 +189,7 @@ def test_cpu_pieces_do_not_unpack_later_layers_ahead_of_their_input(rng, tmp_pat
             mx.reset_peak_memory()
             mx.eval(model(mx.array([[1, 2, 3]])))
             above = mx.get_peak_memory() - active
-            assert above <= 2 * layer_bytes, f"{above / layer_bytes:.1f} layers' worth of bytes in flight"
+            assert above <= 3 * layer_bytes, f"{above / layer_bytes:.1f} layers' worth of bytes in flight"
 
 
 def test_path_choice():
