@@ -474,17 +474,50 @@ def main() -> None:
         path.unlink()
 
 
-def prefill_times(model, rng, chunks: int, chunk: int = 512) -> list[float]:
+class PacerWaits(contextlib.AbstractContextManager):
+    """Within this block: the seconds GPU prefill's pacer (ops.products._Pacer.make_room)
+    spends waiting for queued products, and how many of its calls waited."""
+
+    def __enter__(self):
+        self.seconds, self.count = 0.0, 0
+        self._original = original = ops.products._Pacer.make_room
+
+        def timed(pacer, nbytes):
+            before = len(pacer.queued)
+            tic = time.perf_counter()
+            original(pacer, nbytes)
+            if len(pacer.queued) < before:
+                self.seconds += time.perf_counter() - tic
+                self.count += 1
+
+        ops.products._Pacer.make_room = timed
+        return self
+
+    def __exit__(self, *exc):
+        ops.products._Pacer.make_room = self._original
+        return None
+
+
+def prefill_times(model, rng, chunks: int, chunk: int = 512, host: list | None = None) -> list[float]:
     """Seconds of each of `chunks` prefill chunks (`chunk` rows and the last row's logits, one
-    evaluation a chunk) into one cache from context 0."""
+    evaluation a chunk) into one cache from context 0. With `host` a list, each chunk also
+    appends the host's share: (seconds building its graph, the pacer's waits among them,
+    their count, seconds evaluating after the build)."""
     cache = model.make_cache()
     times = []
     for _ in range(chunks):
         ids = mx.array(rng.integers(0, 1000, size=(1, chunk)), dtype=mx.int32)
-        tic = time.perf_counter()
-        hidden = model.hidden(ids, cache)
-        mx.eval(model.logits(hidden[:, -1:]))
-        times.append(time.perf_counter() - tic)
+        # The pacer timed only when asked: its wrapper is host work at each product.
+        with PacerWaits() if host is not None else contextlib.nullcontext() as waits:
+            tic = time.perf_counter()
+            hidden = model.hidden(ids, cache)
+            logits = model.logits(hidden[:, -1:])
+            built = time.perf_counter()
+            mx.eval(logits)
+            done = time.perf_counter()
+        times.append(done - tic)
+        if host is not None:
+            host.append((built - tic, waits.seconds, waits.count, done - built))
     return times
 
 

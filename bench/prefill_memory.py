@@ -6,7 +6,11 @@ bench/decode.py writes, then, for --rounds rounds, for each headroom in turn
 - prefill: --chunks 512-row chunks from context 0 (decode.py's prefill figure: tokens/s, the
   median over all chunks but the first; each chunk's own rate) and MLX's peak memory;
 - filling a --context cache in 512-row chunks, one evaluation a chunk (decode.py's
-  fill_context): tokens/s, the peak, and each chunk's peak.
+  fill_context): tokens/s, the peak, and each chunk's peak;
+- the host's share of each prefill chunk: the time building its graph (products queued as
+  they are built), of it the pacer's waits for queued products, and the evaluation after the
+  build. The host's own work is the first less the second: a chunk whose GPU work takes less
+  than that waits on the host (the gaps between kernels `timeline.py --prefill` shows).
 Peaks are MLX's own count (the model's arrays included), also as a multiple of the file.
 
     python bench/prefill_memory.py [--dir /dev/shm] [--headrooms none,300,500,800] [--rounds 3]
@@ -62,7 +66,9 @@ def main() -> None:
         for headroom in headrooms:
             products.PREFILL_ACTIVE_HEADROOM = headroom
             mx.reset_peak_memory()
-            times = decode.prefill_times(model, rng, args.chunks)[1:]
+            host = []
+            times = decode.prefill_times(model, rng, args.chunks, host=host)[1:]
+            host = host[1:]
             rate, rates, peak = 512 / statistics.median(times), [512 / t for t in times], mx.get_peak_memory()
             tic = time.perf_counter()
             peaks = decode.fill_context(model, model.make_cache(), args.context, rng)
@@ -73,6 +79,10 @@ def main() -> None:
                   f"({peak / file_bytes:.3f}x); filling {args.context}: {fill_rate:,.0f} tokens/s, peak "
                   f"{max(peaks) / 1e9:.2f} GB ({max(peaks) / file_bytes:.3f}x); chunk peaks "
                   f"{' '.join(f'{p / 1e9:.2f}' for p in peaks)}", flush=True)
+            print("  host a prefill chunk (ms: building its graph, of it the pacer's waits (count), "
+                  "evaluating after the build): "
+                  + "; ".join(f"{1e3 * b:.1f}, {1e3 * w:.1f} ({n}), {1e3 * e:.1f}" for b, w, n, e in host),
+                  flush=True)
 
 
 if __name__ == "__main__":
