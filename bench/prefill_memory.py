@@ -15,6 +15,11 @@ Peaks are MLX's own count (the model's arrays included), also as a multiple of t
 
     python bench/prefill_memory.py [--dir /dev/shm] [--headrooms none,300,500,800] [--rounds 3]
                                    [--chunks 6] [--context 8192] [--layers 52]
+                                   [--variant NAME:module.ATTR=value,... ...]
+
+Each --variant (decode.py's form) runs in every round after the default, with its settings, so
+that code paths are compared within one process (the figures moved 6,156-7,197 tokens/s between
+processes of the same code: bench/RESULTS.md, session 31).
 
 (headrooms in MB.) On a CPU the products are not paced: the figures do not depend on the headroom.
 """
@@ -22,6 +27,7 @@ Peaks are MLX's own count (the model's arrays included), also as a multiple of t
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -47,6 +53,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=6)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=decode.LAYERS, help="fewer layers: a quick smoke run")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME:module.ATTR=value,... also run in every round with these settings")
     args = parser.parse_args()
     if args.chunks < 2:
         parser.error(f"--chunks: at least 2 (the first is not timed), got {args.chunks}")
@@ -62,8 +70,14 @@ def main() -> None:
     print(f"device: {mx.default_device()}; file {file_bytes / 1e9:.2f} GB; active after loading "
           f"{mx.get_active_memory() / 1e9:.2f} GB", flush=True)
     decode.prefill_times(model, rng, 3)  # builds the kernels
-    for round_ in range(args.rounds):
-        for headroom in headrooms:
+    variants = [("default", [])] + [decode.parse_variant(v) for v in args.variant]
+    for name, settings in variants[1:]:  # each variant's shapes built before the timed rounds
+        saved = decode.apply_settings(settings)
+        decode.prefill_times(model, rng, 3)
+        decode.restore_settings(saved)
+    for round_, headroom, (name, settings) in itertools.product(range(args.rounds), headrooms, variants):
+        saved = decode.apply_settings(settings)
+        try:
             products.PREFILL_ACTIVE_HEADROOM = headroom
             mx.reset_peak_memory()
             host = []
@@ -74,6 +88,8 @@ def main() -> None:
             peaks = decode.fill_context(model, model.make_cache(), args.context, rng)
             fill_rate = args.context / (time.perf_counter() - tic)
             label = "none" if headroom is None else f"{headroom / 1e6:.0f} MB"
+            if len(variants) > 1:
+                label += f", {name}"
             print(f"round {round_}, headroom {label}: prefill {rate:,.0f} tokens/s (chunks "
                   f"{', '.join(f'{r:,.0f}' for r in rates)}), peak {peak / 1e9:.2f} GB "
                   f"({peak / file_bytes:.3f}x); filling {args.context}: {fill_rate:,.0f} tokens/s, peak "
@@ -83,6 +99,8 @@ def main() -> None:
                   "evaluating after the build): "
                   + "; ".join(f"{1e3 * b:.1f}, {1e3 * w:.1f} ({n}), {1e3 * e:.1f}" for b, w, n, e in host),
                   flush=True)
+        finally:
+            decode.restore_settings(saved)
 
 
 if __name__ == "__main__":

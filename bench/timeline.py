@@ -270,8 +270,20 @@ def prefill_profile(args, model, rng, label: str) -> None:
             entry[0] += k["dur"]
             entry[1] += 1
             entry[2].add(s)
-    for name, (dur, count, where) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:14]:
+    for name, (dur, count, where) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.kernels]:
         print(f"  {dur / n / 1e3:7.2f} ms  {count / n:6.1f} x  stream {sorted(where)}  {name}")
+    ordered = sorted(kernels, key=lambda k: k["ts"])
+    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(ordered, ordered[1:])]
+    gaps = [g for g in gaps if g > 0]
+    print(f"  gaps between kernels: {sum(gaps) / n / 1e3:.2f} ms a chunk; over 5 / 20 / 100 us: "
+          f"{sum(g > 5 for g in gaps) / n:.0f} / {sum(g > 20 for g in gaps) / n:.0f} / "
+          f"{sum(g > 100 for g in gaps) / n:.0f} a chunk")
+    if args.sequence:  # the last chunk's kernels in order, from its middle: one layer's launches
+        last = ordered[-len(ordered) // n:]
+        middle = len(last) // 2
+        print(f"  the last chunk's kernels {middle}-{middle + args.sequence} in order (us, gap before):")
+        for a, b in zip(last[middle - 1:], last[middle:middle + args.sequence]):
+            print(f"    {b['dur']:8.1f} {b['ts'] - a['ts'] - a['dur']:8.1f}  {short_name(b['name'])}")
 
 
 def main() -> None:
@@ -286,6 +298,9 @@ def main() -> None:
                         help="profile this many 512-row prefill chunks instead of decode steps")
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME:module.ATTR=value,... profiled again with these settings (decode: recompiled)")
+    parser.add_argument("--kernels", type=int, default=14, help="--prefill: print this many kernel names by time")
+    parser.add_argument("--sequence", type=int, default=0,
+                        help="--prefill: print this many of the last chunk's kernels in order, from its middle")
     parser.add_argument("--copy-sizes", default="",
                         help="MB,MB,...: also time one-launch copies moving that many MB (read + write)")
     args = parser.parse_args()
