@@ -167,9 +167,9 @@ def test_generate_runs_the_rounded_compiled_step_on_the_cpu(tiny, rng, monkeypat
     asked = []
     linear = ops.linear
 
-    def spy(x, weight, rounded=False):
+    def spy(x, weight, rounded=False, **options):
         asked.append(rounded)
-        return linear(x, weight, rounded=rounded)
+        return linear(x, weight, rounded=rounded, **options)
 
     monkeypatch.setattr(ops, "linear", spy)
 
@@ -196,10 +196,10 @@ def test_the_prompts_last_token_takes_the_exact_step(tiny, rng, monkeypatch):
     asked = []
     linear = ops.linear
 
-    def spy(x, weight, rounded=False):
+    def spy(x, weight, rounded=False, **options):
         # The step's x [1, hidden]; the chunk's [1, T, hidden]. Rounded: asked, or in the context.
         asked.append((x.ndim, rounded or products._ROUNDING.get()))
-        return linear(x, weight, rounded=rounded)
+        return linear(x, weight, rounded=rounded, **options)
 
     monkeypatch.setattr(ops, "linear", spy)
     cache = model.make_cache()

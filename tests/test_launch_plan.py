@@ -5,6 +5,9 @@ leaves threads without work is caught before the GPU machine sees it."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import io
 import re
 
 import mlx.core as mx
@@ -117,3 +120,33 @@ def test_a_fused_decode_step_launches_at_most_8_kernels_a_layer(tmp_path, rng, r
             assert inputs[2].dtype == mx.int8 and inputs[2].shape[-1] == template["IN"], where
         if name == "attention_decode":
             assert inputs[6].dtype == mx.float16 and template["SPLIT"] % 32 == 0, where
+
+
+def prefill_graph_nodes(path, rng, monkeypatch, fused: bool) -> collections.Counter:
+    """The MLX nodes of one 20-row prefill chunk's graph (kernels recorded, products not paced
+    so that nothing in the chunk is evaluated before the graph is read), by primitive name."""
+    monkeypatch.setattr(transformer, "PREFILL_FUSED", fused)
+    monkeypatch.setattr(ops, "paced_products", contextlib.nullcontext)
+    with recorded_launches(), mx.stream(mx.cpu):
+        model, _ = load(path)
+        hidden = model.hidden(rng.integers(0, model.config.vocab, size=(1, 20)), model.make_cache())
+        dot = io.StringIO()
+        mx.export_to_dot(dot, hidden)
+    return collections.Counter(re.findall(r'label\s*=\s*"(\w+)"', dot.getvalue()))
+
+
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
+def test_a_fused_prefill_layer_converts_its_float16_products_inside_compiled_launches(tmp_path, rng, monkeypatch,
+                                                                                        architecture):
+    """transformer.PREFILL_FUSED on a GPU prefill chunk: per layer, the FFN's activation (and
+    Muse Glimmer's attention gate) is one compiled node that converts the float16 products'
+    outputs itself; the graph holds no standalone sigmoid of the gate and fewer conversions."""
+    layers = 2
+    path = tiny_model(tmp_path / "m.gguf", architecture, rng, weights="Q4_K_M", hidden=512, ff=1024, layers=layers)
+    fused = prefill_graph_nodes(path, rng, monkeypatch, True)
+    unfused = prefill_graph_nodes(path, rng, monkeypatch, False)
+    compiled = lambda nodes: sum(n for name, n in nodes.items() if name.startswith("Compiled") and "AsType" in name)  # noqa: E731
+    gates = layers if architecture == "muse-glimmer" else 0
+    assert compiled(fused) == layers + gates and compiled(unfused) == 0, (sorted(fused.items()), sorted(unfused.items()))
+    assert unfused["Sigmoid"] == gates and fused["Sigmoid"] == 0, (fused, unfused)
+    assert fused["AsType"] <= unfused["AsType"] - layers, (fused, unfused)

@@ -10,7 +10,7 @@ import pytest
 
 from muser_mlx import cache as cache_module
 from muser_mlx import gguf, kernels, ops
-from muser_mlx.models import build_model, config_for
+from muser_mlx.models import build_model, config_for, transformer
 from muser_mlx.models.config import MissingKeyError, MissingTensorError, ModelConfigError, TensorShapeError
 from muser_mlx.reference import Reference
 from muser_mlx.testing import tiny_model
@@ -125,6 +125,31 @@ def test_prefill_chunks_within_a_wide_window_match_the_reference(tmp_path, rng, 
     assert relative_error(logits, expected) <= TOLERANCE[backend]
 
 
+# PREFILL_FUSED against the conversions first: the same float16 products' outputs, widened to
+# float32 before any arithmetic either way. What may differ: float32 rounding in the compiled
+# activation, and on a GPU each float16 output's last bit where cuBLAS sums a per-part product
+# (the fused FFN's gate and up) in another order than the stack of both (2^-11 of a value);
+# carried through two layers and the head, well under the reference's 5e-3.
+FUSED_TOLERANCE = 1e-3
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_fused_prefill_gives_the_logits_of_the_unfused_one(tiny, rng, backend, monkeypatch, architecture):
+    if backend == "cpu":
+        pytest.skip("a GPU prefill path (the CPU's products return float32)")
+    _, model = tiny(architecture, "Q4_K_M")
+    ids = random_ids(rng, model, 3 * WINDOW + 5)
+
+    def run(fused):
+        monkeypatch.setattr(transformer, "PREFILL_FUSED", fused)
+        cache = model.make_cache()  # a chunk within the window, then one past it
+        return np.array(mx.concatenate([model(ids[None, :20], cache), model(ids[None, 20:], cache)], axis=1))
+
+    fused, unfused = run(True), run(False)
+    assert np.isfinite(fused).all()
+    assert relative_error(fused, unfused) <= FUSED_TOLERANCE
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 @pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
 def test_a_chunk_past_the_window_builds_one_mask_in_the_form_attention_takes(tiny, rng, monkeypatch,
@@ -140,14 +165,15 @@ def test_a_chunk_past_the_window_builds_one_mask_in_the_form_attention_takes(tin
     original = ops.attention
     masks = []
 
-    def recording(q, keys, values, scale, mask=None):
+    def recording(q, keys, values, scale, mask=None, keep_float16=False):
         masks.append(mask)
         if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
             assert mask.dtype == mx.float16
             visible = mask == 0
             assert bool(mx.all(visible | (mask == -np.inf)))  # 0 or -inf, nothing else
             mask = visible
-        return original(q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32), scale, mask)
+        return original(q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32), scale, mask,
+                        keep_float16=keep_float16)
 
     monkeypatch.setattr(ops, "attention", recording)
     monkeypatch.setattr(ops, "attention_dtype", lambda tokens, head_dim, backend=None: dtype)

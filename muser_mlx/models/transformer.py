@@ -12,8 +12,9 @@ Calling convention (mlx-lm's): `model(token_ids [B, T], cache=model.make_cache()
 from __future__ import annotations
 
 import contextlib
-
+import functools
 import itertools
+import math
 import threading
 
 import mlx.core as mx
@@ -32,6 +33,16 @@ COMPILE_DECODE = True
 # decode_step takes the position from the last step's graph (a device array) when it has one for
 # this offset, instead of a new host array every step (see decode_step).
 DEVICE_POSITION = True
+# A GPU prefill chunk (its products on path gpu_dequant_matmul) keeps the float16 outputs of the
+# products whose next step converts them anyway, and folds those conversions into that step:
+# the FFN's activation and the attention gate become one compiled launch each (`gated`), where
+# MLX's ops took four each (the gate/up pieces' concatenation and float32 conversion, the
+# activation, the product; the attention output's conversion, its transpose copy, the sigmoid,
+# the product); q and k are converted from their own columns (no copy of the whole output
+# first) and v goes to the float16 cache as it is. The values are the same: each float16 output
+# is widened to float32 before any arithmetic. A prefill chunk's host builds ~43 launches a Muse
+# Glimmer layer and was the bound at 512 rows (bench/RESULTS.md, session 32).
+PREFILL_FUSED = True
 
 
 def vector(tensor) -> mx.array:
@@ -42,6 +53,20 @@ def vector(tensor) -> mx.array:
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     """x / sqrt(mean(x²) + eps) · weight, in float32 (an eps of 1e-8 vanishes in float16)."""
     return mx.fast.rms_norm(x.astype(mx.float32), weight, eps)
+
+
+def prefill_fused(x: mx.array, weight) -> bool:
+    """Whether x's rows multiply `weight` as a GPU prefill product that PREFILL_FUSED keeps in float16."""
+    return PREFILL_FUSED and ops.linear_path(weight.ggml_type, math.prod(x.shape[:-1])) == "gpu_dequant_matmul"
+
+
+@functools.lru_cache(maxsize=None)
+def gated_compiled(activation: str):
+    """activation(a) * b of any shape, a and b converted to float32 first (float16 products'
+    outputs, possibly strided views), as one compiled launch: activation "silu", "gelu_tanh"
+    or "sigmoid"."""
+    act = {"silu": nn.silu, "gelu_tanh": ops.gelu_tanh, "sigmoid": mx.sigmoid}[activation]
+    return mx.compile(lambda a, b: act(a.astype(mx.float32)) * b.astype(mx.float32), shapeless=True)
 
 
 def fused_products(make):
@@ -103,10 +128,11 @@ class Projections(nn.Module):
         self.decode_products = fused_products(lambda: [ops.Product(*stacks[i : i + 2])
                                                        for i in range(0, len(stacks), 2)])
 
-    def __call__(self, x: mx.array) -> dict:
+    def __call__(self, x: mx.array, keep_float16: bool = False) -> dict:
+        """keep_float16: as ops.linear's (a part with a bias is float32 either way)."""
         out = {}
         for stacked, names, offsets in self.groups:
-            y = ops.linear(x, stacked)
+            y = ops.linear(x, stacked, keep_float16=keep_float16)
             out.update(zip(names, mx.split(y, offsets, axis=-1) if offsets else [y]))
         for name, bias in self.biases.items():
             out[name] = out[name] + bias
@@ -150,7 +176,10 @@ class Attention(nn.Module):
         """h: [B, T, hidden] (normed) -> [B, T, hidden]."""
         c = self.config
         batch, tokens, _ = h.shape
-        y = self.input_proj(h)
+        fused = prefill_fused(h, self.o_proj.weight_tensor)
+        y = self.input_proj(h, keep_float16=fused)
+        if fused:  # float16 outputs: q and k as float32 for their norm and RoPE; v and the gate as they are
+            y = {name: part if name in ("v", "gate") else part.astype(mx.float32) for name, part in y.items()}
         v = ops.split_heads(y["v"], c.kv_heads, c.head_dim)  # [B, kv_heads, T, head_dim]
         start = cache.offset
         rope = None
@@ -174,7 +203,11 @@ class Attention(nn.Module):
             # float16 (a GPU prefill chunk): the additive form, which MLX's attention takes as it is.
             mask = attention_mask(start, tokens, key_positions, self.window,
                                   additive=mx.float16 if dtype == mx.float16 else None)
-        o = ops.attention(q, keys, values, c.attention_scale, mask)
+        o = ops.attention(q, keys, values, c.attention_scale, mask, keep_float16=fused)
+        if fused and c.attn_gate:  # sigmoid(gate) * o, o read across its heads' layout: one launch
+            gate = y["gate"].reshape(batch, tokens, c.heads, c.head_dim)
+            o = gated_compiled("sigmoid")(gate, o.transpose(0, 2, 1, 3))
+            return self.o_proj(o.reshape(batch, tokens, c.heads * c.head_dim))
         o = o.transpose(0, 2, 1, 3).reshape(batch, tokens, c.heads * c.head_dim)
         if c.attn_gate:
             o = o * mx.sigmoid(y["gate"])
@@ -215,6 +248,12 @@ class FeedForward(nn.Module):
             ops.Product(tensors[f"blk.{layer}.ffn_down.weight"])))
 
     def __call__(self, h: mx.array) -> mx.array:
+        if prefill_fused(h, self.gate) and prefill_fused(h, self.up):
+            # A product each (no concatenation of the stack's pieces), their float16 outputs
+            # into the activation's one launch.
+            gate = ops.linear(h, self.gate, keep_float16=True)
+            up = ops.linear(h, self.up, keep_float16=True)
+            return self.down_proj(gated_compiled(self.activation_name)(gate, up))
         y = self.input_proj(h)
         return self.down_proj(self.gated(y["gate"], y["up"]))
 

@@ -107,13 +107,14 @@ def attention_dtype(tokens: int, head_dim: int, backend: str | None = None):
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
-              mask: mx.array | None = None) -> mx.array:
+              mask: mx.array | None = None, keep_float16: bool = False) -> mx.array:
     """softmax(q keysᵀ · scale, where mask) values: q [B, heads, T, head_dim], keys/values
     [B, kv_heads, S, head_dim], mask bool [T, S], "causal" (query i of T sees keys up to
-    S - T + i) or None; returns float32 [B, heads, T,
-    head_dim]. On the CPU the compiled primitive (cpu_ext.attention: MLX's CPU attention runs
-    its matmuls on reference BLAS, 5-8x slower); elsewhere MLX's fused attention, in float16
-    when keys and values come in float16 (attention_dtype)."""
+    S - T + i) or None; returns float32 [B, heads, T, head_dim] (keep_float16: float16 where
+    the attention ran in float16, for a caller that converts it within its own next launch).
+    On the CPU the compiled primitive (cpu_ext.attention: MLX's CPU attention runs its matmuls
+    on reference BLAS, 5-8x slower); elsewhere MLX's fused attention, in float16 when keys and
+    values come in float16 (attention_dtype)."""
     if kernels.backend() == "cpu":
         if isinstance(mask, str) and mask == "causal":
             tokens, keys_seen = q.shape[2], keys.shape[2]
@@ -123,8 +124,9 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         if not cpu_ext.available():
             cpu_ext.note_unavailable()  # logged once
     if keys.dtype == mx.float16:
-        return mx.fast.scaled_dot_product_attention(q.astype(mx.float16), keys, values.astype(mx.float16),
-                                                    scale=scale, mask=mask).astype(mx.float32)
+        o = mx.fast.scaled_dot_product_attention(q.astype(mx.float16), keys, values.astype(mx.float16),
+                                                 scale=scale, mask=mask)
+        return o if keep_float16 else o.astype(mx.float32)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 

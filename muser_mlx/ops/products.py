@@ -97,7 +97,7 @@ def rounded_products(enabled: bool = True):
         _ROUNDING.reset(token)
 
 
-def linear(x, weight, rounded: bool = False) -> mx.array:
+def linear(x, weight, rounded: bool = False, keep_float16: bool = False) -> mx.array:
     """x @ W.T for a GGUF weight kept as raw blocks.
 
     x: [..., in] float (f32, f16 or bf16); weight: GGUF tensor of GGUF shape [in, out]
@@ -108,6 +108,10 @@ def linear(x, weight, rounded: bool = False) -> mx.array:
     32-value formats (q8_0, formats.quantize_activations) and per 256 for the K-quants (q8_K,
     formats.quantize_activations_super), and multiplies with integer dot products; any other
     path (no extension) rounds per 32 values and multiplies the rounded values.
+    keep_float16: a GPU prefill product (path gpu_dequant_matmul) returns its matmul's float16
+    output as it is, for a caller that converts it within its own next launch (a compiled
+    elementwise op, the float16 KV cache): the same values, one launch fewer. Every other path
+    returns float32 regardless.
     """
     if len(weight.shape) != 2:
         raise ValueError(f"weight {weight.name!r} must be 2-D, has shape {list(weight.shape)}")
@@ -133,7 +137,11 @@ def linear(x, weight, rounded: bool = False) -> mx.array:
         x = quantize_rows_mlx(x).dequantize()
     if path.startswith("matvec"):  # a decode kernel reads x as flat rows, writes [..., out]
         return _matvec(path, x, weight.data, fmt, in_features, out_features)
-    out = _LINEAR_PATHS[path](x.reshape(-1, in_features), weight.data, fmt, in_features, out_features)
+    if path == "gpu_dequant_matmul":
+        out = _gpu_dequant_matmul(x.reshape(-1, in_features), weight.data, fmt, in_features, out_features,
+                                  keep_float16=keep_float16)
+    else:
+        out = _LINEAR_PATHS[path](x.reshape(-1, in_features), weight.data, fmt, in_features, out_features)
     return out.reshape(*lead, out_features)
 
 
@@ -228,7 +236,7 @@ def dequantize_into(weight_bytes: mx.array, ggml_type, in_features: int, out_fea
     return view.reshape(out_features, in_features), x16
 
 
-def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
+def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features, keep_float16: bool = False):
     # Prefill: decode the weight once per call (its cost is shared by all T rows), then the
     # backend's f16 matmul does the arithmetic. A large weight goes in pieces of output rows
     # (PREFILL_PIECE_BYTES of float16 each), each decoded, multiplied and queued on its own.
@@ -261,7 +269,8 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
         if pacer is not None:
             pacer.queue(out, temporary)
         outs.append(out)
-    return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)).astype(mx.float32)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
+    return out if keep_float16 else out.astype(mx.float32)
 
 
 # GPU prefill: a weight's float16 rows decoded at once, at most (bytes), in whole PIECE_ROWS:
