@@ -35,13 +35,14 @@ COMPILE_DECODE = True
 DEVICE_POSITION = True
 # A GPU prefill chunk (its products on path gpu_dequant_matmul) keeps the float16 outputs of the
 # products whose next step converts them anyway, and folds those conversions into that step:
-# the FFN's activation and the attention gate become one compiled launch each (`gated`), where
+# the FFN's activation and the attention gate become one compiled launch each (`gated_compiled`), where
 # MLX's ops took four each (the gate/up pieces' concatenation and float32 conversion, the
 # activation, the product; the attention output's conversion, its transpose copy, the sigmoid,
 # the product); q and k are converted from their own columns (no copy of the whole output
 # first) and v goes to the float16 cache as it is. The values are the same: each float16 output
-# is widened to float32 before any arithmetic. A prefill chunk's host builds ~43 launches a Muse
-# Glimmer layer and was the bound at 512 rows (bench/RESULTS.md, session 32).
+# is widened to float32 before any arithmetic. A Muse Glimmer layer of a 512-row chunk went from
+# ~43 launches to 33, whose building had been the chunk's bound on a slow host (H200: 7,706-7,772
+# tokens/s against 6,941-7,151 in the same processes; bench/RESULTS.md, session 32).
 PREFILL_FUSED = True
 
 
