@@ -144,6 +144,20 @@ LAUNCHES = {
         [mx.float32, mx.int8, mx.float32, mx.float32],
         [("HIDDEN", 6656), ("RESIDUAL", 1), ("BRANCH_NORM", 1), ("SLICE_BLOCKS", 16), ("THREADS", 256)],
     ),
+    "residual_norm_rows_f16": (  # a prefill seam: the product's float16 output as the branch
+        "residual_norm_rows",
+        [InputSpec(mx.float32, 2, 3 * 6656), InputSpec(mx.float16, 2, 3 * 6656), InputSpec(mx.float32, 1, 6656),
+         InputSpec(mx.float32, 1, 6656), InputSpec(mx.float32, 1, 4)],
+        [mx.float32, mx.float32],
+        [("HIDDEN", 6656), ("BRANCH_NORM", 1), ("THREADS", 256)],
+    ),
+    "residual_norm_rows_f32": (
+        "residual_norm_rows",
+        [InputSpec(mx.float32, 2, 2 * 100), InputSpec(mx.float32, 2, 2 * 100), InputSpec(mx.float32, 1, 100),
+         InputSpec(mx.float32, 1, 100), InputSpec(mx.float32, 1, 4)],
+        [mx.float32, mx.float32],
+        [("HIDDEN", 100), ("BRANCH_NORM", 0), ("THREADS", 128)],
+    ),
     "attention_decode": (
         "attention_decode",
         [InputSpec(mx.float32, 1, 8192 + 512), InputSpec(mx.float32, 1, 128), InputSpec(mx.float32, 1, 128),

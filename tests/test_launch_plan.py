@@ -124,8 +124,10 @@ def test_a_fused_decode_step_launches_at_most_8_kernels_a_layer(tmp_path, rng, r
 
 def prefill_graph_nodes(path, rng, monkeypatch, fused: bool) -> collections.Counter:
     """The MLX nodes of one 20-row prefill chunk's graph (kernels recorded, products not paced
-    so that nothing in the chunk is evaluated before the graph is read), by primitive name."""
+    so that nothing in the chunk is evaluated before the graph is read; the seams as MLX's ops,
+    since a recorded kernel's output cuts the graph), by primitive name."""
     monkeypatch.setattr(transformer, "PREFILL_FUSED", fused)
+    monkeypatch.setattr(ops.norm, "SEAM_ROWS_KERNEL", False)
     monkeypatch.setattr(ops, "paced_products", contextlib.nullcontext)
     with recorded_launches(), mx.stream(mx.cpu):
         model, _ = load(path)

@@ -88,8 +88,9 @@ class Linear(nn.Module):
         if bias is not None:
             self.bias = vector(bias)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        y = ops.linear(x, self.weight_tensor)
+    def __call__(self, x: mx.array, keep_float16: bool = False) -> mx.array:
+        """keep_float16: as ops.linear's (with a bias, float32 either way)."""
+        y = ops.linear(x, self.weight_tensor, keep_float16=keep_float16)
         return y + self.bias if "bias" in self else y
 
     @property
@@ -208,11 +209,11 @@ class Attention(nn.Module):
         if fused and c.attn_gate:  # sigmoid(gate) * o, o read across its heads' layout: one launch
             gate = y["gate"].reshape(batch, tokens, c.heads, c.head_dim)
             o = gated_compiled("sigmoid")(gate, o.transpose(0, 2, 1, 3))
-            return self.o_proj(o.reshape(batch, tokens, c.heads * c.head_dim))
+            return self.o_proj(o.reshape(batch, tokens, c.heads * c.head_dim), keep_float16=True)
         o = o.transpose(0, 2, 1, 3).reshape(batch, tokens, c.heads * c.head_dim)
         if c.attn_gate:
             o = o * mx.sigmoid(y["gate"])
-        return self.o_proj(o)
+        return self.o_proj(o, keep_float16=fused)  # the seam (ops.residual_norm) takes float16
 
 
     def decode(self, h, keys: mx.array, values: mx.array, position: mx.array, after: mx.array):
@@ -254,7 +255,7 @@ class FeedForward(nn.Module):
             # into the activation's one launch.
             gate = ops.linear(h, self.gate, keep_float16=True)
             up = ops.linear(h, self.up, keep_float16=True)
-            return self.down_proj(gated_compiled(self.activation_name)(gate, up))
+            return self.down_proj(gated_compiled(self.activation_name)(gate, up), keep_float16=True)
         y = self.input_proj(h)
         return self.down_proj(self.gated(y["gate"], y["up"]))
 
