@@ -70,7 +70,17 @@ LAUNCHES = {
          InputSpec(mx.float32, 1, 64), InputSpec(mx.float32, 1, 64), InputSpec(mx.float32, 1, 16),
          InputSpec(mx.int32, 1, 1), InputSpec(mx.float32, 1, 1)],
         [mx.float32, mx.float32],
-        [("HEADS", 4), ("KV_HEADS", 2), ("HEAD_DIM", 64), ("ROTARY", 32), ("TRADITIONAL", 0)],
+        [("HEADS", 4), ("KV_HEADS", 2), ("HEAD_DIM", 64), ("ROTARY", 32), ("TRADITIONAL", 0), ("Q_STRIDE", 256),
+         ("K_STRIDE", 128), ("Q_OFF", 0), ("K_OFF", 0)],
+    ),
+    "qk_norm_rope_stack_f16": (  # a prefill chunk's: q and k read from one float16 stack, float16 out
+        "qk_norm_rope",
+        [InputSpec(mx.float16, 3, 2 * 4 * 768), InputSpec(mx.float16, 3, 2 * 4 * 768),
+         InputSpec(mx.float32, 1, 64), InputSpec(mx.float32, 1, 64), InputSpec(mx.float32, 1, 16),
+         InputSpec(mx.int32, 1, 1), InputSpec(mx.float32, 1, 1)],
+        [mx.float16, mx.float16],
+        [("HEADS", 4), ("KV_HEADS", 2), ("HEAD_DIM", 64), ("ROTARY", 32), ("TRADITIONAL", 1), ("Q_STRIDE", 768),
+         ("K_STRIDE", 768), ("Q_OFF", 0), ("K_OFF", 256)],
     ),
     "matvec": (
         "matvec",

@@ -72,9 +72,11 @@ def test_every_launch_of_prefill_and_decode_is_well_formed(tmp_path, rng, record
         if name in ("dequant_rows", "dequant_spans"):  # a SIMD group per 256 values of a row
             assert grid[0] >= 32 * template["OUT"] * -(-template["IN"] // 256), where
             assert output_shapes[0] == (template["OUT"], template["IN"]), where
-        if name == "qk_norm_rope":
+        if name == "qk_norm_rope":  # q's and k's heads inside their rows; a SIMD group a head
             batch, tokens, width = inputs[0].shape
-            assert width == template["HEADS"] * template["HEAD_DIM"], where
+            assert width == template["Q_STRIDE"] >= template["Q_OFF"] + template["HEADS"] * template["HEAD_DIM"], where
+            assert inputs[1].shape[-1] == template["K_STRIDE"] >= template["K_OFF"] + template["KV_HEADS"] * template["HEAD_DIM"], where
+            assert inputs[0].dtype == inputs[1].dtype and output_shapes[0][2] == tokens, where
             assert grid[0] == 32 * batch * tokens * (template["HEADS"] + template["KV_HEADS"]), where
 
 
