@@ -222,14 +222,12 @@ class Attention(nn.Module):
             mask = attention_mask(start, tokens, key_positions, self.window,
                                   additive=mx.float16 if dtype == mx.float16 else None)
         o = ops.attention(q, keys, values, c.attention_scale, mask, keep_float16=fused)
-        if fused and c.attn_gate:  # sigmoid(gate) * o, o read across its heads' layout: one launch
+        o = o.transpose(0, 2, 1, 3)  # [B, T, heads, head_dim], a view
+        if c.attn_gate:  # sigmoid(gate) * o, o read across its heads' layout (fused: one launch)
             gate = y["gate"].reshape(batch, tokens, c.heads, c.head_dim)
-            o = gated_compiled("sigmoid")(gate, o.transpose(0, 2, 1, 3))
-            return self.o_proj(o.reshape(batch, tokens, c.heads * c.head_dim), keep_float16=True)
-        o = o.transpose(0, 2, 1, 3).reshape(batch, tokens, c.heads * c.head_dim)
-        if c.attn_gate:
-            o = o * mx.sigmoid(y["gate"])
-        return self.o_proj(o, keep_float16=fused)  # the seam (ops.residual_norm) takes float16
+            o = gated_compiled("sigmoid")(gate, o) if fused else o * mx.sigmoid(gate)
+        # float16 where fused: the seam (ops.residual_norm) takes it as it is
+        return self.o_proj(o.reshape(batch, tokens, c.heads * c.head_dim), keep_float16=fused)
 
 
     def decode(self, h, keys: mx.array, values: mx.array, position: mx.array, after: mx.array):
