@@ -315,6 +315,15 @@ inline void muser_store8(device float* out, thread const float* v) {
   *((device float4*)(out + 4)) = float4(v[4], v[5], v[6], v[7]);
 }
 
+// One value stored in the output's type (float16: rounded to nearest even).
+inline void muser_store1(device half* out, float v) {
+  *out = half(v);
+}
+
+inline void muser_store1(device float* out, float v) {
+  *out = v;
+}
+
 // One element of a row in format FORMAT (a compile-time constant: dead cases fold away).
 template <int FORMAT>
 inline float muser_value(const device uint8_t* row, uint element) {

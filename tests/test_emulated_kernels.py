@@ -41,7 +41,7 @@ F16_MATMUL = 3e-3
 ALL_FORMATS = list(formats.FORMATS)
 DEDICATED = list(ops.MATVEC_KERNELS)
 KERNELS_TESTED = {"embedding", "dequant_rows", "dequant_spans", "dequant_into", "matvec", "qk_norm_rope", "quantize_rows", "product", "argmax",
-                  "product_glu", "residual_norm_quant", "attention_decode", "attention_combine",
+                  "product_glu", "residual_norm_quant", "residual_norm_rows", "attention_decode", "attention_combine",
                   *(kernel.name for kernel in ops.MATVEC_KERNELS.values())}
 
 
@@ -360,6 +360,28 @@ def test_residual_norm_quant(rng, residual, branch_norm, hidden, tokens):
     assert kernel_names(launches) == ["residual_norm_quant"]
     assert relative_error(np.array(total), expected) <= 1e-5  # float32 sums of 6656 squares
     assert_within_half_a_code(normed, rms(expected, 1e-5) * next_weight)
+
+
+# A threadgroup a row: 6656 values over 256 threads (26 each, the last pass partial), 100 over
+# 128 (lanes past the row), 40000 over 1024 (ops.norm.ROWS_PER_THREAD raises the threads).
+@pytest.mark.parametrize("branch_norm", [True, False], ids=["sandwich", "plain"])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+@pytest.mark.parametrize("hidden, rows", [(6656, 3), (100, 5), (40000, 2)])
+def test_residual_norm_rows(rng, branch_norm, dtype, hidden, rows):
+    x = rng.standard_normal((1, rows, hidden)).astype(np.float32) * 3
+    branch = (rng.standard_normal((1, rows, hidden)) * 40).astype(np.float16 if dtype == mx.float16 else np.float32)
+    branch_weight, next_weight = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        total, normed = ops.residual_norm(mx.array(x), mx.array(branch), mx.array(branch_weight) if branch_norm else None,
+                                          mx.array(next_weight), 1e-8, 1e-5)
+    b = branch.astype(np.float64)
+    if branch_norm:
+        b = rms(b, 1e-8) * branch_weight
+    expected = x + b
+    assert kernel_names(launches) == ["residual_norm_rows"]
+    assert total.shape == normed.shape == x.shape and total.dtype == normed.dtype == mx.float32
+    assert relative_error(np.array(total), expected) <= 1e-5  # float32 sums of up to 40000 squares
+    assert relative_error(np.array(normed), rms(expected, 1e-5) * next_weight) <= 1e-5
 
 
 @pytest.mark.parametrize("variant, capacity, position", [("muse", 8, 29), ("qwen2", 256, 200), ("llama", 4096, 3000)],

@@ -72,9 +72,11 @@ def test_every_launch_of_prefill_and_decode_is_well_formed(tmp_path, rng, record
         if name in ("dequant_rows", "dequant_spans"):  # a SIMD group per 256 values of a row
             assert grid[0] >= 32 * template["OUT"] * -(-template["IN"] // 256), where
             assert output_shapes[0] == (template["OUT"], template["IN"]), where
-        if name == "qk_norm_rope":
+        if name == "qk_norm_rope":  # q's and k's heads inside their rows; a SIMD group a head
             batch, tokens, width = inputs[0].shape
-            assert width == template["HEADS"] * template["HEAD_DIM"], where
+            assert width == template["Q_STRIDE"] >= template["Q_OFF"] + template["HEADS"] * template["HEAD_DIM"], where
+            assert inputs[1].shape[-1] == template["K_STRIDE"] >= template["K_OFF"] + template["KV_HEADS"] * template["HEAD_DIM"], where
+            assert inputs[0].dtype == inputs[1].dtype and output_shapes[0][2] == tokens, where
             assert grid[0] == 32 * batch * tokens * (template["HEADS"] + template["KV_HEADS"]), where
 
 
@@ -124,8 +126,10 @@ def test_a_fused_decode_step_launches_at_most_8_kernels_a_layer(tmp_path, rng, r
 
 def prefill_graph_nodes(path, rng, monkeypatch, fused: bool) -> collections.Counter:
     """The MLX nodes of one 20-row prefill chunk's graph (kernels recorded, products not paced
-    so that nothing in the chunk is evaluated before the graph is read), by primitive name."""
+    so that nothing in the chunk is evaluated before the graph is read; the seams as MLX's ops,
+    since a recorded kernel's output cuts the graph), by primitive name."""
     monkeypatch.setattr(transformer, "PREFILL_FUSED", fused)
+    monkeypatch.setattr(ops.norm, "SEAM_ROWS_KERNEL", False)
     monkeypatch.setattr(ops, "paced_products", contextlib.nullcontext)
     with recorded_launches(), mx.stream(mx.cpu):
         model, _ = load(path)

@@ -29,3 +29,25 @@ def test_residual_norm_matches_numpy(backend, rng, sandwich, rows, hidden, scale
     expected_total, expected_normed = reference(residual, branch, branch_weight, next_weight, 1e-8, 1e-5)
     assert relative_error(total, expected_total) <= 1e-5
     assert relative_error(normed, expected_normed) <= 1e-5
+
+
+@pytest.mark.parametrize("sandwich", [True, False])
+@pytest.mark.parametrize("rows, hidden", [(512, 6656), (9, 640), (20, 100)])
+def test_a_float16_branch_is_widened_by_the_gpu_seam(backend, rng, sandwich, rows, hidden):
+    """A GPU prefill product's float16 output as the branch (transformer.PREFILL_FUSED): the
+    seam reads it as it is, one launch (ops.norm.SEAM_ROWS_KERNEL), against numpy on the same
+    float16 values."""
+    if backend == "cpu":
+        pytest.skip("a GPU seam: the CPU's products return float32")
+    residual = (rng.standard_normal((1, rows, hidden)) * 3).astype(np.float32)
+    branch = (rng.standard_normal((1, rows, hidden)) * 20).astype(np.float16)
+    branch_weight = rng.uniform(0.5, 1.5, hidden).astype(np.float32) if sandwich else None
+    next_weight = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    total, normed = ops.residual_norm(mx.array(residual), mx.array(branch),
+                                      None if branch_weight is None else mx.array(branch_weight),
+                                      mx.array(next_weight), 1e-6, 1e-5)
+    assert total.dtype == normed.dtype == mx.float32
+    expected_total, expected_normed = reference(residual, branch.astype(np.float64), branch_weight, next_weight,
+                                                1e-6, 1e-5)
+    assert relative_error(total, expected_total) <= 1e-5
+    assert relative_error(normed, expected_normed) <= 1e-5

@@ -88,8 +88,9 @@ class Linear(nn.Module):
         if bias is not None:
             self.bias = vector(bias)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        y = ops.linear(x, self.weight_tensor)
+    def __call__(self, x: mx.array, keep_float16: bool = False) -> mx.array:
+        """keep_float16: as ops.linear's (with a bias, float32 either way)."""
+        y = ops.linear(x, self.weight_tensor, keep_float16=keep_float16)
         return y + self.bias if "bias" in self else y
 
     @property
@@ -117,6 +118,7 @@ class Projections(nn.Module):
             offsets = list(itertools.accumulate(w.rows for w in weights))[:-1]
             self.groups.append((stacked, names, offsets))
         self.biases = {n: vector(b) for n, (_, b) in parts.items() if b is not None}
+        self.widths = {n: weight.rows for n, (weight, _) in parts.items()}
         # Where each part lands in the concatenated output of all groups (decode_product).
         self.offsets, start = {}, 0
         for stacked, names, _ in self.groups:
@@ -130,13 +132,23 @@ class Projections(nn.Module):
                                                        for i in range(0, len(stacks), 2)])
 
     def __call__(self, x: mx.array, keep_float16: bool = False) -> dict:
-        """keep_float16: as ops.linear's (a part with a bias is float32 either way)."""
+        """name -> y [..., rows of its weight]; keep_float16: as ops.linear's (a part with a bias
+        is float32 either way)."""
+        return {name: y if y.shape[-1] == width else y[..., first : first + width]
+                for name, (y, first, width) in self.columns(x, keep_float16).items()}
+
+    def columns(self, x: mx.array, keep_float16: bool = False) -> dict:
+        """name -> (its group's output, the part's first column, its width): for an op that
+        reads a part's columns in place (ops.qk_norm_rope) rather than a copy of them. A part
+        with a bias is its own array (the sum), from column 0."""
         out = {}
         for stacked, names, offsets in self.groups:
             y = ops.linear(x, stacked, keep_float16=keep_float16)
-            out.update(zip(names, mx.split(y, offsets, axis=-1) if offsets else [y]))
+            for name, first in zip(names, [0, *offsets]):
+                out[name] = (y, first, self.widths[name])
         for name, bias in self.biases.items():
-            out[name] = out[name] + bias
+            y, first, width = out[name]
+            out[name] = ((y if y.shape[-1] == width else y[..., first : first + width]) + bias, 0, width)
         return out
 
     @property
@@ -178,21 +190,26 @@ class Attention(nn.Module):
         c = self.config
         batch, tokens, _ = h.shape
         fused = prefill_fused(h, self.o_proj.weight_tensor)
-        y = self.input_proj(h, keep_float16=fused)
-        if fused:  # float16 outputs: q and k as float32 for their norm and RoPE; v and the gate as they are
-            y = {name: part if name in ("v", "gate") else part.astype(mx.float32) for name, part in y.items()}
+        columns = self.input_proj.columns(h, keep_float16=fused)
+        y = {name: part if part.shape[-1] == width else part[..., first : first + width]
+             for name, (part, first, width) in columns.items()}
+        if fused and not c.qk_norm:  # float16 outputs: q and k as float32 for RoPE; v and the gate as they are
+            y["q"], y["k"] = y["q"].astype(mx.float32), y["k"].astype(mx.float32)
         v = ops.split_heads(y["v"], c.kv_heads, c.head_dim)  # [B, kv_heads, T, head_dim]
         start = cache.offset
         rope = None
         if self.rotates:
             rope = dict(dims=c.rotary_dim, traditional=c.rope_traditional, base=self.rope_base)
+        dtype = ops.attention_dtype(tokens, c.head_dim)
         if c.qk_norm:  # the norm, the head split and RoPE in one op (one kernel on a GPU)
-            q, k = ops.qk_norm_rope(y["q"], y["k"], self.q_norm, self.k_norm, c.heads, c.kv_heads,
-                                    c.head_dim, c.eps, start, rope)
+            (q, q_first, _), (k, k_first, _) = columns["q"], columns["k"]
+            # A fused prefill chunk: q and k written as attention and the cache take them.
+            qk_dtype = dtype if fused and cache.dtype == dtype else mx.float32
+            q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, c.heads, c.kv_heads, c.head_dim, c.eps,
+                                    start, rope, columns=(q_first, k_first), dtype=qk_dtype)
         else:
             q = ops.split_heads(y["q"], c.heads, c.head_dim, rope=rope, start=start)  # [B, heads, T, hd]
             k = ops.split_heads(y["k"], c.kv_heads, c.head_dim, rope=rope, start=start)
-        dtype = ops.attention_dtype(tokens, c.head_dim)
         keys, values, key_positions, in_order = cache.update_and_fetch(k, v, dtype)
         mask = None
         if dtype == mx.float16 and in_order and (self.window is None or keys.shape[2] <= self.window):
@@ -205,14 +222,12 @@ class Attention(nn.Module):
             mask = attention_mask(start, tokens, key_positions, self.window,
                                   additive=mx.float16 if dtype == mx.float16 else None)
         o = ops.attention(q, keys, values, c.attention_scale, mask, keep_float16=fused)
-        if fused and c.attn_gate:  # sigmoid(gate) * o, o read across its heads' layout: one launch
+        o = o.transpose(0, 2, 1, 3)  # [B, T, heads, head_dim], a view
+        if c.attn_gate:  # sigmoid(gate) * o, o read across its heads' layout (fused: one launch)
             gate = y["gate"].reshape(batch, tokens, c.heads, c.head_dim)
-            o = gated_compiled("sigmoid")(gate, o.transpose(0, 2, 1, 3))
-            return self.o_proj(o.reshape(batch, tokens, c.heads * c.head_dim))
-        o = o.transpose(0, 2, 1, 3).reshape(batch, tokens, c.heads * c.head_dim)
-        if c.attn_gate:
-            o = o * mx.sigmoid(y["gate"])
-        return self.o_proj(o)
+            o = gated_compiled("sigmoid")(gate, o) if fused else o * mx.sigmoid(gate)
+        # float16 where fused: the seam (ops.residual_norm) takes it as it is
+        return self.o_proj(o.reshape(batch, tokens, c.heads * c.head_dim), keep_float16=fused)
 
 
     def decode(self, h, keys: mx.array, values: mx.array, position: mx.array, after: mx.array):
@@ -254,7 +269,7 @@ class FeedForward(nn.Module):
             # into the activation's one launch.
             gate = ops.linear(h, self.gate, keep_float16=True)
             up = ops.linear(h, self.up, keep_float16=True)
-            return self.down_proj(gated_compiled(self.activation_name)(gate, up))
+            return self.down_proj(gated_compiled(self.activation_name)(gate, up), keep_float16=True)
         y = self.input_proj(h)
         return self.down_proj(self.gated(y["gate"], y["up"]))
 

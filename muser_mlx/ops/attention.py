@@ -34,29 +34,45 @@ def split_heads(y: mx.array, heads: int, head_dim: int, weight: mx.array | None 
 
 
 def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.array, heads: int,
-                 kv_heads: int, head_dim: int, eps: float, start: int, rope: dict | None):
+                 kv_heads: int, head_dim: int, eps: float, start: int, rope: dict | None,
+                 columns: tuple[int, int] = (0, 0), dtype=mx.float32):
     """Per-head RMS norm of the q and k projections, then RoPE, as attention wants them.
 
-    q: [B, T, heads * head_dim], k: [B, T, kv_heads * head_dim] float32; weights [head_dim];
+    q: [B, T, width] whose columns columns[0] .. columns[0] + heads * head_dim - 1 are the q
+    projection (columns (0, 0) and widths heads * head_dim, kv_heads * head_dim: q and k as
+    they are); k alike from columns[1] (q and k may be one array, a stack's output); float32,
+    or float16 on a GPU (a prefill product's output, read as float); weights [head_dim];
     start: the position of row 0; rope: None (no rotation) or dict(dims, base, traditional).
-    Returns q [B, heads, T, head_dim] and k [B, kv_heads, T, head_dim]: on a GPU from one
-    launch of kernel qk_norm_rope, on the CPU through split_heads (the compiled primitive
-    norm_rope_heads, or MLX's rms_norm and rope without the extension).
+    Returns q [B, heads, T, head_dim] and k [B, kv_heads, T, head_dim] in `dtype` (float16: a
+    GPU prefill chunk's attention and cache dtype, rounded once from the float32 result): on a
+    GPU from one launch of kernel qk_norm_rope, on the CPU through split_heads (the compiled
+    primitive norm_rope_heads, or MLX's rms_norm and rope without the extension).
     """
     batch, tokens, _ = q.shape
+    q_off, k_off = columns
+    if q_off + heads * head_dim > q.shape[-1] or k_off + kv_heads * head_dim > k.shape[-1]:
+        raise ValueError(f"qk_norm_rope: columns {columns} and {heads}/{kv_heads} heads of {head_dim} "
+                         f"do not fit q {list(q.shape)} and k {list(k.shape)}")
     if kernels.backend() == "cpu":
-        return qk_norm_rope_mlx(q, k, q_weight, k_weight, heads, kv_heads, head_dim, eps, start, rope)
+        q = q[..., q_off : q_off + heads * head_dim] if q.shape[-1] != heads * head_dim else q
+        k = k[..., k_off : k_off + kv_heads * head_dim] if k.shape[-1] != kv_heads * head_dim else k
+        q, k = qk_norm_rope_mlx(q.astype(mx.float32), k.astype(mx.float32), q_weight, k_weight, heads, kv_heads,
+                                head_dim, eps, start, rope)
+        return q.astype(dtype), k.astype(dtype)
+    if q.dtype != k.dtype or q.dtype not in (mx.float16, mx.float32):
+        q, k = q.astype(mx.float32), k.astype(mx.float32)
     dims = rope["dims"] if rope is not None else 0
     q_out, k_out = kernels.launch(
         "qk_norm_rope",
         inputs=[q, k, q_weight, k_weight, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
                 _start_array(start), kernels.parameters(eps)],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
-                  ("TRADITIONAL", int(bool(rope and rope["traditional"])))],
+                  ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("Q_STRIDE", q.shape[-1]),
+                  ("K_STRIDE", k.shape[-1]), ("Q_OFF", q_off), ("K_OFF", k_off)],
         grid=(32 * batch * tokens * (heads + kv_heads), 1, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(batch, heads, tokens, head_dim), (batch, kv_heads, tokens, head_dim)],
-        output_dtypes=[mx.float32, mx.float32],
+        output_dtypes=[dtype, dtype],
     )
     return q_out, k_out
 

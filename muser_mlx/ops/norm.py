@@ -16,6 +16,12 @@ from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows
 # SEAM_SLICE_BLOCKS * 8 <= SEAM_THREADS (a thread holds 4 values of its slice).
 SEAM_SLICE_BLOCKS = 16
 SEAM_THREADS = 256
+# residual_norm on a GPU: kernel residual_norm_rows (one launch a seam, a threadgroup a row, of
+# at least ROWS_THREADS threads and more while a thread would hold over ROWS_PER_THREAD values)
+# or MLX's ops (False: the branch's conversion, rms_norm, add, rms_norm; four launches).
+SEAM_ROWS_KERNEL = True
+ROWS_THREADS = 256
+ROWS_PER_THREAD = 32
 
 
 def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weight: mx.array,
@@ -27,22 +33,53 @@ def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weig
         sum    = residual + branch                                    (branch_weight None)
         normed = rms(sum, next_eps) * next_weight
 
-    residual, branch: float32 [..., hidden]; weights: float32 [hidden]. Returns (sum, normed).
+    residual: float32 [..., hidden]; branch: [..., hidden], float32 (or, on a GPU, float16: a
+    prefill product's output as it is); weights: float32 [hidden]. Returns (sum, normed), float32.
     On the CPU the compiled primitive (cpu_ext.residual_norm, the CPU decode step's), where MLX's
-    ops took ~0.7 ms a Gemma 3 layer of a 128-token prompt (RESULTS.md, session 13); elsewhere
-    MLX's own ops: a fused kernel for this seam measured slower on the H200 (bench/RESULTS.md,
-    session 3), so it did not replace them.
+    ops took ~0.7 ms a Gemma 3 layer of a 128-token prompt (RESULTS.md, session 13); on a GPU
+    kernel residual_norm_rows (SEAM_ROWS_KERNEL), one launch where MLX's ops took four: a
+    prefill chunk's host builds every launch, and was its bound (bench/RESULTS.md, session 32).
+    Session 3's fused seam measured slower than MLX's ops on the H200 with the host not the bound.
     """
     if kernels.backend() == "cpu" and cpu_ext.available():
         shape, hidden = branch.shape, branch.shape[-1]
         total, normed = cpu_ext.residual_norm(residual.reshape(-1, hidden), branch.reshape(-1, hidden),
                                               branch_weight, next_weight, branch_eps, next_eps)
         return total.reshape(shape), normed.reshape(shape)
+    if SEAM_ROWS_KERNEL and kernels.backend() != "cpu":
+        return _residual_norm_rows(residual, branch, branch_weight, next_weight, branch_eps, next_eps)
     branch = branch.astype(mx.float32)
     if branch_weight is not None:
         branch = mx.fast.rms_norm(branch, branch_weight, branch_eps)
     total = residual + branch
     return total, mx.fast.rms_norm(total, next_weight, next_eps)
+
+
+def _residual_norm_rows(residual, branch, branch_weight, next_weight, branch_eps, next_eps):
+    """residual_norm as one launch of kernel residual_norm_rows over the rows of [..., hidden]."""
+    hidden = branch.shape[-1]
+    if residual.shape != branch.shape or residual.dtype != mx.float32:
+        raise ValueError(f"residual_norm: residual {residual.dtype} {list(residual.shape)} and branch "
+                         f"{list(branch.shape)} must have one shape, the residual float32")
+    if branch.dtype not in (mx.float16, mx.float32):
+        raise ValueError(f"residual_norm: branch must be float16 or float32, got {branch.dtype}")
+    rows = math.prod(branch.shape[:-1])
+    threads = ROWS_THREADS
+    while threads < 1024 and -(-hidden // threads) > ROWS_PER_THREAD:
+        threads *= 2
+    threads = min(threads, 32 * -(-hidden // 32))
+    total, normed = kernels.launch(
+        "residual_norm_rows",
+        inputs=[residual.reshape(rows, hidden), branch.reshape(rows, hidden),
+                next_weight if branch_weight is None else branch_weight, next_weight,
+                kernels.parameters(branch_eps, next_eps)],
+        template=[("HIDDEN", hidden), ("BRANCH_NORM", int(branch_weight is not None)), ("THREADS", threads)],
+        grid=(rows * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(rows, hidden), (rows, hidden)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    return total.reshape(branch.shape), normed.reshape(branch.shape)
 
 
 def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weight: mx.array | None,

@@ -137,12 +137,9 @@ def linear(x, weight, rounded: bool = False, keep_float16: bool = False) -> mx.a
         x = quantize_rows_mlx(x).dequantize()
     if path.startswith("matvec"):  # a decode kernel reads x as flat rows, writes [..., out]
         return _matvec(path, x, weight.data, fmt, in_features, out_features)
-    if path == "gpu_dequant_matmul":
-        out = _gpu_dequant_matmul(x.reshape(-1, in_features), weight.data, fmt, in_features, out_features,
-                                  keep_float16=keep_float16)
-    else:
-        out = _LINEAR_PATHS[path](x.reshape(-1, in_features), weight.data, fmt, in_features, out_features)
-    return out.reshape(*lead, out_features)
+    out = _LINEAR_PATHS[path](x.reshape(-1, in_features), weight.data, fmt, in_features, out_features)
+    # The GPU prefill's matmul gives float16 (the other paths float32: astype returns them as they are).
+    return out.reshape(*lead, out_features) if keep_float16 else out.astype(mx.float32).reshape(*lead, out_features)
 
 
 def _matvec(name, x, weight_bytes, fmt, in_features, out_features):
@@ -236,7 +233,7 @@ def dequantize_into(weight_bytes: mx.array, ggml_type, in_features: int, out_fea
     return view.reshape(out_features, in_features), x16
 
 
-def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features, keep_float16: bool = False):
+def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features):
     # Prefill: decode the weight once per call (its cost is shared by all T rows), then the
     # backend's f16 matmul does the arithmetic. A large weight goes in pieces of output rows
     # (PREFILL_PIECE_BYTES of float16 each), each decoded, multiplied and queued on its own.
@@ -269,8 +266,7 @@ def _gpu_dequant_matmul(rows, weight_bytes, fmt, in_features, out_features, keep
         if pacer is not None:
             pacer.queue(out, temporary)
         outs.append(out)
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
-    return out if keep_float16 else out.astype(mx.float32)
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)  # float16: linear converts
 
 
 # GPU prefill: a weight's float16 rows decoded at once, at most (bytes), in whole PIECE_ROWS:
