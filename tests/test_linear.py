@@ -239,35 +239,6 @@ def test_paced_products_keep_the_queued_temporaries_within_the_budget(monkeypatc
     assert getattr(products._PACING, "pacer", None) is None
 
 
-@pytest.mark.parametrize("queue_bytes", [0, 250, 10_000])
-def test_paced_products_hand_their_products_to_mlx_in_batches(monkeypatch, queue_bytes):
-    """Queued products go to MLX (mx.async_eval: an encoding and a committed CUDA graph each
-    time) together, once those not yet handed over hold PREFILL_QUEUE_BYTES of pieces (0: each
-    one as it is queued); a wait for the oldest evaluates it even while it is still pending."""
-    from muser_mlx.ops import products
-
-    handed, waited = [], []
-    monkeypatch.setattr(products, "PREFILL_QUEUE_BYTES", queue_bytes)
-    monkeypatch.setattr(products.mx, "async_eval", lambda *arrays: handed.append([id(a) for a in arrays]))
-    monkeypatch.setattr(products.mx, "eval", lambda *arrays: waited.extend(id(a) for a in arrays))
-    sizes = [100, 100, 100, 300, 50, 400]
-    outs = [mx.full((2,), float(i)) for i in range(len(sizes))]
-    with ops.paced_products(budget=700, headroom=None, slots=0):
-        pacer = products._PACING.pacer
-        for out, nbytes in zip(outs, sizes):
-            pacer.make_room(nbytes)
-            pacer.queue(out, nbytes)
-    ids = [id(o) for o in outs]
-    if queue_bytes == 0:
-        assert handed == [[i] for i in ids]
-    elif queue_bytes == 250:  # 100+100+100 reach 250; 300 alone; 50+400 reach it
-        assert handed == [ids[0:3], ids[3:4], ids[4:6]]
-    else:  # never reached: MLX gets them from the waits and the caller's evaluation
-        assert handed == []
-    # 400 waits for the oldest until 700 fits: 100, 100 and 100 (300+50+400 = 750 > 700: also 300).
-    assert waited == ids[0:4]
-
-
 def test_paced_products_wait_while_active_memory_is_past_the_headroom(monkeypatch):
     """Besides the pieces' budget, the host waits for the oldest queued products while MLX's
     active memory, the pacer's slots left out, is more than `headroom` past what it was when the

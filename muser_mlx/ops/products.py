@@ -300,11 +300,6 @@ PREFILL_SLOTS = 2
 # 1.087-1.089x; 300 MB cost a quarter of prefill's speed, 500 MB none measurable at contexts
 # 0-1,536 (7,016-7,230 tokens/s a chunk) and ~4 % while filling 8,192 positions; 800 MB 1.099-1.104x.
 PREFILL_ACTIVE_HEADROOM = 500_000_000
-# GPU prefill: the products queued are handed to MLX (mx.async_eval, which encodes them and
-# commits a CUDA graph) once those not yet handed over hold this many bytes of weight pieces
-# (their PREFILL_TEMPORARY_BYTES count); 0: each product as it is built. Every hand-over
-# commits MLX's graph so far: at one a product a Muse Glimmer layer made six such commits.
-PREFILL_QUEUE_BYTES = 400_000_000
 _PACING = threading.local()
 _DEFAULT = object()  # paced_products' headroom when none is given: PREFILL_ACTIVE_HEADROOM
 
@@ -323,8 +318,6 @@ class _Pacer:
         self.turn = 0
         self.headroom = headroom
         self.start = mx.get_active_memory() if headroom is not None else 0
-        self.pending = []  # queued outputs not yet handed to MLX, oldest first
-        self.pending_bytes = 0
 
     def over_memory(self) -> bool:
         """Whether MLX's active memory, this pacer's slots left out, is past its start plus headroom."""
@@ -338,14 +331,8 @@ class _Pacer:
             mx.eval(self.queued.popleft()[0])
 
     def queue(self, out: mx.array, nbytes: int) -> None:
-        """Queue a product; hand the pending ones to MLX at once when they reach
-        PREFILL_QUEUE_BYTES (make_room's waits evaluate an older one that is still pending)."""
+        mx.async_eval(out)
         self.queued.append((out, nbytes))
-        self.pending.append(out)
-        self.pending_bytes += nbytes
-        if self.pending_bytes >= PREFILL_QUEUE_BYTES:
-            mx.async_eval(*self.pending)
-            self.pending, self.pending_bytes = [], 0
 
     def slot(self) -> _Slot | None:
         """The next slot in turn (None without slots)."""
