@@ -17,7 +17,13 @@ as in a model), times building the graph in Python and evaluating it, and prints
 - mx.quantized_matmul 4-bit on a 256 x 256 weight (MLX's own quantized op);
 - mx.fast.rms_norm and x * 1.0001 on [1, 256] (MLX's own small ops).
 
-    python bench/launch.py [--ops 400] [--repeats 5]
+--prefill: instead, the kinds of op a GPU prefill chunk is made of, at small shapes so that
+the host's cost shows: a float16 matmul through cuBLAS ([64, 256] x [256, 256]^T), MLX's
+fused attention (cuDNN, causal, [1, 4, 64, 64]), the compiled gated activation
+(transformer.gated_compiled), and x * 1.0001 and the matmul each followed by an mx.async_eval
+(as the prefill pacer queues each product: an encoding and a committed CUDA graph each).
+
+    python bench/launch.py [--ops 400] [--repeats 5] [--prefill]
 """
 
 from __future__ import annotations
@@ -61,7 +67,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ops", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prefill", action="store_true", help="the ops of a GPU prefill chunk instead")
     args = parser.parse_args()
+    if args.prefill:
+        return prefill_costs(args.ops, args.repeats)
     print(f"device: {mx.default_device()}, backend {kernels.backend()}; {args.ops} chained ops", flush=True)
     rng = np.random.default_rng(0)
     weight = mx.array(testing.random_blocks(rng, GGMLType.Q4_K, WIDTH, WIDTH).reshape(WIDTH, -1))
@@ -121,6 +130,40 @@ def main() -> None:
             output_shapes=[(1, WIDTH)], output_dtypes=[mx.float32])[0]
     for name, op in cases.items():
         build, run = chain_cost(op, x, args.ops, args.repeats)
+        print(f"{name:40s} build {build:6.1f} µs/op   evaluate {run:6.1f} µs/op   total {build + run:6.1f}",
+              flush=True)
+
+
+def prefill_costs(count: int, repeats: int) -> None:
+    """The host's cost of a GPU prefill chunk's kinds of op (--prefill)."""
+    from muser_mlx.models import transformer
+
+    print(f"device: {mx.default_device()}, backend {kernels.backend()}; {count} chained ops (prefill's kinds)",
+          flush=True)
+    rng = np.random.default_rng(0)
+    rows = mx.array(rng.standard_normal((64, WIDTH)).astype(np.float16))
+    w16 = mx.array((rng.standard_normal((WIDTH, WIDTH)) / 16).astype(np.float16))
+    heads = mx.array((rng.standard_normal((1, 4, 64, 64)) / 8).astype(np.float16))
+    gated = transformer.gated_compiled("silu")
+
+    def queued(op):
+        def run(y):
+            out = op(y)
+            mx.async_eval(out)
+            return out
+        return run
+
+    cases = [
+        ("x * 1.0001 (float16 [64, 256])", lambda y: y * 1.0001, rows),
+        ("float16 matmul (cuBLAS)", lambda y: y @ w16.T, rows),
+        ("fused attention, causal (cuDNN)",
+         lambda y: mx.fast.scaled_dot_product_attention(y, y, y, scale=0.125, mask="causal"), heads),
+        ("compiled gated silu(a) * b", lambda y: gated(y, y), rows),
+        ("x * 1.0001, an async_eval each", queued(lambda y: y * 1.0001), rows),
+        ("float16 matmul, an async_eval each", queued(lambda y: y @ w16.T), rows),
+    ]
+    for name, op, x in cases:
+        build, run = chain_cost(op, x, count, repeats)
         print(f"{name:40s} build {build:6.1f} µs/op   evaluate {run:6.1f} µs/op   total {build + run:6.1f}",
               flush=True)
 
