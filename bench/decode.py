@@ -476,11 +476,19 @@ def main() -> None:
 
 class PacerWaits(contextlib.AbstractContextManager):
     """Within this block: the seconds GPU prefill's pacer (ops.products._Pacer.make_room)
-    spends waiting for queued products, and how many of its calls waited."""
+    spends waiting for queued products, and how many of its calls waited; and the seconds its
+    queue() spends handing each product to MLX (mx.async_eval: MLX encodes every op built
+    since the last one and commits its CUDA graph), `queued`."""
 
     def __enter__(self):
-        self.seconds, self.count = 0.0, 0
+        self.seconds, self.count, self.queued = 0.0, 0, 0.0
         self._original = original = ops.products._Pacer.make_room
+        self._original_queue = original_queue = ops.products._Pacer.queue
+
+        def timed_queue(pacer, out, nbytes):
+            tic = time.perf_counter()
+            original_queue(pacer, out, nbytes)
+            self.queued += time.perf_counter() - tic
 
         def timed(pacer, nbytes):
             before = len(pacer.queued)
@@ -491,10 +499,12 @@ class PacerWaits(contextlib.AbstractContextManager):
                 self.count += 1
 
         ops.products._Pacer.make_room = timed
+        ops.products._Pacer.queue = timed_queue
         return self
 
     def __exit__(self, *exc):
         ops.products._Pacer.make_room = self._original
+        ops.products._Pacer.queue = self._original_queue
         return None
 
 
@@ -502,7 +512,8 @@ def prefill_times(model, rng, chunks: int, chunk: int = 512, host: list | None =
     """Seconds of each of `chunks` prefill chunks (`chunk` rows and the last row's logits, one
     evaluation a chunk) into one cache from context 0. With `host` a list, each chunk also
     appends the host's share: (seconds building its graph, the pacer's waits among them,
-    their count, seconds evaluating after the build)."""
+    their count, seconds evaluating after the build, seconds handing products to MLX among the
+    building's: MLX's encoding)."""
     cache = model.make_cache()
     times = []
     for _ in range(chunks):
@@ -517,7 +528,7 @@ def prefill_times(model, rng, chunks: int, chunk: int = 512, host: list | None =
             done = time.perf_counter()
         times.append(done - tic)
         if host is not None:
-            host.append((built - tic, waits.seconds, waits.count, done - built))
+            host.append((built - tic, waits.seconds, waits.count, done - built, waits.queued))
     return times
 
 

@@ -8,9 +8,11 @@ bench/decode.py writes, then, for --rounds rounds, for each headroom in turn
 - filling a --context cache in 512-row chunks, one evaluation a chunk (decode.py's
   fill_context): tokens/s, the peak, and each chunk's peak;
 - the host's share of each prefill chunk: the time building its graph (products queued as
-  they are built), of it the pacer's waits for queued products, and the evaluation after the
-  build. The host's own work is the first less the second: a chunk whose GPU work takes less
-  than that waits on the host (the gaps between kernels `timeline.py --prefill` shows).
+  they are built), of it the pacer's waits for queued products and the time handing products
+  to MLX (mx.async_eval: MLX encoding the ops built since the last one), and the evaluation
+  after the build. The host's own work is the first less the waits (the rest of it less the
+  encoding is Python building the graph): a chunk whose GPU work takes less than that waits
+  on the host (the gaps between kernels `timeline.py --prefill` shows).
 Peaks are MLX's own count (the model's arrays included), also as a multiple of the file.
 
     python bench/prefill_memory.py [--dir /dev/shm] [--headrooms none,300,500,800] [--rounds 3]
@@ -95,9 +97,10 @@ def main() -> None:
                   f"({peak / file_bytes:.3f}x); filling {args.context}: {fill_rate:,.0f} tokens/s, peak "
                   f"{max(peaks) / 1e9:.2f} GB ({max(peaks) / file_bytes:.3f}x); chunk peaks "
                   f"{' '.join(f'{p / 1e9:.2f}' for p in peaks)}", flush=True)
-            print("  host a prefill chunk (ms: building its graph, of it the pacer's waits (count), "
-                  "evaluating after the build): "
-                  + "; ".join(f"{1e3 * b:.1f}, {1e3 * w:.1f} ({n}), {1e3 * e:.1f}" for b, w, n, e in host),
+            print("  host a prefill chunk (ms: building its graph, of it the pacer's waits (count) and "
+                  "MLX encoding (async_eval), evaluating after the build): "
+                  + "; ".join(f"{1e3 * b:.1f}, {1e3 * w:.1f} ({n}) {1e3 * q:.1f}, {1e3 * e:.1f}"
+                              for b, w, n, e, q in host),
                   flush=True)
         finally:
             decode.restore_settings(saved)
