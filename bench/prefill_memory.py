@@ -11,8 +11,9 @@ bench/decode.py writes, then, for --rounds rounds, for each headroom in turn
   they are built), of it the pacer's waits for queued products and the time handing products
   to MLX (mx.async_eval: MLX encoding the ops built since the last one), and the evaluation
   after the build. The host's own work is the first less the waits (the rest of it less the
-  encoding is Python building the graph): a chunk whose GPU work takes less than that waits
-  on the host (the gaps between kernels `timeline.py --prefill` shows).
+  encoding is Python building the graph; the encoding may also hold MLX's own waits while
+  more than 10 of its graph commits are in flight): a chunk whose GPU work takes less than
+  that waits on the host (the gaps between kernels `timeline.py --prefill` shows).
 Peaks are MLX's own count (the model's arrays included), also as a multiple of the file.
 
     python bench/prefill_memory.py [--dir /dev/shm] [--headrooms none,300,500,800] [--rounds 3]
