@@ -63,6 +63,13 @@ def chain_cost(op, x, count: int, repeats: int) -> tuple[float, float]:
     return 1e6 * statistics.median(builds[1:]) / count, 1e6 * statistics.median(evals[1:]) / count
 
 
+def report(name: str, op, x, count: int, repeats: int) -> None:
+    """One line: chain_cost's µs per op, building and evaluating."""
+    build, run = chain_cost(op, x, count, repeats)
+    print(f"{name:40s} build {build:6.1f} µs/op   evaluate {run:6.1f} µs/op   total {build + run:6.1f}",
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ops", type=int, default=400)
@@ -129,9 +136,7 @@ def main() -> None:
             inputs=[y, big, *smalls[:4]], grid=(WIDTH, 1, 1), threadgroup=(WIDTH, 1, 1),
             output_shapes=[(1, WIDTH)], output_dtypes=[mx.float32])[0]
     for name, op in cases.items():
-        build, run = chain_cost(op, x, args.ops, args.repeats)
-        print(f"{name:40s} build {build:6.1f} µs/op   evaluate {run:6.1f} µs/op   total {build + run:6.1f}",
-              flush=True)
+        report(name, op, x, args.ops, args.repeats)
 
 
 def prefill_costs(count: int, repeats: int) -> None:
@@ -163,9 +168,7 @@ def prefill_costs(count: int, repeats: int) -> None:
         ("float16 matmul, an async_eval each", queued(lambda y: y @ w16.T), rows),
     ]
     for name, op, x in cases:
-        build, run = chain_cost(op, x, count, repeats)
-        print(f"{name:40s} build {build:6.1f} µs/op   evaluate {run:6.1f} µs/op   total {build + run:6.1f}",
-              flush=True)
+        report(name, op, x, count, repeats)
 
 
 if __name__ == "__main__":
