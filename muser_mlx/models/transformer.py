@@ -79,6 +79,11 @@ def fused_products(make):
         return None
 
 
+def _columns(y: mx.array, first: int, width: int) -> mx.array:
+    """Columns first .. first + width - 1 of y: y itself when it is that wide, else a view."""
+    return y if y.shape[-1] == width else y[..., first : first + width]
+
+
 class Linear(nn.Module):
     """y = x W.T (+ b) with W kept as the GGUF tensor's raw blocks."""
 
@@ -134,8 +139,12 @@ class Projections(nn.Module):
     def __call__(self, x: mx.array, keep_float16: bool = False) -> dict:
         """name -> y [..., rows of its weight]; keep_float16: as ops.linear's (a part with a bias
         is float32 either way)."""
-        return {name: y if y.shape[-1] == width else y[..., first : first + width]
-                for name, (y, first, width) in self.columns(x, keep_float16).items()}
+        return self.parts(self.columns(x, keep_float16))
+
+    @staticmethod
+    def parts(columns: dict) -> dict:
+        """name -> y [..., width] from what `columns` returns (a view of the part's columns)."""
+        return {name: _columns(*part) for name, part in columns.items()}
 
     def columns(self, x: mx.array, keep_float16: bool = False) -> dict:
         """name -> (its group's output, the part's first column, its width): for an op that
@@ -148,7 +157,7 @@ class Projections(nn.Module):
                 out[name] = (y, first, self.widths[name])
         for name, bias in self.biases.items():
             y, first, width = out[name]
-            out[name] = ((y if y.shape[-1] == width else y[..., first : first + width]) + bias, 0, width)
+            out[name] = (_columns(y, first, width) + bias, 0, width)
         return out
 
     @property
@@ -191,8 +200,7 @@ class Attention(nn.Module):
         batch, tokens, _ = h.shape
         fused = prefill_fused(h, self.o_proj.weight_tensor)
         columns = self.input_proj.columns(h, keep_float16=fused)
-        y = {name: part if part.shape[-1] == width else part[..., first : first + width]
-             for name, (part, first, width) in columns.items()}
+        y = self.input_proj.parts(columns)
         if fused and not c.qk_norm:  # float16 outputs: q and k as float32 for RoPE; v and the gate as they are
             y["q"], y["k"] = y["q"].astype(mx.float32), y["k"].astype(mx.float32)
         v = ops.split_heads(y["v"], c.kv_heads, c.head_dim)  # [B, kv_heads, T, head_dim]
