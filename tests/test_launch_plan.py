@@ -90,6 +90,27 @@ OUTPUTS_PER_LAYER = 18
 INPUTS_PER_LAYER = 45
 
 
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "llama"])
+def test_prefill_chunks_of_any_length_launch_the_same_kernels(tmp_path, rng, recorded, architecture):
+    """A GPU prefill chunk's kernels, each a (name, template constants) pair that compiles on
+    its first use, are the same for chunks of every row count. One template constant that
+    followed the rows (dequant_into's count of x's values, until session 34) made every prompt
+    length a process had not seen compile its products' kernels again: ~13 s a prompt on
+    full-scale Muse Glimmer on the H200 (bench/prompt_lengths.py)."""
+    path = tiny_model(tmp_path / "m.gguf", architecture, rng, weights="Q4_K_M", hidden=512, ff=1024, layers=2)
+    kernels_of = {}
+    with mx.stream(mx.cpu):
+        model, _ = load(path)
+        ids = rng.integers(0, model.config.vocab, size=40)
+        for tokens in (20, 23, 37):
+            recorded.clear()
+            mx.eval(model.hidden(ids[None, :tokens], model.make_cache()))
+            kernels_of[tokens] = {(name, tuple(sorted(template.items()))) for name, _, template, *_ in recorded}
+    assert ops.products.DEQUANT_KERNEL in {name for name, _ in kernels_of[20]}
+    assert kernels_of[20] == kernels_of[23] == kernels_of[37], {
+        tokens: sorted(found - kernels_of[20]) for tokens, found in kernels_of.items()}
+
+
 @pytest.mark.parametrize("architecture", ["muse-glimmer", "llama", "gemma3", "qwen2"])
 def test_a_fused_decode_step_launches_at_most_8_kernels_a_layer(tmp_path, rng, recorded, monkeypatch,
                                                                   architecture):

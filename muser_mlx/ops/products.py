@@ -223,7 +223,7 @@ def dequantize_into(weight_bytes: mx.array, ggml_type, in_features: int, out_fea
         "dequant_into",
         inputs=[weight_bytes, target, after, x.astype(mx.float32)],
         template=[("FORMAT", int(fmt.ggml_type)), ("IN", in_features),
-                  ("ROW_BYTES", fmt.row_bytes(in_features)), ("OUT", out_features), ("XV", x.size)],
+                  ("ROW_BYTES", fmt.row_bytes(in_features)), ("OUT", out_features)],
         grid=(threads, 1, 1),
         threadgroup=(DEQUANT_THREADGROUP, 1, 1),
         output_shapes=[x.shape],
