@@ -259,6 +259,19 @@ def _shared_positions(key: tuple, make) -> mx.array:
     return positions
 
 
+def padded_positions(key_positions: mx.array, count: int) -> mx.array:
+    """key_positions followed by `count` NOWHEREs (keys padded after the cache's: no query
+    sees them). Asked again for the same array (object) and count, it returns the array it
+    made last time, so that a chunk's window layers still share one mask (attention_mask)."""
+    table = _last("padded")
+    last = table.get("last")
+    if last is not None and last[0] is key_positions and last[1] == count:
+        return last[2]
+    padded = mx.concatenate([key_positions, mx.full((count,), NOWHERE, dtype=key_positions.dtype)])
+    table["last"] = (key_positions, count, padded)
+    return padded
+
+
 def attention_mask(start: int, tokens: int, key_positions: mx.array, window: int | None, additive=None):
     """[T, S] for the queries at positions start .. start + T - 1: query i may see key j when
     j is not in its future and, for a sliding-window layer, when it is one of the last

@@ -186,10 +186,87 @@ def test_a_chunk_past_the_window_builds_one_mask_in_the_form_attention_takes(tin
     assert len(masks) == len(sliding) and len(window_masks) >= 2
     assert all(mask is window_masks[0] for mask in window_masks)
     assert window_masks[0].dtype == (mx.float16 if dtype == mx.float16 else mx.bool_)
-    assert window_masks[0].shape == (ids.size - WINDOW, WINDOW + ids.size - WINDOW)
+    rows, keys = ids.size - WINDOW, WINDOW + ids.size - WINDOW
+    if dtype == mx.float16:  # a GPU prefill chunk's shapes, padded (transformer.bucketed)
+        rows, keys = (-(-n // step) * step for n, step in ((rows, transformer.ATTENTION_ROW_BUCKET),
+                                                          (keys, transformer.ATTENTION_KEY_BUCKET)))
+    assert window_masks[0].shape == (rows, keys)
     expected = Reference(model.config, file.tensors).forward(ids)[WINDOW:]
     on_cpu = mx.default_device() == mx.cpu and dtype == mx.float32
     assert relative_error(logits, expected) <= TOLERANCE["cpu" if on_cpu else "gpu"]
+
+
+def attention_reference(q, keys, values, scale, visible) -> np.ndarray:
+    """float64 softmax(q keys^T scale, where visible [T, S]) values, kv heads shared by groups."""
+    q, keys, values = (np.asarray(a, dtype=np.float64) for a in (q, keys, values))
+    group = q.shape[1] // keys.shape[1]
+    keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)
+    scores = np.where(visible, np.einsum("bhtd,bhsd->bhts", q, keys) * scale, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return np.einsum("bhts,bhsd->bhtd", weights / weights.sum(axis=-1, keepdims=True), values)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_bucketed_attention_keeps_each_row_of_the_chunk(rng, causal):
+    """transformer.bucketed pads a GPU prefill chunk's q, keys and values (float16) to its
+    buckets; the attention over the padded arrays (MLX's, on the CPU), rows front .. front + T
+    - 1, is the unpadded attention of the chunk's queries (float64 reference): with the causal
+    mask (keys in order, positions 0 .. S-1), and with an additive mask made from key positions
+    in a ring's order, a sliding window, as a window layer past its window takes it. The
+    padding rows of keys and values are filled with large values first: a real query that saw
+    one would be off by far more than the tolerance (float16 inputs and output: 2e-3)."""
+    heads, kv_heads, head_dim, window, scale = 4, 2, 16, 300, 0.25
+    for _ in range(3):
+        start, tokens = int(rng.integers(0, 700)), int(rng.integers(9, 600))
+        if causal:
+            positions = np.arange(start + tokens, dtype=np.int32)
+            visible = positions[None, :] <= np.arange(start, start + tokens)[:, None]
+        else:
+            ring = rng.permutation(np.arange(start - window, start)).astype(np.int32)
+            positions = np.concatenate([ring, np.arange(start, start + tokens, dtype=np.int32)])
+            query = np.arange(start, start + tokens)[:, None]
+            visible = (positions[None, :] <= query) & (positions[None, :] > query - window)
+        seen = positions.size
+        q, keys, values = (rng.standard_normal((1, h, n, head_dim)).astype(np.float16)
+                           for h, n in ((heads, tokens), (kv_heads, seen), (kv_heads, seen)))
+        expected = attention_reference(q, keys, values, scale, visible)
+        padded_q, padded_keys, padded_values, padded_positions, front = transformer.bucketed(
+            mx.array(q), mx.array(keys), mx.array(values), mx.array(positions), causal)
+        rows, count = padded_q.shape[2], padded_keys.shape[2]
+        assert count % transformer.ATTENTION_KEY_BUCKET == 0 and count - seen < transformer.ATTENTION_KEY_BUCKET
+        assert rows % transformer.ATTENTION_ROW_BUCKET == 0 or (causal and rows == count)
+        assert rows <= count and 0 <= front and front + tokens <= rows
+        # Poison the padding keys and values: the mask must hide them from every real query.
+        poison = mx.full((1, kv_heads, count - seen, head_dim), 60.0, dtype=mx.float16)
+        padded_keys = mx.concatenate([padded_keys[:, :, :seen], poison], axis=2)
+        padded_values = mx.concatenate([padded_values[:, :, :seen], poison], axis=2)
+        if causal:
+            mask = "causal"
+        else:
+            assert np.array_equal(np.array(padded_positions)[:seen], positions)
+            assert np.all(np.array(padded_positions)[seen:] == cache_module.NOWHERE)
+            mask = cache_module.attention_mask(start, rows, padded_positions, window, additive=mx.float16)
+        out = mx.fast.scaled_dot_product_attention(padded_q, padded_keys, padded_values, scale=scale, mask=mask)
+        assert relative_error(np.array(out[:, :, front : front + tokens].astype(mx.float32)), expected) <= 2e-3
+
+
+def test_bucketed_chunks_of_a_prompt_take_few_attention_shapes():
+    """The shapes transformer.bucketed gives the chunks of fresh prompts (512-row chunks from
+    context 0, the last one shorter), for every last-chunk length: two a chunk position at
+    most (a 512-row chunk's own and one of 256 rows), where unpadded every length had its own;
+    and a chunk continuing a cache at any context stays within the buckets."""
+    def shapes(start, tokens, causal=True):
+        q = mx.zeros((1, 2, tokens, 8), dtype=mx.float16)
+        keys = mx.zeros((1, 1, start + tokens, 8), dtype=mx.float16)
+        padded_q, padded_keys, *_ = transformer.bucketed(q, keys, keys, mx.arange(start + tokens), causal)
+        return padded_q.shape[2], padded_keys.shape[2]
+
+    for start in (0, 512, 3072):
+        met = {shapes(start, tokens) for tokens in range(9, 513)}
+        assert met <= {(512, start + 512), (256, start + 256)}, (start, met)
+    for start, tokens in ((1, 9), (777, 300), (1000, 512), (4095, 511)):
+        rows, count = shapes(start, tokens)
+        assert count % 256 == 0 and count - (start + tokens) < 256 and rows % 128 == 0 and rows <= count
 
 
 def test_attention_mask_forms_and_reuse(rng):

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from muser_mlx import cpu_ext, gguf, kernels, ops
-from muser_mlx.cache import KVCache, SlidingWindowCache, attention_mask
+from muser_mlx.cache import KVCache, SlidingWindowCache, attention_mask, padded_positions
 from muser_mlx.dequant import dequantize_rows
 from muser_mlx.models import cpu_decode
 from muser_mlx.models.config import ModelConfig
@@ -44,6 +44,15 @@ DEVICE_POSITION = True
 # ~43 launches to 33, whose building had been the chunk's bound on a slow host (H200: 7,706-7,772
 # tokens/s against 6,941-7,151 in the same processes; bench/RESULTS.md, session 32).
 PREFILL_FUSED = True
+# A GPU prefill chunk's attention is MLX's fused attention, which on CUDA builds a cuDNN graph
+# for each shape of q, keys and mask it has not seen: 38-62 ms each on the H200, where the
+# attention itself then takes 0.1-0.3 ms (bench/prefill_attention.py; RESULTS.md, session 33).
+# A prompt's last chunk has a row count and a key count of its own, so every prompt length a
+# process had not seen paid that in its full layers and again in its window layers. Padded
+# (`bucketed`): the keys to a multiple of ATTENTION_KEY_BUCKET, the query rows to one of
+# ATTENTION_ROW_BUCKET, so that chunks of any length share a few shapes (0: as they are).
+ATTENTION_KEY_BUCKET = 256
+ATTENTION_ROW_BUCKET = 128
 
 
 def vector(tensor) -> mx.array:
@@ -59,6 +68,40 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
 def prefill_fused(x: mx.array, weight) -> bool:
     """Whether x's rows multiply `weight` as a GPU prefill product that PREFILL_FUSED keeps in float16."""
     return PREFILL_FUSED and ops.linear_path(weight.ggml_type, math.prod(x.shape[:-1])) == "gpu_dequant_matmul"
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def bucketed(q: mx.array, keys: mx.array, values: mx.array, key_positions: mx.array, causal: bool):
+    """A GPU prefill chunk's attention inputs padded so that their shapes take few values
+    (ATTENTION_KEY_BUCKET, ATTENTION_ROW_BUCKET): q [B, heads, T, d], keys and values
+    [B, kv_heads, S, d], the keys' positions [S]. Returns (q, keys, values, key_positions,
+    front): zero rows after the keys (their positions cache.NOWHERE), zero rows around q's,
+    `front` of them before its own; the attention's rows front .. front + T - 1 are the chunk's.
+
+    causal (the mask is bottom-right causal: query i of T sees keys up to S - T + i): q gets
+    as many rows after its own as the keys do, so that its own rows still end where the real
+    keys end and see exactly what they saw; rows before its own fill it up to a multiple of
+    the row bucket, each seeing a prefix of the keys (q's rows never outnumber the keys).
+    Otherwise (a mask made from the positions): q's rows after its own only; no real query
+    sees a padding key."""
+    tokens, seen = q.shape[2], keys.shape[2]
+    key_bucket, row_bucket = ATTENTION_KEY_BUCKET, ATTENTION_ROW_BUCKET or 1
+    after = _round_up(seen, key_bucket) - seen if key_bucket else 0
+    if causal:
+        rows = min(_round_up(tokens + after, row_bucket), seen + after)
+        front, back = rows - tokens - after, after
+    else:
+        front, back = 0, _round_up(tokens, row_bucket) - tokens
+    if front or back:
+        q = mx.pad(q, [(0, 0), (0, 0), (front, back), (0, 0)])
+    if after:
+        keys, values = (mx.pad(a, [(0, 0), (0, 0), (0, after), (0, 0)]) for a in (keys, values))
+        if not causal:  # a causal mask needs no positions
+            key_positions = padded_positions(key_positions, after)
+    return q, keys, values, key_positions, front
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,17 +262,23 @@ class Attention(nn.Module):
             q = ops.split_heads(y["q"], c.heads, c.head_dim, rope=rope, start=start)  # [B, heads, T, hd]
             k = ops.split_heads(y["k"], c.kv_heads, c.head_dim, rope=rope, start=start)
         keys, values, key_positions, in_order = cache.update_and_fetch(k, v, dtype)
+        # Keys at positions 0 .. S-1, queries the last T of them, none out of the window: the
+        # mask is the causal one, which cuDNN's attention applies itself (an array mask cost
+        # more than the attention: ~0.3 ms a Muse Glimmer layer to build and convert).
+        causal = dtype == mx.float16 and in_order and (self.window is None or keys.shape[2] <= self.window)
+        front = 0
+        if dtype == mx.float16 and ATTENTION_KEY_BUCKET:  # a GPU prefill chunk: few shapes (bucketed)
+            q, keys, values, key_positions, front = bucketed(q, keys, values, key_positions, causal)
         mask = None
-        if dtype == mx.float16 and in_order and (self.window is None or keys.shape[2] <= self.window):
-            # Keys at positions 0 .. S-1, queries the last T of them, none out of the window:
-            # the mask is the causal one, which cuDNN's attention applies itself (an array mask
-            # cost more than the attention: ~0.3 ms a Muse Glimmer layer to build and convert).
+        if causal:
             mask = "causal"
         elif tokens > 1 or self.sliding:  # one token sees a whole full cache; a ring may hold empty slots
             # float16 (a GPU prefill chunk): the additive form, which MLX's attention takes as it is.
-            mask = attention_mask(start, tokens, key_positions, self.window,
+            mask = attention_mask(start, q.shape[2], key_positions, self.window,
                                   additive=mx.float16 if dtype == mx.float16 else None)
         o = ops.attention(q, keys, values, c.attention_scale, mask, keep_float16=fused)
+        if o.shape[2] != tokens:
+            o = o[:, :, front : front + tokens]  # the chunk's own rows
         o = o.transpose(0, 2, 1, 3)  # [B, T, heads, head_dim], a view
         if c.attn_gate:  # sigmoid(gate) * o, o read across its heads' layout (fused: one launch)
             gate = y["gate"].reshape(batch, tokens, c.heads, c.head_dim)
