@@ -11,6 +11,7 @@ import pytest
 
 from muser_mlx.generate import decode, generate, load, stream_generate
 from muser_mlx.models import cpu_decode
+from muser_mlx.ops import MATVEC_MAX_TOKENS
 from muser_mlx.testing import tiny_model
 from tests.conftest import relative_error
 
@@ -41,6 +42,27 @@ def test_greedy_is_deterministic_across_runs_and_prefill_chunk_sizes(tiny):
             for step in steps]
     assert all(run == runs[0] for run in runs)
     assert len(runs[0]) == 24
+
+
+@pytest.mark.parametrize("count, step", [(0, 512), (1, 512), (8, 512), (512, 512), (513, 512), (514, 512),
+                                         (520, 512), (521, 512), (4099, 512), (10, 3), (11, 3), (7, 1)])
+def test_prefill_chunks_tile_the_prompt_and_fold_a_small_remainder(count, step):
+    chunks = gen.prefill_chunks(count, step)
+    assert [start for start, _ in chunks] == ([0] + [end for _, end in chunks[:-1]] if count else [])
+    assert (chunks[-1][1] if chunks else 0) == count
+    assert all(end - start <= step for start, end in chunks[:-1])
+    assert all(1 <= end - start <= step + MATVEC_MAX_TOKENS for start, end in chunks)
+    if len(chunks) > 1 and step > MATVEC_MAX_TOKENS:  # no last chunk of 2..8 rows after a full one
+        assert not 2 <= chunks[-1][1] - chunks[-1][0] <= MATVEC_MAX_TOKENS
+
+
+def test_prefill_runs_the_folded_chunks(tiny, rng, monkeypatch):
+    model, _ = tiny
+    ids = [int(i) for i in rng.integers(0, model.config.vocab, 20)]
+    seen, hidden = [], model.hidden
+    monkeypatch.setattr(model, "hidden", lambda x, cache: seen.append(x.shape[1]) or hidden(x, cache))
+    mx.eval(gen.prefill(model, ids, model.make_cache(), step=16)[0])
+    assert seen == [19]  # 16 + a remainder of 3, folded; the last id goes as a decode step
 
 
 def test_responses_carry_the_mlx_lm_fields(tiny):
