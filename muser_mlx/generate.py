@@ -165,8 +165,14 @@ def prefill(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP):
     ones), as llama.cpp's CPU prompt does; the last id's step stays exact (decode).
     Where the fused decode step runs (a GPU), a chunk of at most MATVEC_MAX_TOKENS rows goes
     through it token by token, its products reading x as int8 blocks as generation's do."""
+    feed(model, ids[:-1], cache, step)
+    return decode(model, mx.array([ids[-1:]], dtype=mx.int32), cache, prompt=True)
+
+
+def feed(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP) -> None:
+    """prefill's chunks: every one of `ids` into the cache, evaluated, no logits."""
     rounds = cpu_decode.rounds(model)
-    for start, end in prefill_chunks(len(ids) - 1, step):
+    for start, end in prefill_chunks(len(ids), step):
         if model.fused and end - start <= ops.MATVEC_MAX_TOKENS:
             # A chunk this small (a short prompt, a short turn after a cached conversation)
             # goes through the fused decode step, token by token: the general step would run
@@ -179,7 +185,6 @@ def prefill(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP):
             continue
         with MODEL_LOCK, ops.rounded_products(rounds):
             mx.eval(model.hidden(mx.array([ids[start:end]], dtype=mx.int32), cache))
-    return decode(model, mx.array([ids[-1:]], dtype=mx.int32), cache, prompt=True)
 
 
 def decode(model, token: mx.array, cache, prompt: bool = False):
