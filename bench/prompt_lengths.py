@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode  # noqa: E402
-from muser_mlx.generate import DEFAULT_PREFILL_STEP, load, prefill_chunks  # noqa: E402
+from muser_mlx.generate import feed, load  # noqa: E402
 from muser_mlx.generate import decode as decode_token  # noqa: E402
 
-LENGTHS = "300,301,777,1000,1234,1500,2047,2300,3001,3500,4100,300,1000,3001,302,1001,3002,4000"
+LENGTHS = "5,9,300,301,777,1000,1234,1500,2047,2300,3001,3500,4100,300,1000,3001,302,1001,3002,4000"
 
 
 def main() -> None:
@@ -75,8 +75,7 @@ def main() -> None:
         ids = rng.integers(0, decode.VOCAB, size=length).tolist()
         cache = model.make_cache()
         tic = time.perf_counter()
-        for start, end in prefill_chunks(length - 1, DEFAULT_PREFILL_STEP):
-            mx.eval(model.hidden(mx.array([ids[start:end]], dtype=mx.int32), cache))
+        feed(model, ids[:-1], cache)  # generate.prefill's chunks
         chunks = time.perf_counter()
         logits, greedy = decode_token(model, mx.array([ids[-1:]], dtype=mx.int32), cache, prompt=True)
         (greedy if greedy is not None else mx.argmax(logits)).item()

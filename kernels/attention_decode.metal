@@ -19,7 +19,9 @@
 //      window keys holds position s at slot s % window, so slot w held p - window, which p
 //      no longer sees. Slot w is read from the new key, never from the cache.
 // Each SIMD group takes one kv head j, HEAD_GROUP of its GROUP = HEADS / KV_HEADS query heads
-// and one split: slots [s * SPLIT, (s + 1) * SPLIT) (SPLITS = ceil(CAPACITY / SPLIT)). It
+// and one split: slots [s * SPLIT, (s + 1) * SPLIT) (SPLITS = ceil(CAPACITY / SPLIT); SPLIT the
+// least power-of-two multiple of 32 for which SPLITS <= MAX_SPLITS, as ops.attention sizes the
+// grid). It
 // prepares its q heads (and, if its split holds slot w, the new key and value) in threadgroup
 // memory, then walks its slots 32 at a time: lane l scores slot base + l against every q head
 // (the key row read as 16-byte loads), an online softmax keeps each head's max m and sum l,
@@ -40,9 +42,10 @@
 // Bounds: SIMD groups past the last (the last threadgroup's surplus) return whole; lanes past
 // slot n score nothing.
 // CAPACITY is the caches' third dimension, read at run time (a growing cache does not make a
-// new kernel).
+// new kernel), and so is SPLIT, which follows it (as a template constant it made a kernel for
+// each power of two a full cache crossed: 1.8-3.2 s to compile on the H200, session 34).
 // Template constants: HEADS, KV_HEADS, HEAD_DIM (a multiple of 64), ROTARY, TRADITIONAL,
-// QK_NORM, BIAS, SPLIT (a multiple of 32), HEAD_GROUP, Q_OFF, K_OFF, V_OFF, LATE_VALUES (1: a
+// QK_NORM, BIAS, MAX_SPLITS, HEAD_GROUP, Q_OFF, K_OFF, V_OFF, LATE_VALUES (1: a
 // block's value rows are read in the value pass itself, not loaded with its keys into an array:
 // 128 registers a thread instead of 216 at HEAD_GROUP 2 (nvcc -Xptxas -v, sm_90), so 4
 // threadgroups an SM instead of 2, for one more wait on memory a block), SHARED_P (1: the probabilities reach the value pass through threadgroup memory, not
@@ -53,7 +56,11 @@ const int HEAD_GROUPS = GROUP / HEAD_GROUP;
 const int CHANNELS = HEAD_DIM / 32;  // value channels per lane
 const int KEY_CHUNKS = HEAD_DIM / 8;  // 16-byte loads per key row
 const uint CAPACITY = uint(k_cache_shape[2]);
-const uint SPLITS = (CAPACITY + uint(SPLIT) - 1u) / uint(SPLIT);
+uint SPLIT = 32u;
+while (SPLIT * uint(MAX_SPLITS) < CAPACITY) {
+  SPLIT *= 2u;
+}
+const uint SPLITS = (CAPACITY + SPLIT - 1u) / SPLIT;
 device float* partial_o = partial;
 device float* partial_stats = partial + size_t(HEADS) * SPLITS * size_t(HEAD_DIM);
 threadgroup float4 q_tiles[4 * HEAD_GROUP * HEAD_DIM / 4];
@@ -76,8 +83,8 @@ threadgroup float* p_tile = p_tiles + warp * uint(HEAD_GROUP * 32);
 int position = state[0];
 uint count = min(uint(position) + 1u, CAPACITY);
 uint write_slot = uint(position) % CAPACITY;
-uint first = split * uint(SPLIT);
-uint last = min(first + uint(SPLIT), count);
+uint first = split * SPLIT;
+uint last = min(first + SPLIT, count);
 bool holds_new = first <= write_slot && write_slot < last;
 if (first >= last) {  // an empty split (a short context): its statistics say so, its o is never read
   if (lane == 0u) {

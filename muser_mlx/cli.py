@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from muser_mlx import gguf, packaged
 from muser_mlx.formats import block_format
-from muser_mlx.generate import MODEL_LOCK, continue_cache, load, stream_generate, summary
+from muser_mlx.generate import MODEL_LOCK, continue_cache, load, prefill_chunks, stream_generate, summary
 
 # Metadata keys worth a line each; long arrays are summarised by their length.
 _ARRAY_PREVIEW = 8
@@ -90,11 +90,11 @@ def perplexity(model, tokenizer, text: str, context: int, prefill_step: int):
             if len(window) < 2:
                 break
             cache = model.make_cache()
-            for chunk_start in range(0, len(window) - 1, prefill_step):
-                chunk = window[chunk_start : chunk_start + prefill_step]
-                targets = window[chunk_start + 1 : chunk_start + 1 + len(chunk)]
+            for chunk_start, chunk_end in prefill_chunks(len(window) - 1, prefill_step):
+                chunk = window[chunk_start:chunk_end]
+                targets = window[chunk_start + 1 : chunk_end + 1]
                 with MODEL_LOCK:
-                    logits = model(mx.array([chunk], dtype=mx.int32), cache)[0, : len(targets)]
+                    logits = model(mx.array([chunk], dtype=mx.int32), cache)[0]
                     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                     picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)
                     nll -= mx.sum(picked).item()

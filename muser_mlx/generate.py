@@ -162,12 +162,29 @@ def prefill(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP):
     greedy token (int32 [1], or None).
     On the CPU, where generate()'s steps round their products' inputs (cpu_decode.rounds), the
     chunks' products round theirs too (ops.rounded_products: integer panels, ~2x the float
-    ones), as llama.cpp's CPU prompt does; the last id's step stays exact (decode)."""
+    ones), as llama.cpp's CPU prompt does; the last id's step stays exact (decode).
+    Where the fused decode step runs (a GPU), a chunk of at most MATVEC_MAX_TOKENS rows goes
+    through it token by token, its products reading x as int8 blocks as generation's do."""
+    feed(model, ids[:-1], cache, step)
+    return decode(model, mx.array([ids[-1:]], dtype=mx.int32), cache, prompt=True)
+
+
+def feed(model, ids: list[int], cache, step: int = DEFAULT_PREFILL_STEP) -> None:
+    """prefill's chunks: every one of `ids` into the cache, evaluated, no logits."""
     rounds = cpu_decode.rounds(model)
-    for start, end in prefill_chunks(len(ids) - 1, step):
+    for start, end in prefill_chunks(len(ids), step):
+        if model.fused and end - start <= ops.MATVEC_MAX_TOKENS:
+            # A chunk this small (a short prompt, a short turn after a cached conversation)
+            # goes through the fused decode step, token by token: the general step would run
+            # the decode products at this row count, kernels a process compiles once per
+            # count (~20 s on the H200), where the fused step's are built by the first decode.
+            with MODEL_LOCK:
+                for token in ids[start:end]:
+                    _, greedy = model.decode_step(mx.array([[token]], dtype=mx.int32), cache)
+                mx.eval(greedy)
+            continue
         with MODEL_LOCK, ops.rounded_products(rounds):
             mx.eval(model.hidden(mx.array([ids[start:end]], dtype=mx.int32), cache))
-    return decode(model, mx.array([ids[-1:]], dtype=mx.int32), cache, prompt=True)
 
 
 def decode(model, token: mx.array, cache, prompt: bool = False):

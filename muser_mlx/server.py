@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from muser_mlx.generate import (DEFAULT_PREFILL_STEP, MODEL_LOCK, Sampling, continue_cache, load, stop_overlap,
-                                stream_generate)
+                                prefill_chunks, stream_generate)
 from muser_mlx.tokenizer import TokenizerError
 
 DEFAULT_MAX_TOKENS = 512  # mlx-lm's default; a request may ask for up to the context
@@ -373,8 +373,8 @@ class ModelService:
     def _score(self, ids: list[int], top: int, chunk: int = DEFAULT_PREFILL_STEP) -> list:
         entries, cache = [None], self.model.make_cache()
         with MODEL_LOCK:
-            for start in range(0, len(ids) - 1, chunk):
-                piece = ids[start : min(start + chunk, len(ids) - 1)]
+            for start, end in prefill_chunks(len(ids) - 1, chunk):
+                piece = ids[start:end]
                 logits = self.model(mx.array([piece], dtype=mx.int32), cache)[0]
                 logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 entries += token_logprobs(logprobs, ids[start + 1 : start + 1 + len(piece)], top)

@@ -65,6 +65,27 @@ def test_prefill_runs_the_folded_chunks(tiny, rng, monkeypatch):
     assert seen == [19]  # 16 + a remainder of 3, folded; the last id goes as a decode step
 
 
+def test_a_small_chunk_goes_through_the_fused_step_where_it_runs(tiny, rng, monkeypatch):
+    # On a GPU (model.fused) a chunk of 2..8 rows would compile the decode products at that row
+    # count; it runs the fused step token by token instead. Here the fused step's CPU renderings
+    # stand in, `fused` forced on: the prompt's logits are those of its ids fed one by one.
+    model, _ = tiny
+    monkeypatch.setattr(type(model), "fused", property(lambda self: True))
+    ids = [int(i) for i in rng.integers(0, model.config.vocab, 6)]
+    expected_cache = model.make_cache()
+    assert expected_cache[0].dtype == mx.float16
+    for token in ids:
+        expected, _ = model.decode_step(mx.array([[token]], dtype=mx.int32), expected_cache)
+    hidden = []
+    monkeypatch.setattr(model, "hidden", lambda x, cache: hidden.append(x.shape[1]))
+    cache = model.make_cache()
+    logits, greedy = gen.prefill(model, ids, cache, step=16)
+    assert hidden == []  # no general step
+    assert cache[0].offset == len(ids)
+    np.testing.assert_array_equal(np.array(logits), np.array(expected[0, -1]))
+    assert int(greedy[0]) == int(np.argmax(np.array(logits)))
+
+
 def test_responses_carry_the_mlx_lm_fields(tiny):
     model, tokenizer = tiny
     responses = list(stream_generate(model, tokenizer, PROMPT, 5))

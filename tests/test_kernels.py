@@ -176,7 +176,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 1, 2)],
         [mx.float32],
         [("HEADS", 32), ("KV_HEADS", 2), ("HEAD_DIM", 128), ("ROTARY", 128), ("TRADITIONAL", 1), ("QK_NORM", 1),
-         ("BIAS", 0), ("SPLIT", 32), ("HEAD_GROUP", 4), ("Q_OFF", 0),
+         ("BIAS", 0), ("MAX_SPLITS", 128), ("HEAD_GROUP", 4), ("Q_OFF", 0),
          ("K_OFF", 8192), ("V_OFF", 8448), ("LATE_VALUES", 1), ("SHARED_P", 1), ("FAST_BLOCKS", 1)],
     ),
     "attention_combine": (

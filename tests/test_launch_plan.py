@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib
 import io
 import re
 
@@ -19,6 +20,7 @@ from muser_mlx.generate import load
 from muser_mlx.models import transformer
 from muser_mlx.testing import recorded_launches, tiny_model
 
+attention = importlib.import_module("muser_mlx.ops.attention")  # the module (ops exports the function)
 SIMD_REDUCING = {kernel.name: kernel for kernel in ops.MATVEC_KERNELS.values()}
 
 
@@ -142,7 +144,31 @@ def test_a_fused_decode_step_launches_at_most_8_kernels_a_layer(tmp_path, rng, r
             assert grid[0] >= 32 * rows and grid[0] % threadgroup[0] == 0, where
             assert inputs[2].dtype == mx.int8 and inputs[2].shape[-1] == template["IN"], where
         if name == "attention_decode":
-            assert inputs[6].dtype == mx.float16 and template["SPLIT"] % 32 == 0, where
+            assert inputs[6].dtype == mx.float16 and template["MAX_SPLITS"] == attention.ATTENTION_SPLITS, where
+
+
+def test_decode_steps_at_every_cache_capacity_launch_the_same_kernels(tmp_path, rng, recorded, monkeypatch):
+    """A fused decode step's kernels are the same whatever its caches' capacity. attention_decode
+    took its split (keys per SIMD group, which grows with the capacity) as a template constant
+    until session 35: each power of two a full cache crossed compiled a kernel mid-generation
+    (1.8-3.2 s on the H200). Two splits at most here, so that capacities of 256 and 1,024 slots
+    take splits of 128 and 512 keys."""
+    monkeypatch.setattr(transformer, "COMPILE_DECODE", False)
+    monkeypatch.setattr(attention, "ATTENTION_SPLITS", 2)
+    path = tiny_model(tmp_path / "m.gguf", "llama", rng, weights="Q4_K_M", layers=2, context=2048)  # full layers
+    kernels_of, grids = {}, {}
+    with mx.stream(mx.cpu):
+        model, _ = load(path)
+        for capacity in (256, 1024):
+            cache = model.make_cache()
+            for layer_cache in cache:
+                layer_cache.reserve(1, model.config.kv_heads, model.config.head_dim, capacity)
+            recorded.clear()
+            mx.eval(model.decode_step(mx.array([[5]], dtype=mx.int32), cache))
+            kernels_of[capacity] = {(name, tuple(sorted(template.items()))) for name, _, template, *_ in recorded}
+            grids[capacity] = [grid for name, _, _, grid, *_ in recorded if name == "attention_decode"]
+    assert kernels_of[256] == kernels_of[1024], sorted(kernels_of[256] ^ kernels_of[1024])
+    assert grids[256] and grids[256] == grids[1024]  # two splits of each full cache either way
 
 
 def prefill_graph_nodes(path, rng, monkeypatch, fused: bool) -> collections.Counter:

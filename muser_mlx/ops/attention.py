@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -196,11 +195,14 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
         return (weave(o) if woven else o), keys, values
     group = heads // kv_heads
     head_group = max(g for g in range(1, min(group, ATTENTION_HEAD_GROUP) + 1) if group % g == 0)
-    # Keys per split, from a few sizes (each a kernel): ATTENTION_SPLITS splits or more.
+    # Keys per split: the least power-of-two multiple of 32 that makes ATTENTION_SPLITS splits
+    # or fewer. The kernel works it out from the cache's capacity in the same way.
     if not 1 <= ATTENTION_SPLITS <= 128:
         raise ValueError(f"ATTENTION_SPLITS must be 1..128 (attention_combine's lanes hold 4 each), got {ATTENTION_SPLITS}")
-    split = 32 * 2 ** max(0, math.ceil(math.log2(capacity / (32 * ATTENTION_SPLITS))))
-    splits = -(-capacity // split)  # at most ATTENTION_SPLITS
+    split = 32
+    while split * ATTENTION_SPLITS < capacity:
+        split *= 2
+    splits = -(-capacity // split)
     dims = rope["dims"] if rope is not None else 0
     unused = kernels.parameters(0.0)
     (partial,) = kernels.launch(
@@ -210,7 +212,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                 position, keys, values, kernels.parameters(eps, scale), after],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
-                  ("BIAS", int(bias is not None)), ("SPLIT", split), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off),
+                  ("BIAS", int(bias is not None)), ("MAX_SPLITS", ATTENTION_SPLITS), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off),
                   ("LATE_VALUES", int(bool(ATTENTION_LATE_VALUES))), ("SHARED_P", int(bool(ATTENTION_SHARED_P))),
                   ("FAST_BLOCKS", int(bool(ATTENTION_FAST_BLOCKS)))],
         grid=(32 * kv_heads * (group // head_group) * splits, 1, 1),
