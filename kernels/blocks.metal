@@ -389,6 +389,17 @@ inline uint muser_funnel(uint low, uint high, uint shift) {
 }
 #endif
 
+// A hint that the 32-byte sector at p will be read soon: fetched from DRAM into L2 without
+// a register or a wait (kernel product's PREFETCH). Metal has no such instruction: nothing.
+#if defined(__CUDACC__)
+inline void muser_prefetch_l2(const device uint8_t* p) {
+  asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
+}
+#else
+inline void muser_prefetch_l2(const device uint8_t* p) {
+}
+#endif
+
 // Device atomics on 32-bit counters, and the device-scope fence, for a count of the
 // threadgroups (or SIMD groups) done: a writer fences its results, then adds 1; the one that
 // sees the count reach its total fences again and reads every result; it stores 0 back for
@@ -479,6 +490,7 @@ struct muser_x_unit {
   uint codes[8];
   float scale[4];
   float sum[4];
+  int bias[4];  // Q6_K: -32 times each quarter's code sum (LEAN's integer offset term)
 };
 
 // Q6_K's 32-value unit, in two steps: int8 scale k (0..7) of a half super-block's 8
@@ -529,6 +541,7 @@ inline void muser_load_x_unit(thread muser_x_unit& x, const device int8_t* xq, c
       // (a float by INT_FLOATS's route, muser_float_of).
       int sum = muser_dot4(codes.y, 0x01010101u, muser_dot4(codes.x, 0x01010101u, 0));
       x.sum[quarter] = muser_float_of<INT_FLOATS>(sum);
+      x.bias[quarter] = -32 * sum;
     }
   } else {
     uint4 a = *((const device uint4*)(xq + muser_code_at<WOVEN_UNITS>(32u * unit)));
@@ -582,6 +595,31 @@ inline void muser_unit_dot(const device uint8_t* weight, size_t row, uint unit,
     uint2 high = muser_words2(weight, block + 128u + 32u * half_index + l0);  // bits 2q, 2q+1
     uint2 scales = muser_words2(weight, block + 192u + 8u * half_index);      // 8 int8 scales
     float d = float(as_type<half>(*((const device ushort*)(weight + block + 208u))));
+    if (LEAN != 0) {
+      // The offset -32 in the integers: each quarter's dot starts from x's -32 * (its code
+      // sum), so the dot is sum_i (q_i - 32) c_i, |.| <= 8 * 32 * 127; times the int8 scale,
+      // |.| <= 4,161,536 < 2^22, still an integer; then one float product by x's scale a
+      // quarter and by d a unit. Another rounding order than LEAN 0's, the same bound.
+      int sc[4];
+      uint2 codes[4];
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        uint k = 2u * uint(quarter) + l0 / 16u;
+        uint word = quarter < 2 ? scales.x : scales.y;
+        sc[quarter] = int(word << (24u - 8u * (k % 4u))) >> 24;
+        uint2 low = quarter % 2 == 0 ? low_a : low_b;
+        codes[quarter] = uint2(muser_q6k_codes(low.x, high.x, uint(quarter)), muser_q6k_codes(low.y, high.y, uint(quarter)));
+      }
+      for (int t = 0; t < TOKENS; ++t) {
+        float p = 0.0f;
+        for (int quarter = 0; quarter < 4; ++quarter) {
+          int dot = muser_dot4(codes[quarter].y, x[t].codes[2 * quarter + 1],
+                               muser_dot4(codes[quarter].x, x[t].codes[2 * quarter], x[t].bias[quarter]));
+          p = fma(x[t].scale[quarter], muser_float_of<INT_FLOATS>(dot * sc[quarter]), p);
+        }
+        out[t * STRIDE] = fma(d, p, out[t * STRIDE]);
+      }
+      return;
+    }
     float sc[4];
     for (int quarter = 0; quarter < 4; ++quarter) {
       sc[quarter] = muser_q6k_scale<INT_FLOATS>(scales, 2u * uint(quarter) + l0 / 16u, d);  // the quarter's 16 values
@@ -838,8 +876,12 @@ inline void muser_rows_dot_pass(const device uint8_t* weight, uint first_row, SO
 // are X's: muser_x_unit (32 values) or, for Q4_K, muser_x_unit64 (64; muser_rows_dot's WIDE).
 // Rows of exactly 32 * UNROLL units take one pass without a loop or a clamp, the lane's
 // bound said aloud, so that the compiler folds the units' arithmetic.
+// PREFETCH p > 0 (rows that loop): each pass first asks L2 for the bytes of the lane's units p
+// passes ahead in every row (muser_prefetch_l2 at the unit's share of the row, u ROW_BYTES /
+// UNITS: the SIMD group's 32 lanes spread over the bytes its next units span), so that a
+// pass's loads find them there.
 template <class X, int UNIT_VALUES, int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL,
-          int INT_FLOATS, int LEAN, class SOURCE>
+          int INT_FLOATS, int LEAN, int PREFETCH, class SOURCE>
 inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, SOURCE source, uint lane,
                                  thread float* acc) {
   const uint UNITS = uint(IN / UNIT_VALUES);
@@ -848,6 +890,15 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
         weight, first_row, source, lane & 31u, UNITS, acc);
   } else {
     for (uint base = lane; base < UNITS; base += 32u * uint(UNROLL)) {
+      if (PREFETCH > 0) {
+        uint ahead = base + 32u * uint(UNROLL * PREFETCH);
+        if (ahead < UNITS) {
+          for (int r = 0; r < ROWS; ++r) {
+            uint row = min(first_row + uint(r), uint(OUT - 1));
+            muser_prefetch_l2(weight + size_t(row) * size_t(ROW_BYTES) + ahead * uint(ROW_BYTES) / UNITS);
+          }
+        }
+      }
       muser_rows_dot_pass<X, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN, true>(
           weight, first_row, source, base, UNITS, acc);
     }
@@ -858,14 +909,14 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
 // formats ignore WIDE). SOURCE: muser_x_global, or muser_x_staged for the formats and units it
 // holds. INT_FLOATS: how the units' integer dots and scales become floats (muser_float_of).
 template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE, int INT_FLOATS,
-          int LEAN = 0, class SOURCE>
+          int LEAN = 0, int PREFETCH = 0, class SOURCE>
 inline void muser_rows_dot(const device uint8_t* weight, uint first_row, SOURCE source, uint lane, thread float* acc) {
   if (WIDE != 0 && FORMAT == MUSER_Q4_K) {
-    muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN>(
-        weight, first_row, source, lane, acc);
+    muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN,
+                         PREFETCH>(weight, first_row, source, lane, acc);
   } else {
-    muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN>(
-        weight, first_row, source, lane, acc);
+    muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN,
+                         PREFETCH>(weight, first_row, source, lane, acc);
   }
 }
 

@@ -135,11 +135,11 @@ def test_products_whose_rows_are_one_pass_of_the_lanes_match_numpy(backend, rng,
         assert np.isfinite(y).all() and relative_error(y, x_values @ a_values.T) <= PRODUCT_BOUND
 
 
-def _with_and_without(monkeypatch, field: str, config, formats_ab, a, b, x, tokens: int) -> list:
+def _with_and_without(monkeypatch, field: str, config, formats_ab, a, b, x, tokens: int, on: int = 1) -> list:
     """The product of x with a (and b) under `config` with ProductConfig field `field` set to 0,
-    then 1, for both weights' formats (each launch's template checked)."""
+    then `on`, for both weights' formats (each launch's template checked)."""
     outs = []
-    for value in (0, 1):
+    for value in (0, on):
         for ggml_type in set(formats_ab) - {None}:
             monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, config._replace(**{field: value}))
         product = ops.Product(a, b, tokens=tokens)
@@ -197,6 +197,69 @@ def test_lean_products_match_numpy_and_the_plain_arithmetic(backend, rng, monkey
     expected = _reference_product(x_values, a_values, b_values)
     assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
     assert relative_error(outs[1], outs[0]) <= 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("formats_ab", [(GGMLType.Q6_K, None), (GGMLType.Q6_K, GGMLType.Q4_K)],
+                         ids=lambda p: "+".join(t.name for t in p if t))
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_lean_q6k_products_match_numpy_and_the_plain_arithmetic(backend, rng, monkeypatch, formats_ab, tokens, rows):
+    """Q6_K under ProductConfig.lean: the -32 offset and the int8 scales applied as integers
+    (|(q - 32) . c| * |scale| up to 8 * 32 * 127 * 128 < 2^22), one float product by x's scale a
+    quarter; another rounding order, so against numpy within the products' bound and against
+    LEAN 0 within float32 rounding. x scaled so that some codes reach +-127; scales of -128
+    included (testing.random_blocks draws any int8)."""
+    first, second = formats_ab
+    for key in list(ops.PRODUCT_CONFIG_BY_WIDTH):
+        monkeypatch.delitem(ops.PRODUCT_CONFIG_BY_WIDTH, key)
+    in_features = 256 * int(rng.integers(2, 9))
+    a, a_values = weight(rng, first, in_features, int(rng.integers(3, 20)) * 2 + 1, "a")
+    b, b_values = weight(rng, second, in_features, 7, "b") if second else (None, None)
+    x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32) * 8)
+    config = ops.ProductConfig(rows, 4, 1)
+    outs = _with_and_without(monkeypatch, "lean", config, formats_ab, a, b, x, tokens)
+    expected = _reference_product(x_values, a_values, b_values)
+    assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
+    assert relative_error(outs[1], outs[0]) <= 1e-6
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("formats_ab, wide", [((GGMLType.Q6_K, None), 0), ((GGMLType.Q4_K, GGMLType.Q8_0), 1),
+                                              ((GGMLType.Q4_K, None), 0)], ids=["Q6_K", "wide-Q4_K+Q8_0", "Q4_K"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_products_that_prefetch_equal_those_that_do_not_bit_for_bit(backend, rng, monkeypatch, formats_ab, wide,
+                                                                   tokens, prefetch):
+    """ProductConfig.prefetch (kernel product's and product_glu's PREFETCH: L2 asked for each
+    lane's bytes 1 or 2 passes ahead) changes no arithmetic: rows of 3-9 passes, including the
+    last rows and last units, whose prefetches would fall past the row (skipped), equal the
+    launch without it bit for bit, and numpy."""
+    first, second = formats_ab
+    for key in list(ops.PRODUCT_CONFIG_BY_WIDTH):  # (Q4_K, 4096) would override the config
+        monkeypatch.delitem(ops.PRODUCT_CONFIG_BY_WIDTH, key)
+    in_features = 256 * int(rng.integers(9, 19))  # 72-144 units of 32 values, 36-72 wide ones
+    a, a_values = weight(rng, first, in_features, int(rng.integers(3, 12)) * 2 + 1, "a")
+    b, b_values = weight(rng, second, in_features, 5, "b") if second else (None, None)
+    x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32))
+    outs = _with_and_without(monkeypatch, "prefetch", ops.ProductConfig(2, 4, 1, wide), formats_ab, a, b, x, tokens,
+                             on=prefetch)
+    expected = _reference_product(x_values, a_values, b_values)
+    assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
+    np.testing.assert_array_equal(outs[1], outs[0])
+    gate, gate_values = weight(rng, first, in_features, 64, "gate")
+    up, up_values = weight(rng, first, in_features, 64, "up")
+    glus = []
+    for value in (0, prefetch):
+        monkeypatch.setitem(ops.PRODUCT_CONFIG, first, ops.ProductConfig(2, 4, 1, wide, 0, 0, 0, value))
+        glu = ops.GatedProduct(gate, up, tokens=tokens)
+        assert dict(glu.launch_arguments()[0])["PREFETCH"] == value
+        with kernels.poisoned_outputs():
+            out = glu(x)
+            mx.eval(out)
+        glus.append([np.array(part) for part in out])
+    g, u = x_values @ gate_values.T, x_values @ up_values.T
+    assert_within_half_a_code(ops.Q8X(*(mx.array(part) for part in glus[1])), g / (1 + np.exp(-g)) * u)
+    for with_prefetch, without in zip(glus[1], glus[0]):
+        np.testing.assert_array_equal(with_prefetch, without)
 
 
 @pytest.mark.parametrize("rows, simd_groups, unroll", [(2, 4, 1), (2, 2, 2), (1, 8, 1)])
@@ -308,6 +371,9 @@ def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
         ops.Product(a)
     monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 0, 1, 2))
     with pytest.raises(ValueError, match="lean must be 0 or 1"):
+        ops.Product(a)
+    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 0, 1, 1, 3))
+    with pytest.raises(ValueError, match="prefetch must be 0, 1 or 2"):
         ops.Product(a)
 
 

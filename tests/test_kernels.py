@@ -113,7 +113,7 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 24), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
          ("OUT_B", 8), ("IN", 512), ("TOKENS", 2), ("ROWS", 4), ("UNROLL", 2), ("WIDE", 1), ("STAGE", 1),
-         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 0)],
+         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 0), ("PREFETCH", 1)],
     ),
     "product_woven": (  # the o-projection's form: wide Q4_K units reading woven x from device memory
         "product",
@@ -122,7 +122,7 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 2304), ("OUT_A", 24), ("FORMAT_B", 12), ("ROW_BYTES_B", 2304),
          ("OUT_B", 0), ("IN", 4096), ("TOKENS", 1), ("ROWS", 2), ("UNROLL", 2), ("WIDE", 1), ("STAGE", 0),
-         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 1), ("LEAN", 1)],
+         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 1), ("LEAN", 1), ("PREFETCH", 0)],
     ),
     "product_head": (
         "product",
@@ -131,7 +131,16 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 14), ("ROW_BYTES_A", 420), ("OUT_A", 40), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
          ("OUT_B", 0), ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 1), ("WIDE", 0), ("STAGE", 0),
-         ("WOVEN", 0), ("EPILOGUE", 1), ("INT_FLOATS", 1), ("LEAN", 0)],
+         ("WOVEN", 0), ("EPILOGUE", 1), ("INT_FLOATS", 1), ("LEAN", 0), ("PREFETCH", 0)],
+    ),
+    "product_q6k_lean": (  # ffn_down Q6_K's form with LEAN's integer scales, prefetching two passes ahead
+        "product",
+        [InputSpec(mx.uint8, 2, 40 * 1680), InputSpec(mx.uint8, 2, 40 * 1680), InputSpec(mx.int8, 2, 2 * 2048),
+         InputSpec(mx.float32, 2, 2 * 64), InputSpec(mx.float32, 2, 2 * 256), InputSpec(mx.float32, 1, 2)],
+        [mx.float32],
+        [("FORMAT_A", 14), ("ROW_BYTES_A", 1680), ("OUT_A", 40), ("FORMAT_B", 14), ("ROW_BYTES_B", 1680),
+         ("OUT_B", 0), ("IN", 2048), ("TOKENS", 2), ("ROWS", 2), ("UNROLL", 1), ("WIDE", 0), ("STAGE", 0),
+         ("WOVEN", 0), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 1), ("PREFETCH", 2)],
     ),
     "product_glu": (
         "product_glu",
@@ -139,7 +148,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 16), InputSpec(mx.float32, 2, 64)],
         [mx.int8, mx.float32, mx.float32],
         [("FORMAT_G", 12), ("ROW_BYTES_G", 288), ("FORMAT_U", 14), ("ROW_BYTES_U", 420), ("OUT", 64),
-         ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 3), ("WIDE", 1), ("ACTIVATION", 1)],
+         ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 3), ("WIDE", 1), ("ACTIVATION", 1), ("PREFETCH", 2)],
     ),
     "quantize_rows": (
         "quantize_rows",

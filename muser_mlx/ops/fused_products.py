@@ -24,8 +24,9 @@ class ProductConfig(NamedTuple):
     loads issued together) of kernel product for a weight format (a launch of two weights
     takes its first's), wide units, whether x is staged in threadgroup memory, whether
     integers become floats without conversion instructions and whether wide Q4_K units take
-    the lean arithmetic (the last three kernel product only); product_glu takes `rows`,
-    `unroll` and `wide` (its threadgroups hold 32 rows: 32 / rows SIMD groups)."""
+    the lean arithmetic (those three kernel product only), and how many passes ahead a lane
+    asks L2 for its bytes; product_glu takes `rows`, `unroll`, `wide` and `prefetch` (its
+    threadgroups hold 32 rows: 32 / rows SIMD groups)."""
 
     rows: int
     simd_groups: int
@@ -33,7 +34,8 @@ class ProductConfig(NamedTuple):
     wide: int = 0  # 1: Q4_K in 64-value units (one scale unpack per 64 values); other formats ignore it
     stage: int = 0  # 1: kernel product copies x to threadgroup memory first where it can (Product._stages)
     int_floats: int = 0  # 1: kernel product's INT_FLOATS (integers to floats without conversions); product_glu: 0
-    lean: int = 0  # 1: kernel product's LEAN (wide Q4_K dots scaled as integers, two rows in one butterfly)
+    lean: int = 0  # 1: kernel product's LEAN (wide Q4_K and Q6_K dots scaled as integers, two rows in one butterfly)
+    prefetch: int = 0  # p > 0: rows that loop ask L2 for the bytes p passes ahead (CUDA only; kernel product's PREFETCH)
 
 
 # Chosen by `bench/linear.py --products` and CUPTI in a real step (`bench/timeline.py`) on the
@@ -103,6 +105,9 @@ def _config(ggml_type, in_features: int | None = None, tokens: int = 1, glu: boo
         if getattr(config, switch) not in (0, 1):
             raise ValueError(f"product config for {ggml_type.name}: {switch} must be 0 or 1, "
                              f"got {getattr(config, switch)}")
+    if config.prefetch not in (0, 1, 2):
+        raise ValueError(f"product config for {ggml_type.name}: prefetch must be 0, 1 or 2 (passes ahead), "
+                         f"got {config.prefetch}")
     if config.wide not in (0, 1):
         raise ValueError(f"product config for {ggml_type.name}: wide must be 0 or 1 (Q4_K in 64-value units), "
                          f"got {config.wide}")
@@ -188,7 +193,7 @@ class Product:
         config = _config(self.ggml_type, self.in_features, self.tokens)
         key = (config, STAGE_MIN_IN, STAGE_BYTES, self.x_woven)  # bench variants may change the module's constants
         if self._launch[0] != key:
-            rows, simd_groups, unroll, wide, stage, int_floats, lean = config
+            rows, simd_groups, unroll, wide, stage, int_floats, lean, prefetch = config
             stage = self._stages(wide) if stage else 0
             groups = -(-(-(-self.out_a // rows) - (-self.out_b // rows)) // simd_groups)  # threadgroups
             template = (_weight_template("A", self.weight) + [("OUT_A", self.out_a)]
@@ -196,7 +201,7 @@ class Product:
                         + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
                            ("UNROLL", unroll), ("WIDE", wide), ("STAGE", stage), ("WOVEN", int(self.x_woven)),
                            ("EPILOGUE", int(self.head is not None)), ("INT_FLOATS", int_floats),
-                           ("LEAN", lean)])
+                           ("LEAN", lean), ("PREFETCH", prefetch)])
             self._launch = (key, (template, (32 * simd_groups * groups, 1, 1), (32 * simd_groups, 1, 1), groups))
         return self._launch[1]
 
@@ -284,10 +289,12 @@ class GatedProduct:
         """(template, grid, threadgroup) for the configuration in force now."""
         config = _config(self.ggml_type, self.in_features, self.tokens, glu=True)
         if self._launch[0] != config:
-            rows, _, unroll, wide, *_ = config  # product_glu reads x from device memory (no stage)
+            # x from device memory (no stage); no int_floats or lean
+            rows, unroll, wide, prefetch = config.rows, config.unroll, config.wide, config.prefetch
             template = (_weight_template("G", self.gate) + _weight_template("U", self.up)
                         + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", self.tokens), ("ROWS", rows),
-                           ("UNROLL", unroll), ("WIDE", wide), ("ACTIVATION", ACTIVATIONS[self.activation])])
+                           ("UNROLL", unroll), ("WIDE", wide), ("ACTIVATION", ACTIVATIONS[self.activation]),
+                           ("PREFETCH", prefetch)])
             threadgroup = (32 * (32 // rows), 1, 1)  # a threadgroup per 32 rows
             self._launch = (config, (template, (self.ff // 32 * threadgroup[0], 1, 1), threadgroup))
         return self._launch[1]
