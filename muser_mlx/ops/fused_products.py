@@ -41,8 +41,11 @@ class ProductConfig(NamedTuple):
 # Chosen by `bench/linear.py --products` and CUPTI in a real step (`bench/timeline.py`) on the
 # H200 (bench/RESULTS.md). Muse Glimmer's ffn_down (Q4_K, 19,968 wide) stages x: 22.85 us
 # against 24.04 (session 23); staging x for Q6_K (its own layout) or for the short products
-# made them slower.
-PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8, 1, 1, 1), GGMLType.Q6_K: ProductConfig(2, 4),
+# made them slower. Q6_K takes LEAN (the offset and scales as integers): ffn_down Q6_K 39.02-39.10
+# us against 41.17-41.22 (sessions 28-30, 36). PREFETCH (L2 asked for the bytes 1-2 passes ahead)
+# made every product it touched slower (ffn_down Q4_K 26.5-27.1 us against 23.0, gate/up 50.7-51.2
+# against 45.0) but Q6_K's without LEAN (40.12): off everywhere (bench/RESULTS.md, session 36).
+PRODUCT_CONFIG = {GGMLType.Q4_K: ProductConfig(2, 8, 1, 1, 1), GGMLType.Q6_K: ProductConfig(2, 4, 1, 0, 0, 0, 1),
                   GGMLType.Q8_0: ProductConfig(2, 4)}
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
