@@ -555,3 +555,48 @@ def test_decode_layer_refuses_inputs_that_do_not_fit(change, message):
             norms={"ffn": mx.ones(hidden), "next": mx.ones(change.get("next_norm", hidden))},
             heads=4, kv_heads=2, head_dim=head_dim, offsets=change.get("offsets", (0, 64, 96)), gate=None,
             bias=None, rope=None, eps=1e-6, post_eps=1e-6, scale=1.0, activation="silu", rounded=True)
+
+
+def buffer_address(a: mx.array) -> int:
+    return np.frombuffer(memoryview(a), dtype=np.uint8).__array_interface__["data"][0]
+
+
+def small_layer(rng, keys, values):
+    """cpu_ext.decode_layer on one small Q8_0 layer (hidden 64, 4 heads of 32, 2 kv heads) at
+    position 3: (x, h, keys, values)."""
+    from gguf import GGMLQuantizationType as GGMLType
+
+    def weight(rows, row_length):
+        return mx.array(random_byte_blocks(rng, GGMLType.Q8_0, rows, row_length)), GGMLType.Q8_0
+
+    return cpu_ext.decode_layer(
+        mx.array(rng.standard_normal((1, 64)).astype(np.float32)),
+        mx.array(rng.standard_normal((1, 64)).astype(np.float32)), keys, values,
+        mx.array([3], dtype=mx.int32), attention_in=[weight(256, 64)], attention_out=weight(64, 128),
+        ffn_in=[weight(128, 64)], ffn_out=weight(64, 64), norms={"ffn": mx.ones(64), "next": mx.ones(64)},
+        heads=4, kv_heads=2, head_dim=32, offsets=(0, 128, 192), gate=None, bias=None,
+        rope=dict(dims=32, base=10000.0, traditional=False), eps=1e-6, post_eps=1e-6, scale=1.0,
+        activation="silu", rounded=True)
+
+
+def test_decode_layer_writes_the_caches_in_their_own_memory(rng):
+    # A cache that nothing else holds is donated (a copy of every cache each step otherwise:
+    # a multi-output primitive's inputs are held once per output, RESULTS.md session 36).
+    keys, values = mx.zeros((1, 2, 8, 32)), mx.zeros((1, 2, 8, 32))
+    mx.eval(keys, values)
+    addresses = buffer_address(keys), buffer_address(values)
+    _, _, keys, values = small_layer(rng, keys, values)
+    mx.eval(keys, values)
+    assert (buffer_address(keys), buffer_address(values)) == addresses
+    assert np.abs(np.array(keys)[0, :, 3]).min() > 0 and np.abs(np.array(values)[0, :, 3]).min() > 0
+
+
+def test_decode_layer_leaves_a_cache_held_elsewhere_as_it_was(rng):
+    held_keys, held_values = (mx.array(rng.standard_normal((1, 2, 8, 32)).astype(np.float32)) for _ in range(2))
+    before = np.array(held_keys), np.array(held_values)
+    _, _, keys, values = small_layer(rng, held_keys, held_values)
+    mx.eval(keys, values)
+    np.testing.assert_array_equal(np.array(held_keys), before[0])
+    np.testing.assert_array_equal(np.array(held_values), before[1])
+    assert not np.array_equal(np.array(keys), before[0])
+    np.testing.assert_array_equal(np.array(keys)[0, :, :3], before[0][0, :, :3])  # the other slots copied
