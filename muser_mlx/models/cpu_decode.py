@@ -4,10 +4,14 @@ The general step (`Transformer.__call__`) serves any number of tokens: its Pytho
 MLX ops a layer every step (5-6 ms for SmolLM2's 30 layers) and MLX's CPU runs each op alone
 (3-30 us each). Here the same layers are written as a function of arrays alone (the token,
 its position, every layer's cache arrays), so `mx.compile` traces it once per thread and
-cache shape, and a layer is about ten graph nodes: its products, the two residual seams
-(cpu_ext.residual_norm) and attention's three (cpu_ext.attention_decode: the key and value
-written into the cache at the position *array*, in the cache's own memory, then attention
-over the slots written so far).
+cache shape, and a layer is one graph node (cpu_ext.decode_layer, LAYER_PRIMITIVE) where
+every product of the layer has a compiled format, else about ten: its products, the two
+residual seams (cpu_ext.residual_norm) and attention's three (cpu_ext.attention_decode: the key
+and value written into the cache at the position *array*, in the cache's own memory, then
+attention over the slots written so far). The one node calls the ten's functions in their
+order, so the two give the same logits; it saves MLX's cost per node and keeps the products'
+thread pool awake between a layer's phases (SmolLM2 7.3 against 8.5 ms a step, RESULTS.md
+session 36).
 
 `rounded` (ROUNDED for generate()): every product's input is rounded to int8 inside the
 compiled product, which then multiplies with integer dot products, as llama.cpp's CPU products
