@@ -10,7 +10,7 @@ residual seams (cpu_ext.residual_norm) and attention's three (cpu_ext.attention_
 and value written into the cache at the position *array*, in the cache's own memory, then
 attention over the slots written so far). The one node calls the ten's functions in their
 order, so the two give the same logits; it saves MLX's cost per node and keeps the products'
-thread pool awake between a layer's phases (SmolLM2 7.3 against 8.5 ms a step, RESULTS.md
+thread pool awake between a layer's phases (SmolLM2 7.85 against 9.10 ms a step, RESULTS.md
 session 36).
 
 `rounded` (ROUNDED for generate()): every product's input is rounded to int8 inside the
