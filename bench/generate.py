@@ -8,6 +8,7 @@ tokens/s: the weight bytes one step reads and the floor they imply at the copy b
 measured in the same run.
 
     python bench/generate.py [--model FILE ...] [--device cpu|gpu] [--llama-cpp PYTHON]
+                             [--set module.ATTR=value ...]   # e.g. an A/B of a module constant
     python bench/generate.py --write-qwen2 FILE    # a 1.5B-parameter qwen2 Q4_K_M file of
                                                    # random valid blocks (Qwen2-1.5B's shapes)
 
@@ -31,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ceiling import copy_bandwidth  # noqa: E402
+from decode import apply_settings  # noqa: E402
 from muser_mlx import packaged  # noqa: E402
 from muser_mlx.formats import GGMLType, tensor_bytes  # noqa: E402
 from muser_mlx.generate import load, stream_generate  # noqa: E402
@@ -179,7 +181,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed runs (best kept), after a warm-up")
     parser.add_argument("--llama-cpp", metavar="PYTHON", help="also time llama.cpp through this interpreter")
     parser.add_argument("--write-qwen2", metavar="FILE", help="write the 1.5B qwen2 file and exit")
+    parser.add_argument("--set", action="append", default=[], help="module.ATTR=value, before loading")
     args = parser.parse_args()
+    apply_settings(args.set)
     if args.write_qwen2:
         write_qwen2(Path(args.write_qwen2), np.random.default_rng(0))
         return
@@ -194,7 +198,7 @@ def main() -> None:
                 print(f"skipping {name}: {error}")
     bandwidth = copy_bandwidth(512 << 20)
     print(f"device {mx.default_device()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write); "
-          f"load average {os.getloadavg()[0]:.2f}")
+          f"load average {os.getloadavg()[0]:.2f}; settings {args.set or 'none'}")
     for path in paths:
         print(run(path, args.prompt_tokens, args.new_tokens, args.runs, bandwidth, args.llama_cpp),
               flush=True)

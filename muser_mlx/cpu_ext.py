@@ -154,3 +154,35 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     values = _cpu_kernels.write_cache(y, values, position, bias, None, shape, False)
     o = _cpu_kernels.attention_decode(y, keys, values, position, bias, q_norm, shape, threads)
     return o, keys, values
+
+
+def decode_layer(x: mx.array, h: mx.array, keys: mx.array, values: mx.array, position: mx.array, *,
+                 attention_in: list, attention_out, ffn_in: list, ffn_out, norms: dict,
+                 heads: int, kv_heads: int, head_dim: int, offsets: tuple[int, int, int],
+                 gate: int | None, bias: mx.array | None, rope: dict | None, eps: float,
+                 post_eps: float, scale: float, activation: str, rounded: bool, threads: int = 0):
+    """One decoder layer of a one-token decode step as one primitive: the ~10 nodes of
+    residual_norm, attention_decode, gated_activation and the products between them, their
+    functions called in the same order on the same values (the same result, bit for bit), with
+    MLX paying for one node and the thread pool kept awake between phases.
+
+    x, h: float32 [1, hidden], the residual stream and its normed copy; keys, values, position,
+    heads ... scale: as attention_decode's. Products as (uint8 weight [out, row_bytes], ggml
+    type): attention_in the groups whose outputs side by side hold q, k, v (and the gate) at
+    `offsets`; ffn_in gate|up stacked, or gate then up. norms: "ffn" and "next" (the next
+    layer's attention norm, or the output norm) [hidden]; optional "q", "k" [head_dim] and the
+    sandwich's "post_attention", "post_ffw" [hidden]. activation: "silu" or "gelu_tanh".
+    Returns (x, h, keys, values): x, h float32 [1, hidden] leaving the layer."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"no compiled gated activation {activation!r} (silu, gelu_tanh)")
+    shape = _cpu_kernels.DecodeHeads(
+        heads, kv_heads, head_dim, *offsets, -1 if gate is None else gate,
+        rope["dims"] if rope else 0, bool(rope and rope["traditional"]),
+        float(rope["base"]) if rope else 0.0, eps, scale)
+    x, h, keys, values = _cpu_kernels.decode_layer(
+        x, h, position, keys, values, [(w, int(t)) for w, t in attention_in],
+        (attention_out[0], int(attention_out[1])), [(w, int(t)) for w, t in ffn_in],
+        (ffn_out[0], int(ffn_out[1])), bias, norms.get("q"), norms.get("k"),
+        norms.get("post_attention"), norms["ffn"], norms.get("post_ffw"), norms["next"], shape,
+        eps, post_eps, activation == "gelu_tanh", rounded, threads)
+    return x, h, keys, values

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -32,6 +33,7 @@ from muser_mlx.models import cpu_decode
 from muser_mlx.models.cpu_decode import CPUDecodeStep
 from muser_mlx.reference import Reference
 from tests.conftest import random_ids, relative_error, tiny_models
+from tests.test_cpu_ext import random_byte_blocks
 
 if not cpu_ext.available() and os.environ.get("MUSER_REQUIRE_CPU_EXT") != "1":
     pytest.skip(f"the CPU extension is not built here: {cpu_ext.unavailable()}", allow_module_level=True)
@@ -46,6 +48,8 @@ HALF_CACHE_STEP_BOUND = 2e-4
 ROUNDED_BOUND = 7.5e-2
 ROUNDED_NUMERICS_BOUND = 3.5e-2
 PRIMITIVE_BOUND = 2e-5
+# One node a layer against the separate nodes: the same functions on the same values.
+LAYER_BOUND = 1e-6
 
 
 @pytest.fixture(autouse=True)
@@ -114,6 +118,41 @@ def test_rounded_steps_round(tiny, rng):
     exact = Reference(model.config, file.tensors).forward(ids)
     rounded = Reference(model.config, file.tensors, decode_numerics=True, float16_cache=False, q8_k=True).forward(ids)
     assert relative_error(logits, exact) > relative_error(logits, rounded)
+
+
+@pytest.mark.parametrize("rounded", [True, False], ids=["rounded", "exact"])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("weights", ["Q4_K_M", "Q8_0"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_one_node_layers_give_the_separate_nodes_logits(tiny, rng, architecture, weights, cache_dtype, rounded):
+    # cpu_ext.decode_layer calls the separate nodes' functions in their order on the same values:
+    # equal logits (measured: bit for bit over the four architectures, both mixes, both cache
+    # dtypes), LAYER_BOUND allowing only a contraction the compiler may make differently inlined.
+    # 3 windows of steps: the sliding layers' rings wrap.
+    _, model = tiny(architecture, weights)
+    ids = random_ids(rng, model, 3 * WINDOW)
+    one_node, separate = (run_steps(CPUDecodeStep(model, rounded=rounded, layer_primitive=primitive), ids,
+                                    model.make_cache(cache_dtype)) for primitive in (True, False))
+    assert np.isfinite(one_node).all()
+    assert relative_error(one_node, separate) <= LAYER_BOUND
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_each_layer_is_one_node(tiny, rng, architecture, tmp_path):
+    # Fails if a layer fell back to its separate nodes (or the step grew nodes elsewhere).
+    _, model = tiny(architecture, "Q4_K_M")
+    cache = model.make_cache()
+    for layer_cache in cache:
+        layer_cache.reserve(1, model.config.kv_heads, model.config.head_dim, 1)
+        mx.eval(layer_cache.keys, layer_cache.values)  # the step's inputs, not its nodes
+    step = CPUDecodeStep(model, rounded=True)
+    logits, keys, values = step._graph(mx.array([[1]], dtype=mx.int32), mx.array([0], dtype=mx.int32),
+                                       [c.keys for c in cache], [c.values for c in cache])
+    mx.export_to_dot(str(tmp_path / "step.dot"), logits, *keys, *values)
+    nodes = re.findall(r'label ="(\w+)"', (tmp_path / "step.dot").read_text())
+    assert nodes.count("LayerDecode") == model.config.layers
+    assert nodes.count("GGUFLinear") <= 1 and nodes.count("ResidualNorm") == 1  # the LM head, the first norm
+    assert not {"CacheWrite", "AttentionDecode", "GatedActivation", "Split"} & set(nodes), nodes
 
 
 @pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
@@ -410,3 +449,154 @@ def test_attention_decode_refuses_inputs_that_do_not_fit(change, message):
                                  offsets=change.get("offsets", (0, 4 * head_dim, 6 * head_dim)),
                                  gate=None, bias=None, q_norm=None, k_norm=None, rope=None, eps=1e-6,
                                  scale=1.0)
+
+
+def separate_layer(x, h, keys, values, position, attention_in, attention_out, ffn_in, ffn_out,
+                   norms, settings, post_eps, activation, rounded):
+    """The layer as the separate nodes (CPUDecodeStep._layer_nodes' calls): (x, h, keys, values)."""
+    def linear(rows, weight):
+        return cpu_ext.linear(rows, weight[0], weight[1], weight[0].shape[0], rounded=rounded)
+
+    y = mx.concatenate([linear(h, w) for w in attention_in], axis=-1)
+    o, keys, values = cpu_ext.attention_decode(y, keys, values, position, q_norm=norms.get("q"),
+                                               k_norm=norms.get("k"), **settings)
+    x, h = cpu_ext.residual_norm(x, linear(o, attention_out), norms.get("post_attention"), norms["ffn"],
+                                 post_eps, settings["eps"])
+    gate, up = mx.split(mx.concatenate([linear(h, w) for w in ffn_in], axis=-1), 2, axis=-1)
+    f = linear(cpu_ext.gated_activation(gate, up, activation), ffn_out)
+    x, h = cpu_ext.residual_norm(x, f, norms.get("post_ffw"), norms["next"], post_eps, settings["eps"])
+    return x, h, keys, values
+
+
+@pytest.mark.parametrize("rounded", [True, False], ids=["rounded", "exact"])
+@pytest.mark.parametrize("variant", ["llama", "bias+gelu", "sandwich+qk_norm+gate"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+def test_decode_layer_matches_the_separate_nodes(rng, variant, cache_dtype, rounded):
+    # Two attention input groups and two feed-forward input groups (gate, up) of five formats,
+    # a ring cache (position 21, 16 slots), random norms: all four outputs as the separate nodes
+    # give them (LAYER_BOUND), every output buffer poisoned first.
+    if cache_dtype == "float16" and not cpu_ext.half_cache():
+        pytest.skip("the extension was built without _Float16")
+    from gguf import GGMLQuantizationType as GGMLType
+    hidden, heads, kv_heads, head_dim, ffn, capacity, position = 256, 4, 2, 64, 512, 16, 21
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    gated = "gate" in variant
+    first = q_size * (2 if gated else 1)  # q (and the gate) in the first group, k and v in the second
+
+    def weight(ggml_type, rows, row_length):
+        return mx.array(random_byte_blocks(rng, ggml_type, rows, row_length)), ggml_type
+
+    attention_in = [weight(GGMLType.Q4_K, first, hidden), weight(GGMLType.Q8_0, 2 * kv_size, hidden)]
+    attention_out = weight(GGMLType.Q4_1, hidden, q_size)
+    ffn_in = [weight(GGMLType.Q6_K, ffn, hidden), weight(GGMLType.Q5_0, ffn, hidden)]
+    ffn_out = weight(GGMLType.Q5_K, hidden, ffn)
+
+    def vector(size):
+        return mx.array(rng.uniform(0.5, 1.5, size).astype(np.float32))
+
+    norms = {"ffn": vector(hidden), "next": vector(hidden)}
+    if "qk_norm" in variant:
+        norms.update(q=vector(head_dim), k=vector(head_dim))
+    if "sandwich" in variant:
+        norms.update(post_attention=vector(hidden), post_ffw=vector(hidden))
+    settings = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, offsets=(0, first, first + kv_size),
+                    gate=q_size if gated else None,
+                    bias=mx.array(rng.standard_normal(q_size + 2 * kv_size).astype(np.float32))
+                    if "bias" in variant else None,
+                    rope=dict(dims=head_dim, base=10000.0, traditional=False), eps=1e-6, scale=0.125)
+    activation = "gelu_tanh" if "gelu" in variant else "silu"
+    x = rng.standard_normal((1, hidden)).astype(np.float32)
+    h = rng.standard_normal((1, hidden)).astype(np.float32)
+    cache = rng.standard_normal((2, 1, kv_heads, capacity, head_dim)).astype(cache_dtype)
+    inputs = lambda: (mx.array(x), mx.array(h), mx.array(cache[0]), mx.array(cache[1]),  # noqa: E731
+                      mx.array([position], dtype=mx.int32))
+    expected = [np.array(a) for a in separate_layer(*inputs(), attention_in, attention_out, ffn_in, ffn_out,
+                                                    norms, settings, 1e-5, activation, rounded)]
+    poison = [mx.full((1, hidden), float("nan")) for _ in range(2)]
+    mx.eval(poison)
+    del poison
+    out = cpu_ext.decode_layer(*inputs(), attention_in=attention_in, attention_out=attention_out,
+                               ffn_in=ffn_in, ffn_out=ffn_out, norms=norms, post_eps=1e-5,
+                               activation=activation, rounded=rounded, **settings)
+    out = [np.array(a) for a in out]
+    assert out[2].dtype == out[3].dtype == np.dtype(cache_dtype)
+    for got, want in zip(out, expected):
+        assert np.isfinite(got).all(), "an output left unwritten"
+        assert relative_error(got.astype(np.float64), want.astype(np.float64)) <= LAYER_BOUND
+    assert not np.array_equal(out[2], cache[0]) and not np.array_equal(out[3], cache[1])  # written
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(attention_out_type=0), "attention output product needs a uint8 weight"),
+    (dict(ffn_in_rows=(64, 32)), "gate and up must be of one width"),
+    (dict(x_shape=(2, 64)), "expected x and h"),
+    (dict(ffn_in_count=3), "one or two feed-forward input products"),
+    (dict(next_norm=32), r"the norm weights must be \[64\]"),
+    (dict(offsets=(0, 64, 200)), "at their offsets"),
+])
+def test_decode_layer_refuses_inputs_that_do_not_fit(change, message):
+    from gguf import GGMLQuantizationType as GGMLType
+    hidden, head_dim = 64, 16
+
+    def weight(rows, row_length, ggml_type=GGMLType.Q8_0):
+        return mx.zeros((rows, row_length // 32 * 34), dtype=mx.uint8), ggml_type
+
+    rows = change.get("ffn_in_rows", (64, 64))
+    cache = mx.zeros((1, 2, 8, head_dim))
+    with pytest.raises(ValueError, match=message):
+        cpu_ext.decode_layer(
+            mx.zeros(change.get("x_shape", (1, hidden))), mx.zeros(change.get("x_shape", (1, hidden))),
+            cache, cache, mx.array([0], dtype=mx.int32),
+            attention_in=[weight(128, hidden)],
+            attention_out=weight(hidden, 64, change.get("attention_out_type", GGMLType.Q8_0)),
+            ffn_in=[weight(r, hidden) for r in rows] * (2 if change.get("ffn_in_count") == 3 else 1)
+            if change.get("ffn_in_count") != 3 else [weight(64, hidden)] * 3,
+            ffn_out=weight(hidden, 64),
+            norms={"ffn": mx.ones(hidden), "next": mx.ones(change.get("next_norm", hidden))},
+            heads=4, kv_heads=2, head_dim=head_dim, offsets=change.get("offsets", (0, 64, 96)), gate=None,
+            bias=None, rope=None, eps=1e-6, post_eps=1e-6, scale=1.0, activation="silu", rounded=True)
+
+
+def buffer_address(a: mx.array) -> int:
+    return np.frombuffer(memoryview(a), dtype=np.uint8).__array_interface__["data"][0]
+
+
+def small_layer(rng, keys, values):
+    """cpu_ext.decode_layer on one small Q8_0 layer (hidden 64, 4 heads of 32, 2 kv heads) at
+    position 3: (x, h, keys, values)."""
+    from gguf import GGMLQuantizationType as GGMLType
+
+    def weight(rows, row_length):
+        return mx.array(random_byte_blocks(rng, GGMLType.Q8_0, rows, row_length)), GGMLType.Q8_0
+
+    return cpu_ext.decode_layer(
+        mx.array(rng.standard_normal((1, 64)).astype(np.float32)),
+        mx.array(rng.standard_normal((1, 64)).astype(np.float32)), keys, values,
+        mx.array([3], dtype=mx.int32), attention_in=[weight(256, 64)], attention_out=weight(64, 128),
+        ffn_in=[weight(128, 64)], ffn_out=weight(64, 64), norms={"ffn": mx.ones(64), "next": mx.ones(64)},
+        heads=4, kv_heads=2, head_dim=32, offsets=(0, 128, 192), gate=None, bias=None,
+        rope=dict(dims=32, base=10000.0, traditional=False), eps=1e-6, post_eps=1e-6, scale=1.0,
+        activation="silu", rounded=True)
+
+
+def test_decode_layer_writes_the_caches_in_their_own_memory(rng):
+    # A cache that nothing else holds is donated (a copy of every cache each step otherwise:
+    # a multi-output primitive's inputs are held once per output, RESULTS.md session 36).
+    keys, values = mx.zeros((1, 2, 8, 32)), mx.zeros((1, 2, 8, 32))
+    mx.eval(keys, values)
+    addresses = buffer_address(keys), buffer_address(values)
+    _, _, keys, values = small_layer(rng, keys, values)
+    mx.eval(keys, values)
+    assert (buffer_address(keys), buffer_address(values)) == addresses
+    assert np.abs(np.array(keys)[0, :, 3]).min() > 0 and np.abs(np.array(values)[0, :, 3]).min() > 0
+
+
+def test_decode_layer_leaves_a_cache_held_elsewhere_as_it_was(rng):
+    held_keys, held_values = (mx.array(rng.standard_normal((1, 2, 8, 32)).astype(np.float32)) for _ in range(2))
+    before = np.array(held_keys), np.array(held_values)
+    _, _, keys, values = small_layer(rng, held_keys, held_values)
+    mx.eval(keys, values)
+    np.testing.assert_array_equal(np.array(held_keys), before[0])
+    np.testing.assert_array_equal(np.array(held_values), before[1])
+    assert not np.array_equal(np.array(keys), before[0])
+    np.testing.assert_array_equal(np.array(keys)[0, :, :3], before[0][0, :, :3])  # the other slots copied

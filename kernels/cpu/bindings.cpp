@@ -3,6 +3,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -94,6 +95,25 @@ written at slot position % capacity. Reuses the cache's memory when nothing else
 (plus bias, per-head norm, RoPE at `position`, int32 [1]) over slots 0 .. min(position + 1,
 capacity) - 1 of keys and values [1, kv_heads, capacity, head_dim], the attention gate applied.
 Returns o [1, heads * head_dim].)");
+
+  using DecodeLayerOp = std::vector<mx::array> (*)(
+      const mx::array&, const mx::array&, const mx::array&, const mx::array&, const mx::array&,
+      const std::vector<muser::cpu::WeightOf>&, const muser::cpu::WeightOf&,
+      const std::vector<muser::cpu::WeightOf>&, const muser::cpu::WeightOf&,
+      const std::optional<mx::array>&, const std::optional<mx::array>&,
+      const std::optional<mx::array>&, const std::optional<mx::array>&, const mx::array&,
+      const std::optional<mx::array>&, const mx::array&, muser::cpu::DecodeHeads, float, float,
+      bool, bool, int, mx::StreamOrDevice);
+  m.def("decode_layer", static_cast<DecodeLayerOp>(&muser::cpu::decode_layer), "x"_a, "h"_a,
+        "position"_a, "keys"_a, "values"_a, "attention_in"_a, "attention_out"_a, "ffn_in"_a,
+        "ffn_out"_a, "bias"_a.none(), "q_norm"_a.none(), "k_norm"_a.none(),
+        "post_attention_norm"_a.none(), "ffn_norm"_a, "post_ffw_norm"_a.none(), "next_norm"_a,
+        "shape"_a, "eps"_a, "post_eps"_a, "gelu"_a, "rounded"_a, "threads"_a = 0, nb::kw_only(),
+        "stream"_a = nb::none(),
+        R"(One decoder layer of a one-token decode step on the CPU, as one node: the products
+(each a (uint8 weight [out, row_bytes], ggml type) pair), the cache writes, attention_decode,
+the residual seams and the gated activation of models/cpu_decode.py's layer, in its order.
+x, h [1, hidden]: the residual stream and its normed copy. Returns [x, h, keys, values].)");
 
   using GatedActivationOp = mx::array (*)(const mx::array&, const mx::array&, bool,
                                           mx::StreamOrDevice);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "vectors.h"
 
@@ -56,6 +57,43 @@ template <class C>
 void attention_decode(const float* y, const float* bias, const float* q_norm, int64_t position,
                       const C* keys, const C* values, float* out,
                       const DecodeHeads& shape, int threads);
+
+// One decoder layer of a one-token decode step (layer.cpp): the phases of the ~10 graph nodes
+// of models/cpu_decode.py's layer (products, cache writes, attention, residual seams, gated
+// activation) called back to back, the same functions in the same order, so the pool's
+// workers stay hot between phases and MLX pays for one node.
+struct LayerProduct {
+  const uint8_t* weight;  // [out_features, row_bytes], GGUF blocks of ggml_type, rows contiguous
+  int ggml_type;
+  int64_t out_features;
+};
+
+struct DecodeLayer {
+  DecodeHeads heads;  // capacity: the caches'
+  int64_t hidden;
+  std::vector<LayerProduct> attention_in;  // q/k/v(/gate) groups: y = their outputs in order
+  LayerProduct attention_out;              // [hidden, heads * head_dim]
+  std::vector<LayerProduct> ffn_in;        // gate|up stacked (one), or gate then up (two)
+  LayerProduct ffn_out;                    // [hidden, ffn]
+  const float* bias;                 // q, k, v biases or null
+  const float* q_norm;               // [head_dim] or null
+  const float* k_norm;               // [head_dim] or null
+  const float* post_attention_norm;  // [hidden] or null (no sandwich norm)
+  const float* ffn_norm;             // [hidden]
+  const float* post_ffw_norm;        // [hidden] or null
+  const float* next_norm;            // [hidden]: the next layer's attention norm or the output norm
+  float eps, post_eps;               // the norms', the post-norms'
+  bool gelu;     // GELU's tanh form, else SiLU
+  bool rounded;  // products on x rounded to int8 (linear_rounded_from_blocks)
+  int threads;
+};
+
+// x, h: float32 [hidden], the residual stream and its normed copy entering the layer;
+// keys, values: [kv_heads, capacity, head_dim], written at slot position % capacity;
+// x_out, h_out: float32 [hidden] leaving it (h_out normed by next_norm).
+template <class C>
+void decode_layer(const float* x, const float* h, int64_t position, C* keys, C* values,
+                  const DecodeLayer& layer, float* x_out, float* h_out);
 
 // A prompt's heads as attention takes them: rows of y (row r of `rows` = batch x tokens at
 // y + r * stride, head h at offset + h * head_dim) into out [batch, heads, tokens, head_dim],

@@ -375,16 +375,16 @@ bool cache_dtype_supported(mx::Dtype dtype) {
 
 // Refuses y, a cache and the optional vectors that do not fit `shape` (capacity from the
 // cache), naming the op.
-void check_decode_inputs(const char* op, const mx::array& y, const mx::array& cache,
+void check_decode_inputs(const char* op, const mx::Shape& y, const mx::array& cache,
                          const mx::array& position, const std::optional<mx::array>& bias,
                          const std::optional<mx::array>& norm, const DecodeHeads& shape) {
   const int64_t head_dim = shape.head_dim, q_size = shape.heads * head_dim;
   const int64_t kv_size = shape.kv_heads * head_dim;
-  int64_t width = y.ndim() == 2 ? y.shape(1) : -1;
+  int64_t width = y.size() == 2 ? y[1] : -1;
   auto fits = [&](int64_t offset, int64_t size) { return offset >= 0 && offset + size <= width; };
   bool cache_ok = cache.ndim() == 4 && cache.shape(0) == 1 && cache.shape(1) == shape.kv_heads &&
                   cache.shape(3) == head_dim && cache.shape(2) > 0 && cache_dtype_supported(cache.dtype());
-  if (y.ndim() != 2 || y.shape(0) != 1 || shape.kv_heads < 1 || shape.heads % shape.kv_heads ||
+  if (y.size() != 2 || y[0] != 1 || shape.kv_heads < 1 || shape.heads % shape.kv_heads ||
       head_dim % 16 || !cache_ok || !fits(shape.q_off, q_size) || !fits(shape.k_off, kv_size) ||
       !fits(shape.v_off, kv_size) || (shape.gate_off >= 0 && !fits(shape.gate_off, q_size)) ||
       shape.rotary_dim % 2 || shape.rotary_dim > head_dim || shape.rotary_dim < 0) {
@@ -393,7 +393,7 @@ void check_decode_inputs(const char* op, const mx::array& y, const mx::array& ca
             << "offsets, a " << (half_cache_supported() ? "float32 or float16" : "float32")
             << " cache [1, " << shape.kv_heads << ", capacity, " << head_dim
             << "], heads a multiple of kv_heads, head_dim of 16, an even rotary_dim <= head_dim;"
-            << " got y " << y.shape() << ", cache " << cache.shape() << " " << cache.dtype()
+            << " got y " << y << ", cache " << cache.shape() << " " << cache.dtype()
             << ", heads " << shape.heads << "/" << shape.kv_heads;
     throw std::invalid_argument(message.str());
   }
@@ -411,7 +411,7 @@ void check_decode_inputs(const char* op, const mx::array& y, const mx::array& ca
 mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::array& position,
                       const std::optional<mx::array>& bias, const std::optional<mx::array>& norm,
                       DecodeHeads shape, bool key, mx::StreamOrDevice s) {
-  check_decode_inputs("write_cache", y, cache, position, bias, norm, shape);
+  check_decode_inputs("write_cache", y.shape(), cache, position, bias, norm, shape);
   shape.capacity = cache.shape(2);
   auto stream = mx::to_stream(s, mx::Device::cpu);
   std::vector<mx::array> inputs = {as_f32(y, stream), cache, as_shape(position, {1}, stream)};
@@ -474,7 +474,7 @@ mx::array attention_decode(const mx::array& y, const mx::array& keys, const mx::
                            const mx::array& position, const std::optional<mx::array>& bias,
                            const std::optional<mx::array>& q_norm, DecodeHeads shape,
                            int threads, mx::StreamOrDevice s) {
-  check_decode_inputs("attention_decode", y, keys, position, bias, q_norm, shape);
+  check_decode_inputs("attention_decode", y.shape(), keys, position, bias, q_norm, shape);
   if (values.shape() != keys.shape() || values.dtype() != keys.dtype()) {
     throw std::invalid_argument("[attention_decode] keys and values must be alike");
   }
@@ -528,6 +528,211 @@ void AttentionDecode::eval_gpu(const std::vector<mx::array>&, std::vector<mx::ar
 bool AttentionDecode::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const AttentionDecode&>(other);
   return same_heads(shape_, o.shape_) && bias_ == o.bias_ && q_norm_ == o.q_norm_ &&
+         threads_ == o.threads_;
+}
+
+namespace {
+
+// Refuses a layer product whose weight is not uint8 [out, row_bytes] of a format with a product
+// here holding rows of in_features values (whole 32-value blocks when rounded).
+void check_layer_product(const char* role, const WeightOf& product, int64_t in_features,
+                         bool rounded) {
+  const auto& [weight, type] = product;
+  int values = has_product(type) ? block_values(type) : 0;
+  if (values == 0 || weight.ndim() != 2 || weight.dtype() != mx::uint8 || in_features % values ||
+      weight.shape(1) != in_features / values * block_bytes(type) || (rounded && in_features % 32)) {
+    std::ostringstream message;
+    message << "[decode_layer] the " << role << " product needs a uint8 weight [out, row_bytes] "
+            << "of a format with a CPU product, rows of " << in_features << " values"
+            << (rounded ? " (whole 32-value blocks)" : "") << "; got " << weight.shape() << " "
+            << weight.dtype() << " of ggml type " << type;
+    throw std::invalid_argument(message.str());
+  }
+}
+
+} // namespace
+
+std::vector<mx::array> decode_layer(
+    const mx::array& x, const mx::array& h, const mx::array& position, const mx::array& keys,
+    const mx::array& values, const std::vector<WeightOf>& attention_in,
+    const WeightOf& attention_out, const std::vector<WeightOf>& ffn_in, const WeightOf& ffn_out,
+    const std::optional<mx::array>& bias, const std::optional<mx::array>& q_norm,
+    const std::optional<mx::array>& k_norm, const std::optional<mx::array>& post_attention_norm,
+    const mx::array& ffn_norm, const std::optional<mx::array>& post_ffw_norm,
+    const mx::array& next_norm, DecodeHeads shape, float eps, float post_eps, bool gelu,
+    bool rounded, int threads, mx::StreamOrDevice s) {
+  const int64_t hidden = x.ndim() == 2 ? x.shape(1) : -1;
+  if (x.ndim() != 2 || x.shape(0) != 1 || h.shape() != x.shape() || hidden < 1) {
+    std::ostringstream message;
+    message << "[decode_layer] expected x and h [1, hidden], got x " << x.shape() << " and h "
+            << h.shape();
+    throw std::invalid_argument(message.str());
+  }
+  if (attention_in.empty() || ffn_in.empty() || ffn_in.size() > 2 || threads < 0) {
+    throw std::invalid_argument("[decode_layer] expected one or more attention input products, "
+                                "one or two feed-forward input products and threads >= 0");
+  }
+  int64_t y_width = 0, ffn_width = 0;
+  std::vector<int> types;
+  for (const auto& product : attention_in) {
+    check_layer_product("attention input", product, hidden, rounded);
+    y_width += product.first.shape(0);
+    types.push_back(product.second);
+  }
+  check_layer_product("attention output", attention_out, shape.heads * shape.head_dim, rounded);
+  types.push_back(attention_out.second);
+  for (const auto& product : ffn_in) {
+    check_layer_product("feed-forward input", product, hidden, rounded);
+    ffn_width += product.first.shape(0);
+    types.push_back(product.second);
+  }
+  if (ffn_width % 2 || (ffn_in.size() == 2 && ffn_in[0].first.shape(0) != ffn_in[1].first.shape(0)) ||
+      attention_out.first.shape(0) != hidden || ffn_out.first.shape(0) != hidden) {
+    std::ostringstream message;
+    message << "[decode_layer] the feed-forward's gate and up must be of one width and both "
+            << "output products " << hidden << " rows; got gate|up " << ffn_width
+            << " rows, attention output " << attention_out.first.shape(0)
+            << ", feed-forward output " << ffn_out.first.shape(0);
+    throw std::invalid_argument(message.str());
+  }
+  check_layer_product("feed-forward output", ffn_out, ffn_width / 2, rounded);
+  types.push_back(ffn_out.second);
+  const mx::Shape y_shape = {1, static_cast<int>(y_width)};
+  check_decode_inputs("decode_layer", y_shape, keys, position, bias, q_norm, shape);
+  check_decode_inputs("decode_layer", y_shape, keys, position, std::nullopt, k_norm, shape);
+  if (values.shape() != keys.shape() || values.dtype() != keys.dtype()) {
+    throw std::invalid_argument("[decode_layer] keys and values must be alike");
+  }
+  auto vector_of = [&](const std::optional<mx::array>& w) {
+    return !w || (w->ndim() == 1 && w->shape(0) == hidden);
+  };
+  if (!vector_of(post_attention_norm) || !vector_of(ffn_norm) || !vector_of(post_ffw_norm) ||
+      !vector_of(next_norm)) {
+    std::ostringstream message;
+    message << "[decode_layer] the norm weights must be [" << hidden << "], got ffn_norm "
+            << ffn_norm.shape() << ", next_norm " << next_norm.shape();
+    throw std::invalid_argument(message.str());
+  }
+  shape.capacity = keys.shape(2);
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs = {as_f32(x, stream), as_f32(h, stream), as_shape(position, {1}, stream),
+                                   keys, values};
+  for (const auto& product : attention_in) {
+    inputs.push_back(product.first);
+  }
+  inputs.push_back(attention_out.first);
+  for (const auto& product : ffn_in) {
+    inputs.push_back(product.first);
+  }
+  inputs.push_back(ffn_out.first);
+  for (const auto* vector : {&bias, &q_norm, &k_norm, &post_attention_norm}) {
+    if (*vector) {
+      inputs.push_back(as_f32(**vector, stream));
+    }
+  }
+  inputs.push_back(as_f32(ffn_norm, stream));
+  if (post_ffw_norm) {
+    inputs.push_back(as_f32(*post_ffw_norm, stream));
+  }
+  inputs.push_back(as_f32(next_norm, stream));
+  return mx::array::make_arrays(
+      {x.shape(), x.shape(), keys.shape(), values.shape()},
+      {mx::float32, mx::float32, keys.dtype(), values.dtype()},
+      std::make_shared<LayerDecode>(stream, shape, std::move(types),
+                                    static_cast<int>(attention_in.size()),
+                                    static_cast<int>(ffn_in.size()), bias.has_value(),
+                                    q_norm.has_value(), k_norm.has_value(),
+                                    post_attention_norm.has_value(), post_ffw_norm.has_value(),
+                                    eps, post_eps, gelu, rounded, threads),
+      inputs);
+}
+
+void LayerDecode::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& input : inputs) {
+    encoder.set_input_array(input);
+  }
+  // Each output of a multi-output primitive holds its own copy of the inputs
+  // (array::make_arrays), so MLX would count the caches as held four times and never donate
+  // them (a copy of every cache each step, RESULTS.md session 36): the other outputs' copies
+  // are dropped while the caches are taken, then made again.
+  for (auto& output : outputs) {
+    if (&output.inputs() != &inputs) {
+      output.inputs().clear();
+    }
+  }
+  auto copy_keys = reuse_or_copy(inputs[3], outputs[2]);
+  auto copy_values = reuse_or_copy(inputs[4], outputs[3]);
+  for (auto& output : outputs) {
+    if (&output.inputs() != &inputs) {
+      output.inputs() = inputs;
+    }
+  }
+  for (int i = 0; i < 2; ++i) {
+    outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
+  }
+  for (auto& output : outputs) {
+    encoder.set_output_array(output);
+  }
+  DecodeLayer layer{};
+  layer.heads = shape_;
+  layer.hidden = inputs[0].shape(1);
+  size_t i = 5, type = 0;
+  auto product = [&] {
+    const mx::array& weight = inputs[i++];
+    return LayerProduct{row_major<uint8_t>(weight, encoder), types_[type++], weight.shape(0)};
+  };
+  for (int p = 0; p < attention_in_; ++p) {
+    layer.attention_in.push_back(product());
+  }
+  layer.attention_out = product();
+  for (int p = 0; p < ffn_in_; ++p) {
+    layer.ffn_in.push_back(product());
+  }
+  layer.ffn_out = product();
+  auto vector = [&](bool present) { return present ? row_major<float>(inputs[i++], encoder) : nullptr; };
+  layer.bias = vector(bias_);
+  layer.q_norm = vector(q_norm_);
+  layer.k_norm = vector(k_norm_);
+  layer.post_attention_norm = vector(post_attention_norm_);
+  layer.ffn_norm = vector(true);
+  layer.post_ffw_norm = vector(post_ffw_norm_);
+  layer.next_norm = vector(true);
+  layer.eps = eps_;
+  layer.post_eps = post_eps_;
+  layer.gelu = gelu_;
+  layer.rounded = rounded_;
+  layer.threads = threads_ > 0 ? threads_ : all_cores();
+  const float* x = row_major<float>(inputs[0], encoder);
+  const float* h = row_major<float>(inputs[1], encoder);
+  const int32_t* position = inputs[2].data<int32_t>();
+  auto run = [&](auto* keys, auto* values) {
+    encoder.dispatch([=, layer = std::move(layer), x_out = outputs[0].data<float>(),
+                      h_out = outputs[1].data<float>()]() {
+      copy_keys();
+      copy_values();
+      decode_layer(x, h, position[0], keys, values, layer, x_out, h_out);
+    });
+  };
+#ifdef MUSER_HALF_CACHE
+  if (outputs[2].dtype() == mx::float16) {
+    return run(reinterpret_cast<half*>(outputs[2].data<mx::float16_t>()),
+               reinterpret_cast<half*>(outputs[3].data<mx::float16_t>()));
+  }
+#endif
+  run(outputs[2].data<float>(), outputs[3].data<float>());
+}
+
+void LayerDecode::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[decode_layer] runs on the CPU only; a GPU has kernels/*.metal");
+}
+
+bool LayerDecode::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const LayerDecode&>(other);
+  return same_heads(shape_, o.shape_) && types_ == o.types_ && attention_in_ == o.attention_in_ &&
+         ffn_in_ == o.ffn_in_ && bias_ == o.bias_ && q_norm_ == o.q_norm_ && k_norm_ == o.k_norm_ &&
+         post_attention_norm_ == o.post_attention_norm_ && post_ffw_norm_ == o.post_ffw_norm_ &&
+         eps_ == o.eps_ && post_eps_ == o.post_eps_ && gelu_ == o.gelu_ && rounded_ == o.rounded_ &&
          threads_ == o.threads_;
 }
 

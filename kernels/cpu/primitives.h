@@ -7,6 +7,8 @@
 #pragma once
 
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -161,6 +163,53 @@ class AttentionDecode : public mx::Primitive {
  private:
   DecodeHeads shape_;
   bool bias_, q_norm_;
+  int threads_;
+};
+
+// One decoder layer of a one-token decode step as one node (decode.h's decode_layer): x, h float
+// [1, hidden] (the residual stream and its normed copy); keys, values and position as
+// attention_decode's; each product a weight uint8 [out, row_bytes] of GGUF blocks and its ggml
+// type: attention_in the q/k/v(/gate) groups whose outputs side by side are attention_decode's y,
+// ffn_in gate|up stacked or gate then up; the norm weights float [hidden] (q_norm, k_norm
+// [head_dim]), the optional ones none where the architecture has none.
+// Returns [x, h, keys, values]: x, h float32 [1, hidden] leaving the layer (h normed by
+// next_norm), the caches with the token written (their memory reused as write_cache's).
+using WeightOf = std::pair<mx::array, int>;
+std::vector<mx::array> decode_layer(
+    const mx::array& x, const mx::array& h, const mx::array& position, const mx::array& keys,
+    const mx::array& values, const std::vector<WeightOf>& attention_in,
+    const WeightOf& attention_out, const std::vector<WeightOf>& ffn_in, const WeightOf& ffn_out,
+    const std::optional<mx::array>& bias, const std::optional<mx::array>& q_norm,
+    const std::optional<mx::array>& k_norm, const std::optional<mx::array>& post_attention_norm,
+    const mx::array& ffn_norm, const std::optional<mx::array>& post_ffw_norm,
+    const mx::array& next_norm, DecodeHeads shape, float eps, float post_eps, bool gelu,
+    bool rounded, int threads, mx::StreamOrDevice s = {});
+
+class LayerDecode : public mx::Primitive {
+ public:
+  // types: the products' ggml types in input order (attention_in, attention_out, ffn_in, ffn_out).
+  LayerDecode(mx::Stream stream, DecodeHeads shape, std::vector<int> types, int attention_in,
+              int ffn_in, bool bias, bool q_norm, bool k_norm, bool post_attention_norm,
+              bool post_ffw_norm, float eps, float post_eps, bool gelu, bool rounded, int threads)
+      : mx::Primitive(stream), shape_(shape), types_(std::move(types)),
+        attention_in_(attention_in), ffn_in_(ffn_in), bias_(bias), q_norm_(q_norm),
+        k_norm_(k_norm), post_attention_norm_(post_attention_norm),
+        post_ffw_norm_(post_ffw_norm), eps_(eps), post_eps_(post_eps), gelu_(gelu),
+        rounded_(rounded), threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "LayerDecode"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  DecodeHeads shape_;
+  std::vector<int> types_;
+  int attention_in_, ffn_in_;
+  bool bias_, q_norm_, k_norm_, post_attention_norm_, post_ffw_norm_;
+  float eps_, post_eps_;
+  bool gelu_, rounded_;
   int threads_;
 };
 

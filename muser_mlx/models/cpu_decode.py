@@ -4,10 +4,14 @@ The general step (`Transformer.__call__`) serves any number of tokens: its Pytho
 MLX ops a layer every step (5-6 ms for SmolLM2's 30 layers) and MLX's CPU runs each op alone
 (3-30 us each). Here the same layers are written as a function of arrays alone (the token,
 its position, every layer's cache arrays), so `mx.compile` traces it once per thread and
-cache shape, and a layer is about ten graph nodes: its products, the two residual seams
-(cpu_ext.residual_norm) and attention's three (cpu_ext.attention_decode: the key and value
-written into the cache at the position *array*, in the cache's own memory, then attention
-over the slots written so far).
+cache shape, and a layer is one graph node (cpu_ext.decode_layer, LAYER_PRIMITIVE) where
+every product of the layer has a compiled format, else about ten: its products, the two
+residual seams (cpu_ext.residual_norm) and attention's three (cpu_ext.attention_decode: the key
+and value written into the cache at the position *array*, in the cache's own memory, then
+attention over the slots written so far). The one node calls the ten's functions in their
+order, so the two give the same logits; it saves MLX's cost per node and keeps the products'
+thread pool awake between a layer's phases (SmolLM2 7.85 against 9.10 ms a step, RESULTS.md
+session 36).
 
 `rounded` (ROUNDED for generate()): every product's input is rounded to int8 inside the
 compiled product, which then multiplies with integer dot products, as llama.cpp's CPU products
@@ -35,6 +39,10 @@ from muser_mlx import cpu_ext, kernels, ops
 # generate()'s CPU steps round every product's input to int8 (module docstring): faster
 # products (bench/RESULTS.md, issue 13, sessions 8 and 9).
 ROUNDED = True
+# A layer as one graph node (cpu_ext.decode_layer: its phases back to back in one primitive) where
+# every product of the layer has a compiled CPU format; False: the ~10 nodes of `_layer_nodes`
+# (the same functions in the same order: the same values, bit for bit), for A/B benchmarks.
+LAYER_PRIMITIVE = True
 # generate()'s caches on the CPU, where this step serves: float16 (module docstring), or
 # float32 (as make_cache() on the CPU: the exact keys and values of the study path).
 GENERATION_CACHE_DTYPE = mx.float16
@@ -45,9 +53,11 @@ class CPUDecodeStep:
     graph runs on the streams of the thread that traced it) and per cache shape (mx.compile
     retraces when the caches grow)."""
 
-    def __init__(self, model, rounded: bool):
+    def __init__(self, model, rounded: bool, layer_primitive: bool | None = None):
+        """layer_primitive: one node a layer where it can (None: LAYER_PRIMITIVE)."""
         self.model = model
         self.rounded = rounded
+        self.layer_primitive = LAYER_PRIMITIVE if layer_primitive is None else layer_primitive
         self._compiled = {}  # thread id -> compiled graph
 
     def __call__(self, token: mx.array, cache: list) -> mx.array:
@@ -94,8 +104,60 @@ class CPUDecodeStep:
         return ops.linear(x, weight, rounded=self.rounded)
 
     def _layer(self, block, x, h, position, keys, values, next_norm):
-        """Block.__call__ for one token at `position` (array): x, h [1, hidden]. Seven graph
-        nodes and the products."""
+        """Block.__call__ for one token at `position` (array): x, h [1, hidden] -> (x, h, keys,
+        values), as one node where every product has a compiled format, else as several."""
+        weights = self._layer_weights(block)
+        if self.layer_primitive and all(w.ggml_type in cpu_ext.FORMATS for w in weights):
+            return self._layer_node(block, x, h, position, keys, values, next_norm)
+        return self._layer_nodes(block, x, h, position, keys, values, next_norm)
+
+    @staticmethod
+    def _layer_weights(block) -> list:
+        """The layer's product weights: the attention input groups, its output, the
+        feed-forward's input groups, its output."""
+        attention, feed_forward = block.attention, block.feed_forward
+        return ([stacked for stacked, _, _ in attention.input_proj.groups] + [attention.o_proj.weight_tensor]
+                + [stacked for stacked, _, _ in feed_forward.input_proj.groups]
+                + [feed_forward.down_proj.weight_tensor])
+
+    def _attention_settings(self, attention) -> dict:
+        """attention_decode's keyword arguments for `attention` (shapes, offsets, rope, ...)."""
+        c = self.model.config
+        rope = None
+        if attention.rotates:
+            rope = dict(dims=c.rotary_dim, traditional=c.rope_traditional, base=attention.rope_base)
+        offsets = attention.input_proj.offsets
+        return dict(heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
+                    offsets=(offsets["q"], offsets["k"], offsets["v"]), gate=offsets.get("gate"),
+                    bias=attention.qkv_bias if c.qkv_bias else None, rope=rope, eps=c.eps,
+                    scale=c.attention_scale)
+
+    def _layer_node(self, block, x, h, position, keys, values, next_norm):
+        """The layer as one node (cpu_ext.decode_layer)."""
+        c = self.model.config
+        sandwich = c.sandwich_norms
+        attention, feed_forward = block.attention, block.feed_forward
+        norms = {"ffn": block.ffn_norm, "next": next_norm}
+        if c.qk_norm:
+            norms.update(q=attention.q_norm, k=attention.k_norm)
+        if sandwich:
+            norms.update(post_attention=block.post_attention_norm, post_ffw=block.post_ffw_norm)
+
+        def products(weights):
+            return [(w.data, w.ggml_type) for w in weights]
+
+        return cpu_ext.decode_layer(
+            x, h, keys, values, position,
+            attention_in=products(stacked for stacked, _, _ in attention.input_proj.groups),
+            attention_out=products([attention.o_proj.weight_tensor])[0],
+            ffn_in=products(stacked for stacked, _, _ in feed_forward.input_proj.groups),
+            ffn_out=products([feed_forward.down_proj.weight_tensor])[0], norms=norms,
+            post_eps=c.eps if c.post_norm_eps is None else c.post_norm_eps,
+            activation=feed_forward.activation_name, rounded=self.rounded,
+            **self._attention_settings(attention))
+
+    def _layer_nodes(self, block, x, h, position, keys, values, next_norm):
+        """The layer as seven graph nodes and the products."""
         c = self.model.config
         post_eps = c.eps if c.post_norm_eps is None else c.post_norm_eps
         sandwich = c.sandwich_norms
@@ -103,16 +165,9 @@ class CPUDecodeStep:
         projections = attention.input_proj
         y = mx.concatenate([self._linear(h, stacked) for stacked, _, _ in projections.groups], axis=-1) \
             if len(projections.groups) > 1 else self._linear(h, projections.groups[0][0])
-        rope = None
-        if attention.rotates:
-            rope = dict(dims=c.rotary_dim, traditional=c.rope_traditional, base=attention.rope_base)
-        offsets = projections.offsets
         o, keys, values = cpu_ext.attention_decode(
-            y, keys, values, position, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
-            offsets=(offsets["q"], offsets["k"], offsets["v"]), gate=offsets.get("gate"),
-            bias=attention.qkv_bias if c.qkv_bias else None,
-            q_norm=attention.q_norm if c.qk_norm else None, k_norm=attention.k_norm if c.qk_norm else None,
-            rope=rope, eps=c.eps, scale=c.attention_scale)
+            y, keys, values, position, q_norm=attention.q_norm if c.qk_norm else None,
+            k_norm=attention.k_norm if c.qk_norm else None, **self._attention_settings(attention))
         a = self._linear(o, attention.o_proj.weight_tensor)
         x, h = cpu_ext.residual_norm(x, a, block.post_attention_norm if sandwich else None,
                                      block.ffn_norm, post_eps, c.eps)
