@@ -106,19 +106,19 @@ class CPUDecodeStep:
     def _layer(self, block, x, h, position, keys, values, next_norm):
         """Block.__call__ for one token at `position` (array): x, h [1, hidden] -> (x, h, keys,
         values), as one node where every product has a compiled format, else as several."""
-        weights = self._layer_weights(block)
+        attention_in, attention_out, ffn_in, ffn_out = self._layer_weights(block)
+        weights = [*attention_in, attention_out, *ffn_in, ffn_out]
         if self.layer_primitive and all(w.ggml_type in cpu_ext.FORMATS for w in weights):
             return self._layer_node(block, x, h, position, keys, values, next_norm)
         return self._layer_nodes(block, x, h, position, keys, values, next_norm)
 
     @staticmethod
-    def _layer_weights(block) -> list:
-        """The layer's product weights: the attention input groups, its output, the
-        feed-forward's input groups, its output."""
+    def _layer_weights(block) -> tuple:
+        """The layer's product weights: (the attention's input groups, its output, the
+        feed-forward's input groups, its output)."""
         attention, feed_forward = block.attention, block.feed_forward
-        return ([stacked for stacked, _, _ in attention.input_proj.groups] + [attention.o_proj.weight_tensor]
-                + [stacked for stacked, _, _ in feed_forward.input_proj.groups]
-                + [feed_forward.down_proj.weight_tensor])
+        return ([stacked for stacked, _, _ in attention.input_proj.groups], attention.o_proj.weight_tensor,
+                [stacked for stacked, _, _ in feed_forward.input_proj.groups], feed_forward.down_proj.weight_tensor)
 
     def _attention_settings(self, attention) -> dict:
         """attention_decode's keyword arguments for `attention` (shapes, offsets, rope, ...)."""
@@ -142,16 +142,15 @@ class CPUDecodeStep:
             norms.update(q=attention.q_norm, k=attention.k_norm)
         if sandwich:
             norms.update(post_attention=block.post_attention_norm, post_ffw=block.post_ffw_norm)
+        attention_in, attention_out, ffn_in, ffn_out = self._layer_weights(block)
 
-        def products(weights):
-            return [(w.data, w.ggml_type) for w in weights]
+        def product(w):
+            return w.data, w.ggml_type
 
         return cpu_ext.decode_layer(
-            x, h, keys, values, position,
-            attention_in=products(stacked for stacked, _, _ in attention.input_proj.groups),
-            attention_out=products([attention.o_proj.weight_tensor])[0],
-            ffn_in=products(stacked for stacked, _, _ in feed_forward.input_proj.groups),
-            ffn_out=products([feed_forward.down_proj.weight_tensor])[0], norms=norms,
+            x, h, keys, values, position, attention_in=[product(w) for w in attention_in],
+            attention_out=product(attention_out), ffn_in=[product(w) for w in ffn_in],
+            ffn_out=product(ffn_out), norms=norms,
             post_eps=c.eps if c.post_norm_eps is None else c.post_norm_eps,
             activation=feed_forward.activation_name, rounded=self.rounded,
             **self._attention_settings(attention))
