@@ -43,14 +43,12 @@
 // slot n score nothing.
 // CAPACITY is the caches' third dimension, read at run time (a growing cache does not make a
 // new kernel), and so is SPLIT, which follows it (as a template constant it made a kernel for
-// each power of two a full cache crossed: 1.8-3.2 s to compile on the H200, session 34).
+// each power of two a full cache crossed: 1.8-3.2 s to compile on the H200).
 // Template constants: HEADS, KV_HEADS, HEAD_DIM (a multiple of 64), ROTARY, TRADITIONAL,
-// QK_NORM, BIAS, MAX_SPLITS, HEAD_GROUP, Q_OFF, K_OFF, V_OFF, LATE_VALUES (1: a
-// block's value rows are read in the value pass itself, not loaded with its keys into an array:
-// 128 registers a thread instead of 216 at HEAD_GROUP 2 (nvcc -Xptxas -v, sm_90), so 4
-// threadgroups an SM instead of 2, for one more wait on memory a block), SHARED_P (1: the probabilities reach the value pass through threadgroup memory, not
-// simd_shuffle), FAST_BLOCKS (1: blocks of 32 stored slots without w take a path without
-// per-slot clamps and tests).
+// QK_NORM, BIAS, MAX_SPLITS, HEAD_GROUP, Q_OFF, K_OFF, V_OFF.
+// A block's value rows are loaded with its keys (216 registers a thread at HEAD_GROUP 2: 2
+// threadgroups an SM, but one wait on memory a block); blocks of 32 stored slots without w take
+// a path without per-slot clamps and tests.
 const int GROUP = HEADS / KV_HEADS;
 const int HEAD_GROUPS = GROUP / HEAD_GROUP;
 const int CHANNELS = HEAD_DIM / 32;  // value channels per lane
@@ -65,7 +63,6 @@ device float* partial_o = partial;
 device float* partial_stats = partial + size_t(HEADS) * SPLITS * size_t(HEAD_DIM);
 threadgroup float4 q_tiles[4 * HEAD_GROUP * HEAD_DIM / 4];
 threadgroup float kv_tiles[4 * 2 * HEAD_DIM];
-threadgroup float p_tiles[4 * HEAD_GROUP * 32];
 uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
 uint index = threadgroup_position_in_grid.x * (threads_per_threadgroup.x / 32u) + warp;
@@ -79,7 +76,6 @@ uint first_head = kv_head * uint(GROUP) + head_group * uint(HEAD_GROUP);
 threadgroup float4* q_tile = q_tiles + warp * uint(HEAD_GROUP * HEAD_DIM / 4);
 threadgroup float* k_tile = kv_tiles + warp * uint(2 * HEAD_DIM);
 threadgroup float* v_tile = k_tile + HEAD_DIM;
-threadgroup float* p_tile = p_tiles + warp * uint(HEAD_GROUP * 32);
 int position = state[0];
 uint count = min(uint(position) + 1u, CAPACITY);
 uint write_slot = uint(position) % CAPACITY;
@@ -122,9 +118,7 @@ uint value_rows[32 * (CHANNELS / 2)];
   for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
     key_rows[chunk] = key[chunk];
   }
-  if (!LATE_VALUES) {
-    muser_load_value_rows<HEAD_DIM>(values, first, last, lane, value_rows);
-  }
+  muser_load_value_rows<HEAD_DIM>(values, first, last, lane, value_rows);
 }
 float eps = params[0];
 // The new key's head and value (the split holding slot w), loaded before q's preparation waits.
@@ -164,15 +158,15 @@ for (uint base = first; base < last; base += 32u) {
   bool stored = valid && slot != write_slot;
   // A full block: 32 stored slots, none of them w (the same for every lane). Its value rows
   // need no clamp and its value pass no test a slot.
-  bool full = FAST_BLOCKS && base + 32u <= last && write_slot - base >= 32u;
+  bool full = base + 32u <= last && write_slot - base >= 32u;
   if (base != first) {
     const device uint4* key = (const device uint4*)(keys + size_t(stored ? slot : first) * HEAD_DIM);
     for (int chunk = 0; chunk < KEY_CHUNKS; ++chunk) {
       key_rows[chunk] = key[chunk];
     }
-    if (!LATE_VALUES && full) {
+    if (full) {
       muser_load_full_value_rows<HEAD_DIM>(values, base, lane, value_rows);
-    } else if (!LATE_VALUES) {
+    } else {
       muser_load_value_rows<HEAD_DIM>(values, base, last, lane, value_rows);
     }
   }
@@ -221,20 +215,13 @@ for (uint base = first; base < last; base += 32u) {
   // The values: each slot's probabilities broadcast from the lane that scored it; a slot past
   // the split's last adds 0 (its row, read from slot last - 1, is not used: that slot may be w,
   // whose stored row is stale); slot w's value is the new one, as the cache will hold it.
-  if (SHARED_P) {  // each lane's probabilities to threadgroup memory, read back 4 slots a load
-    for (int i = 0; i < HEAD_GROUP; ++i) {
-      p_tile[i * 32 + int(lane)] = score[i];
-    }
-    simdgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  const device uint* value_row = (const device uint*)(values + size_t(base) * HEAD_DIM + 2u * lane);
   for (int k = 0; full && k < 32; ++k) {
     float p[HEAD_GROUP];
     for (int i = 0; i < HEAD_GROUP; ++i) {
-      p[i] = SHARED_P ? p_tile[i * 32 + k] : simd_shuffle(score[i], uint(k));
+      p[i] = simd_shuffle(score[i], uint(k));
     }
     for (int c = 0; c < CHANNELS / 2; ++c) {
-      uint packed = LATE_VALUES ? value_row[k * (HEAD_DIM / 2) + 32 * c] : value_rows[k * (CHANNELS / 2) + c];
+      uint packed = value_rows[k * (CHANNELS / 2) + c];
       float v0 = muser_half_low(packed);
       float v1 = muser_half_high(packed);
       for (int i = 0; i < HEAD_GROUP; ++i) {
@@ -251,13 +238,12 @@ for (uint base = first; base < last; base += 32u) {
     uint key_slot = base + uint(k);
     float p[HEAD_GROUP];
     for (int i = 0; i < HEAD_GROUP; ++i) {
-      p[i] = SHARED_P ? p_tile[i * 32 + k] : simd_shuffle(score[i], uint(k));
+      p[i] = simd_shuffle(score[i], uint(k));
     }
     for (int c = 0; c < CHANNELS / 2; ++c) {
       uint e = 2u * lane + 64u * uint(c);
       bool stored_value = key_slot < last && key_slot != write_slot;
-      uint packed = LATE_VALUES ? *((const device uint*)(values + size_t(min(key_slot, last - 1u)) * HEAD_DIM + e))
-                                : value_rows[k * (CHANNELS / 2) + c];
+      uint packed = value_rows[k * (CHANNELS / 2) + c];
       float v0 = stored_value ? muser_half_low(packed) : 0.0f;
       float v1 = stored_value ? muser_half_high(packed) : 0.0f;
       if (key_slot == write_slot) {
@@ -269,9 +255,6 @@ for (uint base = first; base < last; base += 32u) {
         acc[i * CHANNELS + 2 * c + 1] += p[i] * v1;
       }
     }
-  }
-  if (SHARED_P) {
-    simdgroup_barrier(mem_flags::mem_threadgroup);  // every lane has read p_tile before the next block writes it
   }
 }
 for (int i = 0; i < HEAD_GROUP; ++i) {

@@ -389,17 +389,6 @@ inline uint muser_funnel(uint low, uint high, uint shift) {
 }
 #endif
 
-// A hint that the 32-byte sector at p will be read soon: fetched from DRAM into L2 without
-// a register or a wait (kernel product's PREFETCH). Metal has no such instruction: nothing.
-#if defined(__CUDACC__)
-inline void muser_prefetch_l2(const device uint8_t* p) {
-  asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
-}
-#else
-inline void muser_prefetch_l2(const device uint8_t* p) {
-}
-#endif
-
 // Device atomics on 32-bit counters, and the device-scope fence, for a count of the
 // threadgroups (or SIMD groups) done: a writer fences its results, then adds 1; the one that
 // sees the count reach its total fences again and reads every result; it stores 0 back for
@@ -876,12 +865,8 @@ inline void muser_rows_dot_pass(const device uint8_t* weight, uint first_row, SO
 // are X's: muser_x_unit (32 values) or, for Q4_K, muser_x_unit64 (64; muser_rows_dot's WIDE).
 // Rows of exactly 32 * UNROLL units take one pass without a loop or a clamp, the lane's
 // bound said aloud, so that the compiler folds the units' arithmetic.
-// PREFETCH p > 0 (rows that loop): each pass first asks L2 for the bytes of the lane's units p
-// passes ahead in every row (muser_prefetch_l2 at the unit's share of the row, u ROW_BYTES /
-// UNITS: the SIMD group's 32 lanes spread over the bytes its next units span), so that a
-// pass's loads find them there.
 template <class X, int UNIT_VALUES, int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL,
-          int INT_FLOATS, int LEAN, int PREFETCH, class SOURCE>
+          int INT_FLOATS, int LEAN, class SOURCE>
 inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, SOURCE source, uint lane,
                                  thread float* acc) {
   const uint UNITS = uint(IN / UNIT_VALUES);
@@ -890,15 +875,6 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
         weight, first_row, source, lane & 31u, UNITS, acc);
   } else {
     for (uint base = lane; base < UNITS; base += 32u * uint(UNROLL)) {
-      if (PREFETCH > 0) {
-        uint ahead = base + 32u * uint(UNROLL * PREFETCH);
-        if (ahead < UNITS) {
-          for (int r = 0; r < ROWS; ++r) {
-            uint row = min(first_row + uint(r), uint(OUT - 1));
-            muser_prefetch_l2(weight + size_t(row) * size_t(ROW_BYTES) + ahead * uint(ROW_BYTES) / UNITS);
-          }
-        }
-      }
       muser_rows_dot_pass<X, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN, true>(
           weight, first_row, source, base, UNITS, acc);
     }
@@ -909,14 +885,14 @@ inline void muser_rows_dot_units(const device uint8_t* weight, uint first_row, S
 // formats ignore WIDE). SOURCE: muser_x_global, or muser_x_staged for the formats and units it
 // holds. INT_FLOATS: how the units' integer dots and scales become floats (muser_float_of).
 template <int FORMAT, int ROW_BYTES, int OUT, int ROWS, int TOKENS, int IN, int UNROLL, int WIDE, int INT_FLOATS,
-          int LEAN = 0, int PREFETCH = 0, class SOURCE>
+          int LEAN = 0, class SOURCE>
 inline void muser_rows_dot(const device uint8_t* weight, uint first_row, SOURCE source, uint lane, thread float* acc) {
   if (WIDE != 0 && FORMAT == MUSER_Q4_K) {
-    muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN,
-                         PREFETCH>(weight, first_row, source, lane, acc);
+    muser_rows_dot_units<muser_x_unit64, 64, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN>(
+        weight, first_row, source, lane, acc);
   } else {
-    muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN,
-                         PREFETCH>(weight, first_row, source, lane, acc);
+    muser_rows_dot_units<muser_x_unit, 32, FORMAT, ROW_BYTES, OUT, ROWS, TOKENS, IN, UNROLL, INT_FLOATS, LEAN>(
+        weight, first_row, source, lane, acc);
   }
 }
 

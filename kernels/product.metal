@@ -43,12 +43,10 @@
 // than LEAN 0's within the same bound. Other formats ignore it.
 // Q6_K weights take LEAN too: the -32 offset and the 6-bit codes' int8 scales applied as
 // integers (blocks.metal's muser_unit_dot), one float product by x's scale a quarter.
-// PREFETCH p: rows that loop ask L2 for each lane's bytes p passes ahead (muser_rows_dot_units;
-// CUDA's prefetch.global.L2, nothing on Metal); 0: none.
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
 // ROWS, UNROLL (units per lane at a time), WIDE (1: Q4_K weights in 64-value units,
 // blocks.metal's muser_x_unit64; other formats ignore it), STAGE, WOVEN, EPILOGUE, INT_FLOATS,
-// LEAN, PREFETCH.
+// LEAN.
 threadgroup float best_rows[8 * TOKENS * 2];
 const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
 const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);
@@ -70,19 +68,19 @@ if (STAGE) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   muser_x_staged x = {x_words, x_blocks};
   if (in_a) {
-    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN, PREFETCH>(
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN>(
         weight_a, first_row, x, lane, acc);
   } else if (active) {
-    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN, PREFETCH>(
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN>(
         weight_b, first_row, x, lane, acc);
   }
 } else {
   muser_x_global<WOVEN ? IN / 64 : 0> x = {xq, xd, xs};
   if (in_a) {
-    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN, PREFETCH>(
+    muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN>(
         weight_a, first_row, x, lane, acc);
   } else if (active) {
-    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN, PREFETCH>(
+    muser_rows_dot<FORMAT_B, ROW_BYTES_B, OUT_B, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN>(
         weight_b, first_row, x, lane, acc);
   }
 }

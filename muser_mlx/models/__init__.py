@@ -6,6 +6,7 @@ from __future__ import annotations
 from muser_mlx.models import gemma3, llama, muse_glimmer, qwen2
 from muser_mlx.models.config import ModelConfig, ModelConfigError, UnsupportedArchitectureError
 from muser_mlx.models.transformer import Transformer
+from muser_mlx.settings import DEFAULT, Settings
 
 ARCHITECTURES = {module.ARCHITECTURE: module for module in (muse_glimmer, llama, gemma3, qwen2)}
 
@@ -23,7 +24,8 @@ def config_for(metadata: dict, tensors: dict) -> ModelConfig:
     return ARCHITECTURES[architecture].config(metadata, tensors)
 
 
-def build_model(gguf_file) -> Transformer:
-    """The model graph over an open `GGUFFile`'s tensors (their bytes are read lazily)."""
+def build_model(gguf_file, settings: Settings = DEFAULT) -> Transformer:
+    """The model graph over an open `GGUFFile`'s tensors (their bytes are read lazily), with
+    `settings` fixed for it."""
     config = config_for(gguf_file.metadata, gguf_file.tensors)
-    return Transformer(config, gguf_file.tensors)
+    return Transformer(config, gguf_file.tensors, settings)

@@ -105,6 +105,25 @@ class ModelConfig:
                 )
 
     @property
+    def post_eps(self) -> float:
+        """The eps of the sandwich post-norms (`post_norm_eps`, else `eps`)."""
+        return self.eps if self.post_norm_eps is None else self.post_norm_eps
+
+    def rope(self, layer: int) -> dict | None:
+        """Layer `layer`'s rotation as the attention ops take it: dict(dims, traditional, base),
+        or None where it rotates nothing (a full-attention layer of a NoPE model)."""
+        sliding = self.swa_layers[layer]
+        if not (sliding or self.rope_full_layers):
+            return None
+        return dict(dims=self.rotary_dim, traditional=self.rope_traditional,
+                    base=self.rope_base_swa if sliding else self.rope_base)
+
+    def check_context(self, end: int) -> None:
+        """Refuse a step that would hold `end` positions, past the model's context."""
+        if end > self.context:
+            raise ValueError(f"{end} positions exceed the model's context of {self.context} tokens")
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """f32 keys + values one token adds to every full-attention layer."""
         return 2 * self.kv_heads * self.head_dim * 4

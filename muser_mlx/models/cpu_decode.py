@@ -4,16 +4,16 @@ The general step (`Transformer.__call__`) serves any number of tokens: its Pytho
 MLX ops a layer every step (5-6 ms for SmolLM2's 30 layers) and MLX's CPU runs each op alone
 (3-30 us each). Here the same layers are written as a function of arrays alone (the token,
 its position, every layer's cache arrays), so `mx.compile` traces it once per thread and
-cache shape, and a layer is one graph node (cpu_ext.decode_layer, LAYER_PRIMITIVE) where
-every product of the layer has a compiled format, else about ten: its products, the two
-residual seams (cpu_ext.residual_norm) and attention's three (cpu_ext.attention_decode: the key
-and value written into the cache at the position *array*, in the cache's own memory, then
-attention over the slots written so far). The one node calls the ten's functions in their
-order, so the two give the same logits; it saves MLX's cost per node and keeps the products'
-thread pool awake between a layer's phases (SmolLM2 7.85 against 9.10 ms a step, RESULTS.md
-session 36).
+cache shape, and a layer is one graph node (cpu_ext.decode_layer) where every product of the
+layer has a compiled format, else about ten (layers.decoder_layer with this step's pieces):
+its products, the two residual seams (cpu_ext.residual_norm) and attention's three
+(cpu_ext.attention_decode: the key and value written into the cache at the position *array*,
+in the cache's own memory, then attention over the slots written so far). The one node calls
+the ten's functions in their order, so the two give the same logits; it saves MLX's cost per
+node and keeps the products' thread pool awake between a layer's phases (SmolLM2 7.85 against
+9.10 ms a step).
 
-`rounded` (ROUNDED for generate()): every product's input is rounded to int8 inside the
+`rounded` (Settings.cpu_rounded for generate()): every product's input is rounded to int8 inside the
 compiled product, which then multiplies with integer dot products, as llama.cpp's CPU products
 do: blocks of 32 values with one scale for the 32-value formats (q8_0,
 formats.quantize_activations), of 256 for the K-quants (q8_K,
@@ -22,8 +22,8 @@ at most max|x| / 254 of its block: ~0.5-0.7 % of each product's output for norma
 0.5-3.6 % of the logits of the tiny test models (README "The CPU decode step",
 tests/test_cpu_decode.py). `model(...)` keeps the exact products.
 
-The caches may be float32 or float16 (`generation_cache`: generate()'s, where the compiler has
-_Float16): a key or value is rounded to float16 as it is written and widened to float32 as
+The caches may be float32 or float16 (`generation_cache`: generate()'s, float16 where the
+compiler has _Float16): a key or value is rounded to float16 as it is written and widened to float32 as
 attention reads it, so a long context's attention reads half the bytes (llama.cpp's default
 cache type; a GPU's caches are float16 too).
 """
@@ -35,17 +35,7 @@ import threading
 import mlx.core as mx
 
 from muser_mlx import cpu_ext, kernels, ops
-
-# generate()'s CPU steps round every product's input to int8 (module docstring): faster
-# products (bench/RESULTS.md, issue 13, sessions 8 and 9).
-ROUNDED = True
-# A layer as one graph node (cpu_ext.decode_layer: its phases back to back in one primitive) where
-# every product of the layer has a compiled CPU format; False: the ~10 nodes of `_layer_nodes`
-# (the same functions in the same order: the same values, bit for bit), for A/B benchmarks.
-LAYER_PRIMITIVE = True
-# generate()'s caches on the CPU, where this step serves: float16 (module docstring), or
-# float32 (as make_cache() on the CPU: the exact keys and values of the study path).
-GENERATION_CACHE_DTYPE = mx.float16
+from muser_mlx.models.layers import decoder_layer
 
 
 class CPUDecodeStep:
@@ -53,11 +43,12 @@ class CPUDecodeStep:
     graph runs on the streams of the thread that traced it) and per cache shape (mx.compile
     retraces when the caches grow)."""
 
-    def __init__(self, model, rounded: bool, layer_primitive: bool | None = None):
-        """layer_primitive: one node a layer where it can (None: LAYER_PRIMITIVE)."""
+    def __init__(self, model, rounded: bool, layer_primitive: bool = True):
+        """layer_primitive: one node a layer where every product has a compiled format (False:
+        the separate nodes, which give the same values bit for bit: a test compares them)."""
         self.model = model
         self.rounded = rounded
-        self.layer_primitive = LAYER_PRIMITIVE if layer_primitive is None else layer_primitive
+        self.layer_primitive = layer_primitive
         self._compiled = {}  # thread id -> compiled graph
 
     def __call__(self, token: mx.array, cache: list) -> mx.array:
@@ -66,8 +57,7 @@ class CPUDecodeStep:
         Returns float32 logits [vocab]; the caches hold the token afterwards."""
         c = self.model.config
         position = cache[0].offset
-        if position + 1 > c.context:
-            raise ValueError(f"{position + 1} positions exceed the model's context of {c.context} tokens")
+        c.check_context(position + 1)
         if len(cache) != c.layers:
             raise ValueError(f"cache has {len(cache)} layers; the model has {c.layers}")
         for layer_cache in cache:
@@ -89,58 +79,49 @@ class CPUDecodeStep:
         model, c = self.model, self.model.config
         x = model.embed(token).reshape(1, c.hidden)
         x, h = cpu_ext.residual_norm(None, x, None, model.layers[0].attn_norm, c.eps, c.eps)
-        next_norms = [layer.attn_norm for layer in model.layers[1:]] + [model.output_norm]
         keys, values = list(keys), list(values)
-        for i, (layer, next_norm) in enumerate(zip(model.layers, next_norms)):
-            x, h, keys[i], values[i] = self._layer(layer, x, h, position, keys[i], values[i], next_norm)
-        logits = self._linear(h, model.output)
-        if c.logit_scale != 1.0:
-            logits = logits * c.logit_scale
-        if c.softcap is not None:
-            logits = c.softcap * mx.tanh(logits / c.softcap)
-        return logits.reshape(c.vocab), keys, values
+        for i, (block, next_norm) in enumerate(zip(model.layers, model.next_norms)):
+            x, h, keys[i], values[i] = self._layer(i, block, x, h, position, keys[i], values[i], next_norm)
+        return model.logits(h, rounded=self.rounded).reshape(c.vocab), keys, values
 
     def _linear(self, x: mx.array, weight) -> mx.array:
         return ops.linear(x, weight, rounded=self.rounded)
 
-    def _layer(self, block, x, h, position, keys, values, next_norm):
-        """Block.__call__ for one token at `position` (array): x, h [1, hidden] -> (x, h, keys,
+    def _layer(self, index, block, x, h, position, keys, values, next_norm):
+        """Layer `index` for one token at `position` (array): x, h [1, hidden] -> (x, h, keys,
         values), as one node where every product has a compiled format, else as several."""
         attention_in, attention_out, ffn_in, ffn_out = self._layer_weights(block)
         weights = [*attention_in, attention_out, *ffn_in, ffn_out]
         if self.layer_primitive and all(w.ggml_type in cpu_ext.FORMATS for w in weights):
-            return self._layer_node(block, x, h, position, keys, values, next_norm)
-        return self._layer_nodes(block, x, h, position, keys, values, next_norm)
+            return self._layer_node(index, block, x, h, position, keys, values, next_norm)
+        x, h, (keys, values, _) = decoder_layer(self, index, block, x, h, next_norm, (keys, values, position))
+        return x, h, keys, values
 
     @staticmethod
     def _layer_weights(block) -> tuple:
         """The layer's product weights: (the attention's input groups, its output, the
         feed-forward's input groups, its output)."""
         attention, feed_forward = block.attention, block.feed_forward
-        return ([stacked for stacked, _, _ in attention.input_proj.groups], attention.o_proj.weight_tensor,
-                [stacked for stacked, _, _ in feed_forward.input_proj.groups], feed_forward.down_proj.weight_tensor)
+        return (attention.input_proj.stacks, attention.o_proj.weight_tensor,
+                feed_forward.input_proj.stacks, feed_forward.down_proj.weight_tensor)
 
-    def _attention_settings(self, attention) -> dict:
-        """attention_decode's keyword arguments for `attention` (shapes, offsets, rope, ...)."""
+    def _attention_settings(self, index: int, attention) -> dict:
+        """attention_decode's keyword arguments for layer `index`'s attention (shapes, offsets, rope, ...)."""
         c = self.model.config
-        rope = None
-        if attention.rotates:
-            rope = dict(dims=c.rotary_dim, traditional=c.rope_traditional, base=attention.rope_base)
         offsets = attention.input_proj.offsets
         return dict(heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
                     offsets=(offsets["q"], offsets["k"], offsets["v"]), gate=offsets.get("gate"),
-                    bias=attention.qkv_bias if c.qkv_bias else None, rope=rope, eps=c.eps,
+                    bias=attention.qkv_bias if c.qkv_bias else None, rope=c.rope(index), eps=c.eps,
                     scale=c.attention_scale)
 
-    def _layer_node(self, block, x, h, position, keys, values, next_norm):
+    def _layer_node(self, index, block, x, h, position, keys, values, next_norm):
         """The layer as one node (cpu_ext.decode_layer)."""
         c = self.model.config
-        sandwich = c.sandwich_norms
         attention, feed_forward = block.attention, block.feed_forward
         norms = {"ffn": block.ffn_norm, "next": next_norm}
         if c.qk_norm:
             norms.update(q=attention.q_norm, k=attention.k_norm)
-        if sandwich:
+        if c.sandwich_norms:
             norms.update(post_attention=block.post_attention_norm, post_ffw=block.post_ffw_norm)
         attention_in, attention_out, ffn_in, ffn_out = self._layer_weights(block)
 
@@ -150,44 +131,45 @@ class CPUDecodeStep:
         return cpu_ext.decode_layer(
             x, h, keys, values, position, attention_in=[product(w) for w in attention_in],
             attention_out=product(attention_out), ffn_in=[product(w) for w in ffn_in],
-            ffn_out=product(ffn_out), norms=norms,
-            post_eps=c.eps if c.post_norm_eps is None else c.post_norm_eps,
+            ffn_out=product(ffn_out), norms=norms, post_eps=c.post_eps,
             activation=feed_forward.activation_name, rounded=self.rounded,
-            **self._attention_settings(attention))
+            **self._attention_settings(index, attention))
 
-    def _layer_nodes(self, block, x, h, position, keys, values, next_norm):
-        """The layer as seven graph nodes and the products."""
+    # -- layers.LayerPieces: the separate nodes --
+
+    def attention(self, index: int, block, h, state):
+        """h [1, hidden] -> (the o-projection's output [1, hidden], (keys, values, position))."""
         c = self.model.config
-        post_eps = c.eps if c.post_norm_eps is None else c.post_norm_eps
-        sandwich = c.sandwich_norms
+        keys, values, position = state
         attention = block.attention
-        projections = attention.input_proj
-        y = mx.concatenate([self._linear(h, stacked) for stacked, _, _ in projections.groups], axis=-1) \
-            if len(projections.groups) > 1 else self._linear(h, projections.groups[0][0])
+        stacks = attention.input_proj.stacks
+        y = mx.concatenate([self._linear(h, w) for w in stacks], axis=-1) if len(stacks) > 1 \
+            else self._linear(h, stacks[0])
         o, keys, values = cpu_ext.attention_decode(
             y, keys, values, position, q_norm=attention.q_norm if c.qk_norm else None,
-            k_norm=attention.k_norm if c.qk_norm else None, **self._attention_settings(attention))
-        a = self._linear(o, attention.o_proj.weight_tensor)
-        x, h = cpu_ext.residual_norm(x, a, block.post_attention_norm if sandwich else None,
-                                     block.ffn_norm, post_eps, c.eps)
+            k_norm=attention.k_norm if c.qk_norm else None, **self._attention_settings(index, attention))
+        return self._linear(o, attention.o_proj.weight_tensor), (keys, values, position)
+
+    def seam(self, x, branch, branch_weight, next_weight):
+        c = self.model.config
+        return cpu_ext.residual_norm(x, branch, branch_weight, next_weight, c.post_eps, c.eps)
+
+    def feed_forward(self, index: int, block, h):
         feed_forward = block.feed_forward
-        gate_up = feed_forward.input_proj
-        if len(gate_up.groups) == 1:
-            gate, up = mx.split(self._linear(h, gate_up.groups[0][0]), 2, axis=-1)
+        stacks = feed_forward.input_proj.stacks
+        if len(stacks) == 1:
+            gate, up = mx.split(self._linear(h, stacks[0]), 2, axis=-1)
         else:
-            gate, up = (self._linear(h, stacked) for stacked, _, _ in gate_up.groups)
-        f = self._linear(cpu_ext.gated_activation(gate, up, feed_forward.activation_name),
-                         feed_forward.down_proj.weight_tensor)
-        x, h = cpu_ext.residual_norm(x, f, block.post_ffw_norm if sandwich else None, next_norm,
-                                     post_eps, c.eps)
-        return x, h, keys, values
+            gate, up = (self._linear(h, w) for w in stacks)
+        return self._linear(cpu_ext.gated_activation(gate, up, feed_forward.activation_name),
+                            feed_forward.down_proj.weight_tensor)
 
 
 def generation_cache(model) -> list:
     """A new cache for generation: float16 where this step serves and the extension takes
-    float16 caches (GENERATION_CACHE_DTYPE); elsewhere make_cache()'s own dtype."""
+    float16 caches; elsewhere make_cache()'s own dtype."""
     if serves(model) and cpu_ext.half_cache():
-        return model.make_cache(GENERATION_CACHE_DTYPE)
+        return model.make_cache(mx.float16)
     return model.make_cache()
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from muser_mlx import cpu_ext, kernels
 from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, WovenQ8X, q8x_shapes, quantize_rows_mlx, weave
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
+from muser_mlx.settings import DEFAULT
 
 
 def split_heads(y: mx.array, heads: int, head_dim: int, weight: mx.array | None = None,
@@ -145,28 +146,12 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
-# Splits of a cache the first pass aims for (enough SIMD groups to fill the GPU). H200, session
-# 10 (ncu, attention alone): 128 against 64, full layer at 8192 36.5 + 6.5 µs against 47.6 + 5.3
-# (first pass + combine), the same at short contexts (a cache of 256 slots has 8 splits either way).
-ATTENTION_SPLITS = 128
-# Query heads one SIMD group of attention_decode takes (at most; a divisor of the group): more
-# heads share each key row's load, fewer spread q's preparation over more SIMD groups.
-ATTENTION_HEAD_GROUP = 2  # H200, session 8: 2 beat 4 by 0.3-0.4 ms a step (1: 0.9 ms slower)
-# attention_decode's value rows read in its value pass (1: fewer registers, more SIMD groups an
-# SM) or loaded with a block's keys (0), and its probabilities passed through threadgroup memory
-# (1) or simd_shuffle (0): measured with bench/decode.py --variant (RESULTS.md, session 9).
-ATTENTION_LATE_VALUES = 0
-ATTENTION_SHARED_P = 0
-# Full blocks of 32 stored slots through a path without per-slot clamps and tests (1) or the
-# general one (0).
-ATTENTION_FAST_BLOCKS = 1
-
-
 def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, after: mx.array,
                      *, heads: int,
                      kv_heads: int, head_dim: int, offsets: tuple[int, int, int], gate: int | None,
                      q_weight: mx.array | None, k_weight: mx.array | None, bias: mx.array | None,
-                     rope: dict | None, eps: float, scale: float, woven: bool = False):
+                     rope: dict | None, eps: float, scale: float, woven: bool = False,
+                     splits: int = DEFAULT.attention_splits, head_group: int = DEFAULT.attention_head_group):
     """One decode token's attention from its projections to the output projection's input.
 
     y: float32 [1, width], the q/k/v (and gate) projections' output: q at offsets[0]
@@ -180,6 +165,9 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     receives this token's key and value, slots 0 .. min(p + 1, capacity) - 1 are attended (a full
     cache: capacity > p; a sliding-window ring: capacity = window).
     woven: o as a WovenQ8X (ops.weave's layout), for a Product whose x_woven is set.
+    splits: the splits of a cache the first pass aims for (1..128; enough SIMD groups to fill the
+    GPU); head_group: the query heads a SIMD group takes, at most (more share each key row's
+    load, fewer spread q's preparation): Settings.attention_splits / attention_head_group.
     Returns (o as q8x [1, heads * head_dim], keys, values): on a GPU, kernels attention_decode
     (norm, RoPE, cache write in place, split attention) and attention_combine (splits merged,
     gate, quantized), the caches returned as given; on the CPU, MLX ops and new cache arrays."""
@@ -194,13 +182,13 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                                                 q_weight, k_weight, bias, rope, eps, scale)
         return (weave(o) if woven else o), keys, values
     group = heads // kv_heads
-    head_group = max(g for g in range(1, min(group, ATTENTION_HEAD_GROUP) + 1) if group % g == 0)
-    # Keys per split: the least power-of-two multiple of 32 that makes ATTENTION_SPLITS splits
-    # or fewer. The kernel works it out from the cache's capacity in the same way.
-    if not 1 <= ATTENTION_SPLITS <= 128:
-        raise ValueError(f"ATTENTION_SPLITS must be 1..128 (attention_combine's lanes hold 4 each), got {ATTENTION_SPLITS}")
-    split = 32
-    while split * ATTENTION_SPLITS < capacity:
+    head_group = max(g for g in range(1, min(group, head_group) + 1) if group % g == 0)
+    # Keys per split: the least power-of-two multiple of 32 that makes `splits` splits or fewer.
+    # The kernel works it out from the cache's capacity in the same way.
+    if not 1 <= splits <= 128:
+        raise ValueError(f"splits must be 1..128 (attention_combine's lanes hold 4 each), got {splits}")
+    max_splits, split = splits, 32
+    while split * max_splits < capacity:
         split *= 2
     splits = -(-capacity // split)
     dims = rope["dims"] if rope is not None else 0
@@ -212,9 +200,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                 position, keys, values, kernels.parameters(eps, scale), after],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
-                  ("BIAS", int(bias is not None)), ("MAX_SPLITS", ATTENTION_SPLITS), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off),
-                  ("LATE_VALUES", int(bool(ATTENTION_LATE_VALUES))), ("SHARED_P", int(bool(ATTENTION_SHARED_P))),
-                  ("FAST_BLOCKS", int(bool(ATTENTION_FAST_BLOCKS)))],
+                  ("BIAS", int(bias is not None)), ("MAX_SPLITS", max_splits), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],
         grid=(32 * kv_heads * (group // head_group) * splits, 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=[(heads * splits * (head_dim + 2),)],  # o [heads, splits, head_dim], then (m, l)

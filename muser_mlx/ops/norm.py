@@ -16,10 +16,8 @@ from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows
 # SEAM_SLICE_BLOCKS * 8 <= SEAM_THREADS (a thread holds 4 values of its slice).
 SEAM_SLICE_BLOCKS = 16
 SEAM_THREADS = 256
-# residual_norm on a GPU: kernel residual_norm_rows (one launch a seam, a threadgroup a row, of
-# at least ROWS_THREADS threads and more while a thread would hold over ROWS_PER_THREAD values)
-# or MLX's ops (False: the branch's conversion, rms_norm, add, rms_norm; four launches).
-SEAM_ROWS_KERNEL = True
+# residual_norm on a GPU: kernel residual_norm_rows, one launch a seam, a threadgroup a row, of
+# at least ROWS_THREADS threads and more while a thread would hold over ROWS_PER_THREAD values.
 ROWS_THREADS = 256
 ROWS_PER_THREAD = 32
 
@@ -36,17 +34,16 @@ def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weig
     residual: float32 [..., hidden]; branch: [..., hidden], float32 (or, on a GPU, float16: a
     prefill product's output as it is); weights: float32 [hidden]. Returns (sum, normed), float32.
     On the CPU the compiled primitive (cpu_ext.residual_norm, the CPU decode step's), where MLX's
-    ops took ~0.7 ms a Gemma 3 layer of a 128-token prompt (RESULTS.md, session 13); on a GPU
-    kernel residual_norm_rows (SEAM_ROWS_KERNEL), one launch where MLX's ops took four: a
-    prefill chunk's host builds every launch, and was its bound (bench/RESULTS.md, session 32).
-    Session 3's fused seam measured slower than MLX's ops on the H200 with the host not the bound.
+    ops took ~0.7 ms a Gemma 3 layer of a 128-token prompt; on a GPU kernel residual_norm_rows,
+    one launch where MLX's ops took four (a prefill chunk's host builds every launch, and was
+    its bound); elsewhere MLX's ops.
     """
     if kernels.backend() == "cpu" and cpu_ext.available():
         shape, hidden = branch.shape, branch.shape[-1]
         total, normed = cpu_ext.residual_norm(residual.reshape(-1, hidden), branch.reshape(-1, hidden),
                                               branch_weight, next_weight, branch_eps, next_eps)
         return total.reshape(shape), normed.reshape(shape)
-    if SEAM_ROWS_KERNEL and kernels.backend() != "cpu":
+    if kernels.backend() != "cpu":
         return _residual_norm_rows(residual, branch, branch_weight, next_weight, branch_eps, next_eps)
     branch = branch.astype(mx.float32)
     if branch_weight is not None:

@@ -1,0 +1,262 @@
+"""The GPU decode products: q8x activations times raw GGUF weights (kernels product,
+product_glu, argmax), each launch's arguments fixed once per weight (`Product`, `GatedProduct`:
+built at load by the model from its Settings, so a step only calls them). The one GPU product
+family for a few rows of x; formats without a q8x kernel take ops.linear's generic matvec."""
+
+from __future__ import annotations
+
+import math
+import mlx.core as mx
+
+from muser_mlx import kernels
+from muser_mlx.formats import GGMLType, block_format
+from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, WovenQ8X, q8x_shapes, quantize_rows_mlx
+from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
+from muser_mlx.ops.linear import linear
+from muser_mlx.settings import DEFAULT, ProductConfig, Settings
+
+# Formats the q8x product kernels read (blocks.metal: muser_load_x_unit / muser_unit_dot).
+PRODUCT_FORMATS = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def _config(ggml_type, in_features: int, tokens: int, glu: bool, settings: Settings) -> ProductConfig:
+    """The launch shape of a product of `tokens` rows (settings' tables, then what the token
+    count allows)."""
+    key = (ggml_type, in_features)
+    config = ((settings.glu_by_width.get(key) if glu else None)
+              or settings.products_by_width.get(key) or settings.products[ggml_type])
+    # Units a lane loads together, times tokens, at most 4: 3 units of 3 tokens need more
+    # registers than a launch of 512 threads has (H200). A wide unit holds twice a unit's
+    # activations: wide units for at most 2 tokens (product_glu R2 wide: 102 registers at 2
+    # tokens, 134 at 4, past the 128 of its 512 threads; nvcc sm_90).
+    wide = config.wide if tokens <= 2 else 0
+    unroll = min(config.unroll, max(1, (2 if wide else 4) // tokens))
+    # product_glu's threadgroup is 32 / rows SIMD groups: more than 2 tokens at R2 (512 threads,
+    # 128 registers each) took 168 registers at 8 tokens; R4's 256 threads have 255.
+    rows = max(config.rows, 4) if glu and tokens > 2 else config.rows
+    return config._replace(rows=rows, unroll=unroll, wide=wide)
+
+
+class NoProductKernelError(ValueError):
+    """A weight the q8x product kernels cannot read (its format, or its shape for product_glu):
+    a model with one runs the general step instead of the fused one."""
+
+
+def _format(weight, what: str) -> GGMLType:
+    if len(weight.shape) != 2:
+        raise ValueError(f"{what}: weight {weight.name!r} must be 2-D, has shape {list(weight.shape)}")
+    ggml_type = block_format(weight.ggml_type).ggml_type
+    if ggml_type not in PRODUCT_FORMATS:
+        raise NoProductKernelError(f"{what}: weight {weight.name!r} is {ggml_type.name}; the q8x products read "
+                         f"{', '.join(t.name for t in PRODUCT_FORMATS)}")
+    return ggml_type
+
+
+def _weight_template(suffix: str, weight) -> list:
+    fmt = block_format(weight.ggml_type)
+    return [(f"FORMAT_{suffix}", int(fmt.ggml_type)), (f"ROW_BYTES_{suffix}", fmt.row_bytes(weight.shape[0]))]
+
+
+def _check_rows(x: Q8X, in_features: int, tokens: int, what: str, woven: bool = False) -> None:
+    if x.shape[-1] != in_features or math.prod(x.shape[:-1]) != tokens:
+        raise ValueError(f"{what}: x of shape {list(x.shape)} does not fit: the launch takes {tokens} "
+                         f"rows of {in_features} features")
+    if isinstance(x, WovenQ8X) != woven:
+        layouts = ("woven", "plain") if woven else ("plain", "woven")
+        raise ValueError(f"{what}: the launch reads {layouts[0]} q8x x, got {layouts[1]} "
+                         f"(ops.weave; Product(woven=True) reads woven x)")
+
+
+class Product:
+    """x @ W.T for q8x activations x [..., in] (`tokens` rows, 1..8) and a Q4_K / Q6_K / Q8_0
+    weight (a GGUF tensor or stacked rows), with the launch's arguments fixed here.
+
+    second: another weight of the same input (any of those formats): one launch computes both,
+    returning [..., out + out2] (first's columns, then second's).
+    head: (logit scale s, softcap c) for the LM head: returns (c * tanh(s * x W.T / c) [..., out],
+    best [rows, groups, 2]), the per-threadgroup maxima kernel argmax reduces (`greedy`), both
+    views of the launch's one output; c = 0: no softcap.
+    woven: x arrives in q8x's woven layout (ops.weave; in a multiple of 64), as
+    attention_combine writes it for the o-projection: a SIMD group's 16-byte loads of its lanes'
+    64-value units become contiguous (6.15 against 6.21 us). settings: the launch shape's
+    tables (Settings.products*). On the CPU: the same math on x's dequantized values (MLX ops)."""
+
+    def __init__(self, weight, second=None, head: tuple[float, float] | None = None, tokens: int = 1,
+                 woven: bool = False, settings: Settings = DEFAULT):
+        ggml_type = _format(weight, "product")
+        if woven and weight.shape[0] % 64:
+            raise ValueError(f"product: {weight.name!r} takes {weight.shape[0]} inputs; woven x needs a multiple of 64")
+        self.woven = woven
+        self.formats = {ggml_type}  # the launch's weight formats
+        if second is not None:
+            self.formats.add(_format(second, "product"))
+            if second.shape[0] != weight.shape[0]:
+                raise ValueError(f"product: {weight.name!r} and {second.name!r} take different inputs")
+        if not 1 <= tokens <= MATVEC_MAX_TOKENS:
+            raise ValueError(f"product: {tokens} rows of x; the decode products take 1..{MATVEC_MAX_TOKENS}")
+        self.weight, self.second, self.head, self.tokens = weight, second, head, tokens
+        self.in_features = weight.shape[0]
+        self.ggml_type = ggml_type
+        self.out_a, self.out_b = weight.shape[1], second.shape[1] if second is not None else 0
+        self.out_features = self.out_a + self.out_b
+        self.parameters = kernels.parameters(*(head if head is not None else (1.0, 0.0)))
+        config = _config(ggml_type, self.in_features, tokens, False, settings)
+        rows, simd_groups, unroll, wide, stage, int_floats, lean = config
+        stage = self._stages(wide, settings) if stage else 0
+        groups = -(-(-(-self.out_a // rows) - (-self.out_b // rows)) // simd_groups)  # threadgroups
+        template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
+                    + _weight_template("B", second if second is not None else weight)
+                    + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", rows),
+                       ("UNROLL", unroll), ("WIDE", wide), ("STAGE", stage), ("WOVEN", int(woven)),
+                       ("EPILOGUE", int(head is not None)), ("INT_FLOATS", int_floats), ("LEAN", lean)])
+        self._launch = (template, (32 * simd_groups * groups, 1, 1), (32 * simd_groups, 1, 1), groups)
+
+    def launch_arguments(self):
+        """(template, grid, threadgroup, threadgroups), fixed at construction."""
+        return self._launch
+
+    def _stages(self, wide: int, settings: Settings) -> int:
+        """Kernel product's STAGE for a configuration that asks for it: 1 when both weights are
+        in wide Q4_K units or Q8_0, IN is whole 64-value blocks of at least stage_min_in values
+        and x's copy in threadgroup memory (1.25 bytes a value) fits stage_bytes; else 0 (x read
+        from device memory)."""
+        readable = all(t == GGMLType.Q8_0 or (t == GGMLType.Q4_K and wide) for t in self.formats)
+        fits = (self.in_features % 64 == 0 and self.in_features >= settings.stage_min_in
+                and self.tokens * self.in_features * 5 // 4 <= settings.stage_bytes)
+        return int(readable and fits)
+
+    @property
+    def x_woven(self) -> bool:
+        """Whether x must reach this product in q8x's woven layout (ops.weave)."""
+        return self.woven
+
+    @property
+    def template(self) -> list:
+        return self.launch_arguments()[0]
+
+    @property
+    def threadgroup(self) -> tuple:
+        return self.launch_arguments()[2]
+
+    def __call__(self, x: Q8X):
+        _check_rows(x, self.in_features, self.tokens, "product", self.x_woven)
+        lead = tuple(x.shape[:-1])
+        if kernels.backend() == "cpu":
+            return self._mlx(x)
+        template, grid, threadgroup, groups = self.launch_arguments()
+        values = self.tokens * self.out_features
+        (y,) = kernels.launch(
+            "product",
+            inputs=[self.weight.data, (self.second if self.second is not None else self.weight).data, *x,
+                    self.parameters],
+            template=template,
+            grid=grid,
+            threadgroup=threadgroup,
+            output_shapes=[(values + self.tokens * groups * 2,) if self.head else (*lead, self.out_features)],
+            output_dtypes=[mx.float32],
+        )
+        if self.head is None:
+            return y
+        return y[:values].reshape(*lead, self.out_features), y[values:].reshape(self.tokens, groups, 2)
+
+    def _mlx(self, x: Q8X):
+        """The CPU rendering."""
+        values = x.dequantize()  # a WovenQ8X's own dequantize() unweaves it
+        y = linear(values, self.weight)
+        if self.second is not None:
+            y = mx.concatenate([y, linear(values, self.second)], axis=-1)
+        if self.head is None:
+            return y
+        scale, cap = self.head
+        y = y * scale
+        if cap > 0:
+            y = cap * mx.tanh(y / cap)
+        rows = y.reshape(self.tokens, -1)
+        best = mx.stack([mx.max(rows, axis=-1), mx.argmax(rows, axis=-1).astype(mx.float32)], axis=-1)
+        return y, best[:, None]
+
+
+class GatedProduct:
+    """The gated FFN's first half: act(x G.T) * (x U.T) for q8x x [..., in] (`tokens` rows),
+    returned as q8x [..., ff] for the down projection (kernel product_glu). act: "silu" or
+    "gelu_tanh". The launch's arguments are fixed here."""
+
+    def __init__(self, gate, up, activation: str = "silu", tokens: int = 1, settings: Settings = DEFAULT):
+        ggml_type = _format(gate, "product_glu")
+        _format(up, "product_glu")
+        if up.shape != gate.shape or gate.shape[1] % 32:
+            raise NoProductKernelError(f"product_glu: gate {gate.name!r} {list(gate.shape)} and up {up.name!r} "
+                             f"{list(up.shape)} must have one shape with a multiple of 32 rows")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.gate, self.up, self.activation, self.tokens = gate, up, activation, tokens
+        self.in_features, self.ff = gate.shape
+        self.ggml_type = ggml_type
+        # x from device memory (no stage); no int_floats or lean
+        config = _config(ggml_type, self.in_features, tokens, True, settings)
+        template = (_weight_template("G", gate) + _weight_template("U", up)
+                    + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", config.rows),
+                       ("UNROLL", config.unroll), ("WIDE", config.wide), ("ACTIVATION", ACTIVATIONS[activation])])
+        threadgroup = (32 * (32 // config.rows), 1, 1)  # a threadgroup per 32 rows
+        self._launch = (template, (self.ff // 32 * threadgroup[0], 1, 1), threadgroup)
+
+    def launch_arguments(self):
+        """(template, grid, threadgroup), fixed at construction."""
+        return self._launch
+
+    def __call__(self, x: Q8X) -> Q8X:
+        _check_rows(x, self.in_features, self.tokens, "product_glu")
+        lead = tuple(x.shape[:-1])
+        if kernels.backend() == "cpu":
+            values = x.dequantize()
+            g = linear(values, self.gate)
+            g = g * mx.sigmoid(g) if self.activation == "silu" else gelu_tanh(g)
+            return quantize_rows_mlx(g * linear(values, self.up))
+        template, grid, threadgroup = self.launch_arguments()
+        codes, scales, sums = kernels.launch(
+            "product_glu",
+            inputs=[self.gate.data, self.up.data, *x],
+            template=template,
+            grid=grid,
+            threadgroup=threadgroup,
+            output_shapes=q8x_shapes(lead, self.ff),
+            output_dtypes=Q8X_DTYPES,
+        )
+        return Q8X(codes, scales, sums)
+
+
+def product(x: Q8X, weight, second=None, head: tuple[float, float] | None = None, settings: Settings = DEFAULT):
+    """Product(weight, second, head) for x's rows, called once (tests, benchmarks)."""
+    return Product(weight, second, head, math.prod(x.shape[:-1]), settings=settings)(x)
+
+
+def product_glu(x: Q8X, gate, up, activation: str = "silu", settings: Settings = DEFAULT) -> Q8X:
+    """GatedProduct(gate, up, activation) for x's rows, called once (tests, benchmarks)."""
+    return GatedProduct(gate, up, activation, math.prod(x.shape[:-1]), settings=settings)(x)
+
+
+def greedy(best: mx.array) -> mx.array:
+    """The row of each token's largest value from a head Product's best [T, groups, 2]: int32
+    [T] (kernel argmax; ties keep the first row, as mx.argmax)."""
+    tokens, groups, _ = best.shape
+    if kernels.backend() == "cpu":
+        values, rows = best[..., 0], best[..., 1]
+        top = mx.max(values, axis=-1, keepdims=True)
+        return mx.min(mx.where(values == top, rows, float("inf")), axis=-1).astype(mx.int32)
+    (token,) = kernels.launch(
+        "argmax",
+        inputs=[best],
+        template=[("GROUPS", groups)],
+        grid=(1024 * tokens, 1, 1),
+        threadgroup=(1024, 1, 1),
+        output_shapes=[(max(tokens, kernels.MIN_ARRAY_VALUES),)],  # not MLX's managed pool (kernels.MIN_ARRAY_VALUES)
+        output_dtypes=[mx.int32],
+    )
+    return token[:tokens]
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """gelu with tanh's approximation, as the kernel computes it."""
+    return 0.5 * x * (1.0 + mx.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
