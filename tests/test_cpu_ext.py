@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from gguf import quants
 
 from muser_mlx import cpu_ext, formats, gguf, ops, testing
+from muser_mlx.ops import products
 from tests.conftest import relative_error
 
 # `make test` installs the package, which builds the extension, and sets MUSER_REQUIRE_CPU_EXT:
@@ -237,7 +238,7 @@ def test_ops_linear_runs_the_compiled_product_on_the_cpu(rng, tmp_path, monkeypa
     # Through the model's entry point, with MLX's own CPU paths made to fail: the compiled
     # product must be what ran.
     for fallback in ("cpu_affine_qmm", "cpu_dequant_matmul"):
-        monkeypatch.setitem(ops.products._LINEAR_PATHS, fallback, None)
+        monkeypatch.setitem(products._LINEAR_PATHS, fallback, None)
     ggml_type, in_features, out_features = GGMLType.Q4_K, 512, 33
     raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
     path = testing.write_gguf(tmp_path / "w.gguf", {}, {"w": (ggml_type, (in_features, out_features), raw)})
