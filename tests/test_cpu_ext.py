@@ -17,6 +17,8 @@ sqrt(12)): for normal x, max|x| ~2.5 sigma over 32 values (0.57 % of the output)
 """
 
 import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -92,6 +94,19 @@ def test_the_extension_is_built_and_serves_every_format():
     for ggml_type in FORMATS:
         for tokens in (1, 8, 9, 512):
             assert ops.linear_path(ggml_type, tokens, "cpu") == "cpu_gguf_linear"
+
+
+def test_MUSER_CPU_EXT_PATH_loads_the_extension_built_there_or_says_why_not(tmp_path):
+    # make test runs this file again on builds for other instruction sets (MUSER_CPU_EXT_PATH).
+    probe = "from muser_mlx import cpu_ext; print(cpu_ext.available()); print(cpu_ext.unavailable())"
+    env = dict(os.environ, MUSER_CPU_EXT_PATH=str(tmp_path))
+    lines = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    assert lines[0] == "False"
+    assert lines[1] == f"MUSER_CPU_EXT_PATH={tmp_path} holds no _cpu_kernels extension"
+    if os.environ.get("MUSER_CPU_EXT_PATH"):
+        loaded = os.path.dirname(os.path.abspath(cpu_ext._cpu_kernels.__file__))
+        assert loaded == os.path.abspath(os.environ["MUSER_CPU_EXT_PATH"])
 
 
 def test_without_the_extension_products_take_mlx_ops_and_say_so_once(monkeypatch, caplog):
