@@ -148,7 +148,7 @@ def prefill_chunks(count: int, step: int) -> list[tuple[int, int]]:
     """(start, end) of the prefill chunks of `count` rows, `step` rows each, except that a
     remainder of 2..MATVEC_MAX_TOKENS rows joins the chunk before it: a chunk that small would
     run the decode products with that many rows, kernels a process compiles once per row count
-    (~20 s for Muse Glimmer's shapes on the H200, session 34: a 4,100-token prompt took 27.6 s
+    (~20 s for Muse Glimmer's shapes on the H200: a 4,100-token prompt took 27.6 s
     to its first token where one of 4,000 took 0.74 s)."""
     if step < 1:
         raise ValueError(f"prefill_step_size must be >= 1, got {step}")

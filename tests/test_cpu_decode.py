@@ -581,7 +581,7 @@ def small_layer(rng, keys, values):
 
 def test_decode_layer_writes_the_caches_in_their_own_memory(rng):
     # A cache that nothing else holds is donated (a copy of every cache each step otherwise:
-    # a multi-output primitive's inputs are held once per output, RESULTS.md session 36).
+    # a multi-output primitive's inputs are held once per output).
     keys, values = mx.zeros((1, 2, 8, 32)), mx.zeros((1, 2, 8, 32))
     mx.eval(keys, values)
     addresses = buffer_address(keys), buffer_address(values)

@@ -67,7 +67,7 @@ def test_greedy_tokens_match_the_reference_for_32_steps(tiny, rng, architecture)
     # logits are a near-tie the step's own measured difference explains: a token b picked over
     # the reference's best a needs ref[a] - ref[b] <= |diff[a]| + |diff[b]| <= 2 max|diff|. On a
     # GPU the cache holds float16 and tiny random models have such ties: an exact comparison of
-    # the tokens failed once in the H200's suite (session 29).
+    # the tokens failed once in the H200's suite.
     file, model = tiny(architecture, "Q4_K_M")
     reference = Reference(model.config, file.tensors)
     tolerance = TOLERANCE["cpu" if kernels.backend() == "cpu" else "gpu"]

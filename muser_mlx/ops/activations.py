@@ -1,8 +1,7 @@
 """Activations as int8 blocks (q8x): the input format of the GPU decode products.
 
 A product reads each weight byte once; with float32 x it also read 4 bytes of x per value for
-every few rows, which bound the kernels by L1 traffic, not by DRAM (bench/RESULTS.md, session
-6). As q8x, x is 1.625 bytes a value (the code, a 32nd of a scale, an 8th of a sum) and the
+every few rows, which bound the kernels by L1 traffic, not by DRAM (bench/history/session-06.md). As q8x, x is 1.625 bytes a value (the code, a 32nd of a scale, an 8th of a sum) and the
 products multiply codes by codes (dp4a). x is converted once per input, by the kernel that
 produced it (the seams, the attention's second pass, the FFN's gate/up product) or by
 `quantize_rows`, and shared by every product that reads it. formats.quantize_activations is the numpy reference; formats.py states its error.

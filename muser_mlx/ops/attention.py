@@ -18,8 +18,8 @@ def split_heads(y: mx.array, heads: int, head_dim: int, weight: mx.array | None 
     """A projection's output [B, T, heads * head_dim] as heads [B, heads, T, head_dim], each
     RMS-normed by `weight` if given, then rotated by RoPE if `rope` (dict(dims, base,
     traditional)) is given, from position `start`. On the CPU the compiled primitive
-    (cpu_ext.norm_rope_heads: MLX's ops took ~1.5 ms a Gemma 3 layer of a 128-token prompt,
-    RESULTS.md, session 13), elsewhere MLX's own ops."""
+    (cpu_ext.norm_rope_heads: MLX's ops took ~1.5 ms a Gemma 3 layer of a 128-token prompt),
+    elsewhere MLX's own ops."""
     batch, tokens, _ = y.shape
     if (kernels.backend() == "cpu" and cpu_ext.available() and isinstance(start, int)
             and (weight is not None or rope is not None)):
@@ -96,8 +96,8 @@ def qk_norm_rope_mlx(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.
 
 def _inverse_frequencies(dims: int, base: float) -> mx.array:
     """RoPE's base^(-2i / dims) for i < dims / 2, float32, made once: an array built from host
-    values (a lazy one would be recomputed by every compiled step: session 10's per-step
-    `copy_s` was the dummy of the layers without RoPE), padded (kernels.padded_array), with
+    values (a lazy one would be recomputed by every compiled step: a per-step
+    `copy_s` was once the dummy of the layers without RoPE), padded (kernels.padded_array), with
     zeros alone when dims is 0."""
     return _frequencies(dims, base, kernels.MIN_ARRAY_VALUES)
 
@@ -113,7 +113,7 @@ def attention_dtype(tokens: int, head_dim: int, backend: str | None = None):
     float16 for a GPU prefill chunk (more than MATVEC_MAX_TOKENS rows) when head_dim is one
     cuDNN's fused attention takes (a multiple of 8, at most 128): MLX then runs cuDNN's flash
     attention, where float32 inputs make it materialize every score in float32 (a Muse Glimmer
-    layer: 0.6 of its 2.1 ms of GPU time per 512-row chunk, H200, session 8). The cache holds
+    layer: 0.6 of its 2.1 ms of GPU time per 512-row chunk, H200). The cache holds
     float16 on a GPU anyway; q is rounded to float16 too (the prefill products already multiply
     in float16). float32 otherwise: decode steps and every CPU step keep their exact path."""
     backend = backend or kernels.backend()

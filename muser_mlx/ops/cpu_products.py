@@ -20,7 +20,7 @@ _CPU_4BIT = (GGMLType.Q4_0, GGMLType.Q4_1)
 # A CPU product is split into pieces of about this many weights along the output rows, and the
 # pieces alternate between two CPU streams (MLX runs each stream on its own thread, so both
 # cores work). A piece's unpacked codes or decoded f32 rows stay small. 2^19 measured best for
-# SmolLM2 and Gemma 3 decode and prefill against 2^18 and 2^20 (bench/RESULTS.md, session 4).
+# SmolLM2 and Gemma 3 decode and prefill against 2^18 and 2^20 (bench/history/session-04.md).
 CPU_PIECE = 1 << 19
 
 
