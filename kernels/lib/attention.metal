@@ -1,5 +1,6 @@
 // lib/attention.metal — attention_decode's helpers: its value-row loads, RoPE's channel
 // pairs, and the preparation of q and k heads (bias, per-head RMS norm, RoPE, scale).
+// Includes no other lib file.
 
 // attention_decode's value rows of one block of 32 slots, base .. base + 31: lane l's channels
 // 2l, 2l+1, 2l+64, ... of each slot as packed half pairs, rows[k * (HEAD_DIM / 64) + c]; a slot

@@ -3,6 +3,7 @@
 // type, and the portable shims. What Metal and CUDA spell differently (a packed int8 dot
 // product and a funnel shift, which Metal lacks; device atomics and the device fence) are
 // this file's `#if defined(__CUDACC__)` branches, the only ones in the kernels.
+// Includes no other lib file.
 
 // Byte k (0..3) of a little-endian word.
 inline uint muser_byte(uint word, uint k) {
