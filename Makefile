@@ -5,10 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo fuzz test-gpu bench notebooks clean
+.PHONY: install test test-cpu-arch demo fuzz test-gpu bench notebooks clean
 
 # The install also compiles the CPU kernels (setup.py, kernels/cpu): a change there reinstalls.
-$(STAMP): pyproject.toml setup.py Makefile $(wildcard kernels/cpu/*)
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard kernels/cpu/* kernels/cpu/arch/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
@@ -19,8 +19,27 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard kernels/cpu/*)
 
 install: $(STAMP)
 
+# The suite, then (on x86-64) the CPU extension's tests again on builds for AVX2 and for no SIMD:
+# the installed build is this machine's (-march=native), whose AVX-512 code hides the others.
 test: $(STAMP)
 	MUSER_REQUIRE_CPU_EXT=1 $(PY) -m pytest -q
+ifeq ($(shell uname -m),x86_64)
+	$(MAKE) test-cpu-arch CPU_ARCH=x86-64-v3
+	$(MAKE) test-cpu-arch CPU_ARCH=x86-64
+endif
+
+# The CPU extension built for CPU_ARCH (a -march value: x86-64-v3 is AVX2, x86-64 no SIMD) into
+# build/cpu-$(CPU_ARCH), and CPU_TESTS run on that build (MUSER_CPU_EXT_PATH, muser_mlx/cpu_ext.py).
+CPU_ARCH ?= x86-64-v3
+CPU_TESTS ?= tests/test_cpu_ext.py tests/test_cpu_decode.py
+test-cpu-arch: $(STAMP)
+	mkdir -p build/cpu-$(CPU_ARCH)
+	(cmake -S kernels/cpu -B build/cpu-$(CPU_ARCH) -DMUSER_CPU_ARCH=$(CPU_ARCH) \
+	  -DPython_EXECUTABLE=$(abspath $(PY)) && cmake --build build/cpu-$(CPU_ARCH) -j$$(nproc)) \
+	  > build/cpu-$(CPU_ARCH)/build.log 2>&1 || (tail -n 40 build/cpu-$(CPU_ARCH)/build.log; exit 1)
+	MUSER_CPU_EXT_PATH=build/cpu-$(CPU_ARCH) $(PY) -c \
+	  "from muser_mlx import cpu_ext; print('CPU extension for $(CPU_ARCH):', cpu_ext.instruction_set())"
+	MUSER_REQUIRE_CPU_EXT=1 MUSER_CPU_EXT_PATH=build/cpu-$(CPU_ARCH) $(PY) -m pytest -q $(CPU_TESTS)
 
 demo: $(STAMP)
 	$(VENV)/bin/muser generate --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 48

@@ -1,5 +1,7 @@
 """Builds muser_mlx._cpu_kernels, the CPU products (kernels/cpu), with CMake at install, for the
-installing machine's CPU. Everything else about the package is in pyproject.toml.
+installing machine's CPU, or for the instruction set the environment's MUSER_CPU_ARCH names (a
+-march value, e.g. x86-64-v3: AVX2; kernels/cpu/CMakeLists.txt). Everything else about the
+package is in pyproject.toml.
 
 Where the extension cannot be built (no C++ compiler or CMake, an unsupported platform), the
 install still succeeds: the build says so, and muser_mlx runs its MLX-ops path on the CPU
@@ -36,6 +38,7 @@ class BuildCPUKernels(build_ext):
             # Installed beside mlx: libmlx.so is in site-packages/mlx/lib.
             "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
             "-DCMAKE_INSTALL_RPATH=$ORIGIN/../mlx/lib",
+            f"-DMUSER_CPU_ARCH={os.environ.get('MUSER_CPU_ARCH') or 'native'}",
         ]
         try:
             subprocess.run(configure, check=True)

@@ -9,7 +9,7 @@
 //   /tmp/cpu_products [GGML_TYPE=3] [REPS=40] [THREADS=2] [layers|one]
 //
 // Compare with a decode step's products inside MLX (bench/linear.py, or a compiled graph of
-// model.matrices()): the difference is MLX's cost a node (bench/RESULTS.md, session 35).
+// model.matrices()): the difference is MLX's cost a node.
 #include "products.h"
 
 #include <algorithm>

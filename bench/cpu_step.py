@@ -1,5 +1,6 @@
 """The CPU decode step alone (models/cpu_decode.py), one node a layer against the separate nodes
-(LAYER_PRIMITIVE), interleaved in one process: ms a step, median and min over rounds.
+(CPUDecodeStep's layer_primitive), interleaved in one process: ms a step, median and min over
+rounds. Both round products' inputs as the model's settings say (Settings.cpu_rounded).
 
 Each round and variant: a fresh generation cache, `--context` steps to fill it, then `--steps`
 timed steps of greedy tokens, either each evaluated before the next is built ("sync") or the
@@ -61,7 +62,8 @@ def main() -> None:
             print(f"{path.name}: the CPU decode step does not serve it here")
             continue
         variants = [(primitive, pipelined) for primitive in (True, False) for pipelined in (False, True)]
-        steps = {primitive: cpu_decode.CPUDecodeStep(model, rounded=cpu_decode.ROUNDED, layer_primitive=primitive)
+        steps = {primitive: cpu_decode.CPUDecodeStep(model, rounded=model.settings.cpu_rounded,
+                                                     layer_primitive=primitive)
                  for primitive in (True, False)}
         times = {variant: [] for variant in variants}
         for round_ in range(args.rounds + 1):  # the first warms up

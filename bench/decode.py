@@ -14,47 +14,48 @@ Floor = weight bytes one decode step reads / copy bandwidth measured in the same
 
     python bench/decode.py [--dir /dev/shm] [--steps 20] [--keep] [--general] [--no-compile]
                            [--repeats 1] [--step-times] [--run-spans] [--threaded]
-                           [--variant NAME:module.ATTR=value,...] [--fill-trace]
+                           [--set field=value ...] [--variant NAME:field=value,...] [--fill-trace]
 
---variant (repeatable) also times the fused step pipelined with module constants changed, e.g.
-`--variant hg1:muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1` (the step is recompiled; a
-constant read at load, such as PRODUCT_CONFIG, needs a fresh load and is not for this).
+--set loads the model with those muser_mlx.settings.Settings (bench/settings_cli.py), e.g.
+`--set attention_splits=64`; --no-compile is `--set compile_decode=False` (the fused step
+without mx.compile).
+
+--variant (repeatable) also times the fused step pipelined with other settings, e.g.
+`--variant hg1:attention_head_group=1`: the model is rebuilt with them over the same file (its
+stacked projections copied anew, the old model freed), and back for the default.
 
 --repeats N measures every pipelined figure N times, the default and the variants in turn, and
 prints the median with each run (identical code measured twice in one process has differed by
-up to 2 ms on a lent H200: RESULTS.md, session 10).
+up to 2 ms on a lent H200).
 
 --step-times prints each step of one more pipelined run of the default: its time, the host's
 build, and the build with the queuing (async_eval), to tell a slow host from a waiting one.
 
 --run-spans prints each pipelined run's wall-clock span and median, to line a run up with an
 outside log (`nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 50`):
-whole runs come out fast or ~1 ms a step slow, and the clocks were the same in both
-(RESULTS.md, session 12).
+whole runs came out fast or ~1 ms a step slow, and the clocks were the same in both.
 
 --threaded also times the fused step pipelined with a second thread that queues and waits while
 the main thread builds (threaded_decode_ms): whether overlapping the host's build and queuing
 would help a slow host.
 
 --general also times the general step (model(...): MLX ops around float32-x matvec kernels) the
-fused one replaces; --no-compile runs the fused step without mx.compile.
+fused one replaces.
 
 --fill-trace prints each 512-position chunk's peak while a context is filled, and what stays
 active after it: the filling peak of 8,192 positions ranged 1.086-1.118x the file across three
-processes of the same code (RESULTS.md, session 28), before prefill's pacer also bounded active
-memory (ops.products.PREFILL_ACTIVE_HEADROOM; bench/prefill_memory.py measures it).
+processes of the same code before prefill's pacer also bounded active memory
+(Settings.prefill_headroom; bench/prefill_memory.py measures it).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import datetime
-import importlib
+import gc
 import os
 import queue
-import re
 import statistics
 import sys
 import threading
@@ -71,8 +72,9 @@ from ceiling import copy_bandwidth  # noqa: E402
 from muser_mlx import gguf, ops  # noqa: E402
 from muser_mlx.formats import GGMLType, tensor_bytes  # noqa: E402
 from muser_mlx.generate import decode, load  # noqa: E402
-from muser_mlx.models import transformer  # noqa: E402
+from muser_mlx.ops import pacer  # noqa: E402
 from muser_mlx.testing import bpe_tokenizer_metadata, write_gguf_streaming  # noqa: E402
+from settings_cli import HELP, parse_variant, rebuilt, settings_from  # noqa: E402
 
 ARTIFACT_BYTES = 16_756_681_056
 H, FF, VOCAB, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 6656, 19968, 202048, 52, 32, 2, 128
@@ -167,30 +169,6 @@ def peak_gb() -> str:
     return f"peak {peak:.2f} GB"
 
 
-def apply_settings(settings: list[str]) -> list:
-    """Set module constants given as "module.ATTR=value" (a Python literal, converted to the
-    constant's type); returns what restore_settings needs to put them back."""
-    saved = []
-    for setting in settings:
-        target, value = setting.split("=", 1)
-        module_name, attr = target.rsplit(".", 1)
-        module = importlib.import_module(module_name)
-        saved.append((module, attr, getattr(module, attr)))
-        setattr(module, attr, type(getattr(module, attr))(ast.literal_eval(value)))
-    return saved
-
-
-def parse_variant(variant: str) -> tuple[str, list[str]]:
-    """"NAME:module.ATTR=value,..." (a --variant) -> (NAME, its settings for apply_settings)."""
-    name, settings = variant.split(":", 1)
-    return name, re.split(r",(?=[\w.]+=)", settings)  # a value may hold commas: {(12, 4096): (2, 8, 1, 1)}
-
-
-def restore_settings(saved: list) -> None:
-    for module, attr, value in reversed(saved):
-        setattr(module, attr, value)
-
-
 def general_step(model, token, cache):
     """The general step generate() ran before the fused one: model(...) and an argmax."""
     logits = model.logits(model.hidden_unchecked(token, cache))
@@ -225,8 +203,7 @@ def pipelined_decode_ms(step, model, cache, steps: int, trace: list | None = Non
     """As generate()'s loop runs: step n+1's graph is built from step n's lazy token and
     queued (async_eval) before waiting for step n, so building overlaps the GPU's work.
     trace: gets each step's (ms in all, building, building + queuing): MLX's async_eval waits
-    while its maximum of tasks (CUDA graphs, of up to 100 operations on sm_90) is in flight
-    (RESULTS.md, sessions 11 and 13).
+    while its maximum of tasks (CUDA graphs, of up to 100 operations on sm_90) is in flight.
     mark(name): a context manager around each step's "build", "queue" and "wait" (a profiler's
     marks, bench/timeline.py)."""
     pending = step(model, mx.array([[7]], dtype=mx.int32), cache)
@@ -255,12 +232,12 @@ def threaded_decode_ms(step, model, cache, steps: int) -> float:
     queuing thread queues step n+1 (mx.async_eval, which releases the GIL) and then waits for
     step n, the main thread builds step n+2's graph from step n+1's lazy token. In
     pipelined_decode_ms one thread does both in turn, so on a slow host a step costs the host
-    build + queue (RESULTS.md, sessions 13-15). The steps run on a stream any thread may use
+    build + queue. The steps run on a stream any thread may use
     (mx.new_thread_unsafe_stream); only the queuing thread evaluates."""
     # main() made this stream (thread-unsafe: any thread may use it) the default before the
     # model was loaded, so no array of the step belongs to a thread's own stream: evaluating
     # such an array from the queuing thread fails ("There is no Stream(gpu, 0) in current
-    # thread", H200, session 18).
+    # thread", on the H200).
     stream = mx.default_stream(mx.default_device())
     jobs, done = queue.Queue(), queue.Queue()
 
@@ -358,7 +335,10 @@ def main() -> None:
                         help="pipelined figures: rounds of the default and every variant in turn (median)")
     parser.add_argument("--general", action="store_true",
                         help="also time the general step the fused one replaces")
-    parser.add_argument("--no-compile", action="store_true", help="the fused step without mx.compile")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="the fused step without mx.compile (--set compile_decode=False)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help=f"load the model with these settings: {HELP}")
     parser.add_argument("--step-times", action="store_true",
                         help="also print each pipelined step's time, its build and its queuing")
     parser.add_argument("--run-spans", action="store_true",
@@ -367,9 +347,14 @@ def main() -> None:
     parser.add_argument("--threaded", action="store_true",
                         help="also time the fused step pipelined with a second thread queuing and waiting "
                              "while the main thread builds (threaded_decode_ms)")
-    parser.add_argument("--variant", action="append", default=[],
-                        help="NAME:module.ATTR=value,... : the fused step pipelined with those constants")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
+                        help="also the fused step pipelined with the model rebuilt with these settings")
     args = parser.parse_args()
+    settings = settings_from(args.set + (["compile_decode=False"] if args.no_compile else []))
+    variant_settings = {}
+    for variant in args.variant:
+        name, changes = parse_variant(variant)
+        variant_settings[variant] = (name, changes, settings_from(changes, settings))
     if args.prefill_chunks == 1 or args.prefill_chunks < 0:
         parser.error("--prefill-chunks: 0 (no prefill figure) or at least 2 (the first chunk builds the "
                      f"kernels and is not timed), got {args.prefill_chunks}")
@@ -387,7 +372,7 @@ def main() -> None:
     print(f"copy bandwidth (4 GiB elementwise, read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
 
     tic = time.perf_counter()
-    model, _ = load(path)
+    model, _ = load(path, settings=settings)
     for tensor in model.file.tensors.values():
         mx.eval(tensor.data)
     print(f"loaded in {time.perf_counter() - tic:.1f} s ({peak_gb()}); by type: "
@@ -399,8 +384,9 @@ def main() -> None:
     linear_ms = linears_only_ms(model, args.steps)
     print(f"matrix products alone (all linears of one step, one evaluation): {linear_ms:.2f} ms "
           f"({weight_bytes / linear_ms / 1e9:,.0f} GB/s; {peak_gb()})", flush=True)
-    transformer.COMPILE_DECODE = not args.no_compile
-    print(f"fused decode step: {model.fused} (mx.compile: {transformer.COMPILE_DECODE})", flush=True)
+    if args.set:
+        print(f"settings: {', '.join(args.set)}", flush=True)
+    print(f"fused decode step: {model.fused} (mx.compile: {model.gpu_step.compiled})", flush=True)
     variants = [("fused", fused_step)] + ([("general", general_step)] if args.general else [])
     for context in (int(c) for c in args.contexts.split(",")):
         cache = model.make_cache()
@@ -428,26 +414,27 @@ def main() -> None:
 
         for _ in range(args.repeats):
             for label, step in variants:
-                model._compiled_decode = {}
+                model.gpu_step.retrace()
                 timed(label, step)
-            for variant in args.variant:
-                saved = apply_settings(parse_variant(variant)[1])
-                model._compiled_decode = {}
+            for variant, (_, _, changed) in variant_settings.items():
+                model = rebuilt(model, changed)
+                gc.collect()  # the model replaced (and its stacked projections) freed
                 timed(variant, fused_step)
-                restore_settings(saved)
+            model = rebuilt(model, settings)  # the default again
+            gc.collect()
             if "threaded" in runs:  # --threaded, and no run of it has failed
-                model._compiled_decode = {}  # traced again, on the queuing thread's stream
+                model.gpu_step.retrace()  # traced again, on the queuing thread's stream
                 try:
                     timed("threaded", fused_step, threaded_decode_ms)
                 except Exception as error:  # report it, keep the other figures
                     traceback.print_exc()
                     print(f"  threaded run failed: {type(error).__name__}: {error}", flush=True)
                     del runs["threaded"]
-            model._compiled_decode = {}
+            model.gpu_step.retrace()
         if args.run_spans:
             print(f"  runs (wall clock, median ms): {'; '.join(spans)}", flush=True)
         if args.step_times:  # one more run of the default, each step's times
-            model._compiled_decode = {}
+            model.gpu_step.retrace()
             trace = []
             pipelined_decode_ms(fused_step, model, cache, args.steps, trace)
             print(f"  each step (ms in all / building / building + queuing): "
@@ -461,9 +448,8 @@ def main() -> None:
             threaded = statistics.median(runs["threaded"])
             print(f"  threaded (a second thread queues and waits while this one builds): {threaded:7.2f} "
                   f"ms/token{spread(runs['threaded'])}", flush=True)
-        for variant in args.variant:
-            name, settings = parse_variant(variant)
-            print(f"  variant {name} ({','.join(settings)}) pipelined: {statistics.median(runs[variant]):7.2f} ms/token"
+        for variant, (name, changes, _) in variant_settings.items():
+            print(f"  variant {name} ({','.join(changes)}) pipelined: {statistics.median(runs[variant]):7.2f} ms/token"
                   f"{spread(runs[variant])}", flush=True)
 
     if args.prefill_chunks:
@@ -475,36 +461,37 @@ def main() -> None:
 
 
 class PacerWaits(contextlib.AbstractContextManager):
-    """Within this block: the seconds GPU prefill's pacer (ops.products._Pacer.make_room)
-    spends waiting for queued products, and how many of its calls waited; and the seconds its
-    queue() spends handing each product to MLX (mx.async_eval: MLX encodes every op built
-    since the last one and commits its CUDA graph), `queued`."""
+    """Within this block: the seconds GPU prefill's pacer (ops.pacer.Pacer.make_room) spends
+    waiting for queued products, and how many of its calls waited; and the seconds its queue()
+    spends handing each product to MLX (mx.async_eval: MLX encodes every op built since the
+    last one and commits its CUDA graph), `queued`. (The class's methods are wrapped for the
+    block: a timing hook, not a setting.)"""
 
     def __enter__(self):
         self.seconds, self.count, self.queued = 0.0, 0, 0.0
-        self._original = original = ops.products._Pacer.make_room
-        self._original_queue = original_queue = ops.products._Pacer.queue
+        self._original = original = pacer.Pacer.make_room
+        self._original_queue = original_queue = pacer.Pacer.queue
 
-        def timed_queue(pacer, out, nbytes):
+        def timed_queue(paced, out, nbytes):
             tic = time.perf_counter()
-            original_queue(pacer, out, nbytes)
+            original_queue(paced, out, nbytes)
             self.queued += time.perf_counter() - tic
 
-        def timed(pacer, nbytes):
-            before = len(pacer.queued)
+        def timed(paced, nbytes):
+            before = len(paced.queued)
             tic = time.perf_counter()
-            original(pacer, nbytes)
-            if len(pacer.queued) < before:
+            original(paced, nbytes)
+            if len(paced.queued) < before:
                 self.seconds += time.perf_counter() - tic
                 self.count += 1
 
-        ops.products._Pacer.make_room = timed
-        ops.products._Pacer.queue = timed_queue
+        pacer.Pacer.make_room = timed
+        pacer.Pacer.queue = timed_queue
         return self
 
     def __exit__(self, *exc):
-        ops.products._Pacer.make_room = self._original
-        ops.products._Pacer.queue = self._original_queue
+        pacer.Pacer.make_room = self._original
+        pacer.Pacer.queue = self._original_queue
         return None
 
 

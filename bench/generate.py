@@ -8,13 +8,16 @@ tokens/s: the weight bytes one step reads and the floor they imply at the copy b
 measured in the same run.
 
     python bench/generate.py [--model FILE ...] [--device cpu|gpu] [--llama-cpp PYTHON]
-                             [--set module.ATTR=value ...]   # e.g. an A/B of a module constant
+                             [--set field=value ...]   # the models loaded with these Settings
     python bench/generate.py --write-qwen2 FILE    # a 1.5B-parameter qwen2 Q4_K_M file of
                                                    # random valid blocks (Qwen2-1.5B's shapes)
 
 --llama-cpp names a Python interpreter with llama-cpp-python installed (built separately,
 e.g. with CMAKE_ARGS="-DGGML_NATIVE=ON"; not a dependency of this project). It is given the
 same token ids, runs with as many threads as the machine has cores, and is timed the same way.
+
+--set loads every model with those muser_mlx.settings.Settings (bench/settings_cli.py), e.g.
+`--set cpu_rounded=False`: an A/B is two runs, one with the setting and one without.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ceiling import copy_bandwidth  # noqa: E402
-from decode import apply_settings  # noqa: E402
 from muser_mlx import packaged  # noqa: E402
 from muser_mlx.formats import GGMLType, tensor_bytes  # noqa: E402
 from muser_mlx.generate import load, stream_generate  # noqa: E402
+from muser_mlx.settings import Settings  # noqa: E402
 from muser_mlx.testing import bpe_tokenizer_metadata, write_gguf_streaming  # noqa: E402
+from settings_cli import HELP, settings_from  # noqa: E402
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders "
         "from the north and the south met to exchange salt, grain and cloth. ")
@@ -68,8 +72,8 @@ print(json.dumps({"prompt_tps": best_prompt, "decode_tps": best_decode}))
 
 
 def run(path: Path, prompt_tokens: int, new_tokens: int, runs: int, bandwidth: float,
-        llama_cpp: str | None) -> str:
-    model, tokenizer = load(path)
+        llama_cpp: str | None, settings: Settings) -> str:
+    model, tokenizer = load(path, settings=settings)
     tokenizer.eos_token_ids = []
     ids = (tokenizer.encode(TEXT * max(40, prompt_tokens // 20 + 1), add_special_tokens=False))[:prompt_tokens]
     prompt_tps = decode_tps = 0.0
@@ -181,9 +185,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed runs (best kept), after a warm-up")
     parser.add_argument("--llama-cpp", metavar="PYTHON", help="also time llama.cpp through this interpreter")
     parser.add_argument("--write-qwen2", metavar="FILE", help="write the 1.5B qwen2 file and exit")
-    parser.add_argument("--set", action="append", default=[], help="module.ATTR=value, before loading")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help=f"load the models with these settings: {HELP}")
     args = parser.parse_args()
-    apply_settings(args.set)
+    settings = settings_from(args.set)
     if args.write_qwen2:
         write_qwen2(Path(args.write_qwen2), np.random.default_rng(0))
         return
@@ -200,7 +205,7 @@ def main() -> None:
     print(f"device {mx.default_device()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write); "
           f"load average {os.getloadavg()[0]:.2f}; settings {args.set or 'none'}")
     for path in paths:
-        print(run(path, args.prompt_tokens, args.new_tokens, args.runs, bandwidth, args.llama_cpp),
+        print(run(path, args.prompt_tokens, args.new_tokens, args.runs, bandwidth, args.llama_cpp, settings),
               flush=True)
 
 

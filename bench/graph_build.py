@@ -4,7 +4,8 @@ A decode step on a GPU is a few hundred launches; Python builds their graph befo
 and runs it, so the build time is part of a step (all of it when one step waits for the last).
 Here every kernel launch is recorded and answered with zeros, so only the building is timed: a
 52-layer Muse Glimmer-shaped model (small widths: the build cost does not depend on them), with
-- the fused step (Transformer.decode_step) without mx.compile: every step runs its Python;
+- the fused step (Transformer.decode_step) without mx.compile (Settings(compile_decode=False)):
+  every step runs its Python;
 - the general step it replaced (model(...): MLX ops around float32-x matvec kernels).
 A GPU compiles the fused step (mx.compile: its Python runs once per cache shape, then MLX
 replays the recorded graph). That cannot be timed here (zeros answered for launches are
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from muser_mlx import testing  # noqa: E402
 from muser_mlx.generate import load  # noqa: E402
-from muser_mlx.models import transformer  # noqa: E402
+from muser_mlx.settings import Settings  # noqa: E402
 
 
 def build_ms(step, steps: int) -> float:
@@ -54,10 +55,9 @@ def main() -> None:
                                   weights="Q4_K_M", layers=args.layers, hidden=256, heads=4, kv_heads=2,
                                   head_dim=64, ff=512, window=8, context=4096)
         with mx.stream(mx.cpu):
-            model, _ = load(path)
+            model, _ = load(path, settings=Settings(compile_decode=False))
     print(f"{args.layers}-layer step, median of {args.steps} builds (GPU launches recorded, not run)")
     with mx.stream(mx.cpu), testing.recorded_launches():
-        transformer.COMPILE_DECODE = False
         cache = model.make_cache()
         ms = build_ms(lambda token: model.decode_step(token, cache), args.steps)
         print(f"{'fused step, no compile':28s} {ms:6.2f} ms to build", flush=True)

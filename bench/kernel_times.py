@@ -7,7 +7,7 @@ few-layer Muse Glimmer file (the shapes of the real one, with fewer layers) and 
 time per step; under ncu the same run records every kernel's duration, and `report` sums them
 per kernel and per step:
 
-    python bench/kernel_times.py run [--layers 4] [--context 8192] [--set module.ATTR=value]  # wall ms per step
+    python bench/kernel_times.py run [--layers 4] [--context 8192] [--set field=value]  # wall ms per step
     ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \\
         --csv python bench/kernel_times.py run --steps 4 > times.csv
     python bench/kernel_times.py report times.csv --steps 4 --layers 4 --ceiling-gbs 3600
@@ -15,7 +15,11 @@ per kernel and per step:
         python bench/kernel_times.py prefill --layers 2 --steps 2 > prefill.csv   # 512-row chunks
     python bench/kernel_times.py report prefill.csv --steps 1 --layers 2 --whole   # the last chunk
     ncu --clock-control none --section SpeedOfLight ... python bench/kernel_times.py matvec \
-        --type Q4_K --rows 39936 --cols 6656      # one decode product, a few calls
+        --type Q4_K --rows 39936 --cols 6656      # one ops.linear of one row, a few calls
+
+--set (run, prefill) loads the model with those muser_mlx.settings.Settings, and each --variant
+NAME:field=value,... (prefill) times the chunks again with the model rebuilt with them
+(bench/settings_cli.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import gc
 import io
 import statistics
 import sys
@@ -37,14 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def run(args) -> None:
     import mlx.core as mx
 
-    from decode import apply_settings, fused_step, general_step, write_file
+    from decode import fused_step, general_step, write_file
     from muser_mlx.generate import load
+    from settings_cli import settings_from
 
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
     if not path.exists():
         write_file(path, np.random.default_rng(0), args.layers)
-    apply_settings(args.set)  # e.g. muser_mlx.ops.attention.ATTENTION_SPLITS=128
-    model, _ = load(path)
+    model, _ = load(path, settings=settings_from(args.set))  # e.g. --set attention_splits=64
     cache = model.make_cache()
     if args.context:  # caches that hold --context positions (zeros: attention's time does not depend on them)
         c = model.config
@@ -66,29 +71,34 @@ def run(args) -> None:
 def prefill(args) -> None:
     """512-row prefill chunks (model.hidden and the last row's logits, as generation's prompt
     does) from context 0, --steps of them: wall ms per chunk; under ncu, every kernel's time
-    (`report --whole` sums them per chunk). --variant NAME:module.ATTR=value,... (repeatable)
-    times the same chunks again with those module constants (read at call time) changed."""
+    (`report --whole` sums them per chunk). --variant NAME:field=value,... (repeatable) times
+    the same chunks again with the model rebuilt with those settings."""
     import mlx.core as mx
 
-    from decode import apply_settings, parse_variant, restore_settings, write_file
+    from decode import write_file
     from muser_mlx.generate import load
+    from settings_cli import parse_variant, rebuilt, settings_from
 
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
     if not path.exists():
         write_file(path, np.random.default_rng(0), args.layers)
-    apply_settings(args.set)  # e.g. muser_mlx.ops.products.DEQUANT_KERNEL='dequant_rows'
+    settings = settings_from(args.set)  # e.g. --set prefill_slots=0
+    variants = [("", [], settings)]
+    for variant in args.variant:
+        name, changes = parse_variant(variant)
+        variants.append((name, changes, settings_from(changes, settings)))
 
-    model, _ = load(path)
+    model, _ = load(path, settings=settings)
     mx.eval(model.make_cache())
     print(f"after load: active {mx.get_active_memory() / 1e9:.2f} GB, file {path.stat().st_size / 1e9:.2f} GB",
           file=sys.stderr, flush=True)
     rng = np.random.default_rng(1)
-    for label, settings in [("", [])] + [parse_variant(v) for v in args.variant]:
-        saved = apply_settings(settings)
+    for label, changes, variant_settings in variants:
+        model = rebuilt(model, variant_settings)
+        gc.collect()  # the model replaced (and its stacked projections) freed
         mx.reset_peak_memory()
         times = [prefill_chunk(model, rng) for _ in range(args.steps)]
-        restore_settings(saved)
-        print(f"{args.layers} layers {args.set} {label} {settings}: {[round(1e3 * t, 1) for t in times]} ms per "
+        print(f"{args.layers} layers {args.set} {label} {changes}: {[round(1e3 * t, 1) for t in times]} ms per "
               f"512-row chunk from context 0 ({512 / statistics.median(times[1:]):,.0f} tokens/s after the first); "
               f"peak {mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr, flush=True)
 
@@ -107,7 +117,8 @@ def prefill_chunk(model, rng) -> float:
 
 
 def matvec(args) -> None:
-    """One decode product, called a few times: for `ncu --section ...` on one kernel."""
+    """ops.linear of one row (on a GPU the generic matvec kernel, the general step's product),
+    called a few times: for `ncu --section ...` on one kernel."""
     import mlx.core as mx
 
     from linear import Weight, valid_weight
@@ -115,9 +126,6 @@ def matvec(args) -> None:
     from muser_mlx.formats import GGMLType
 
     ggml_type = GGMLType[args.type]
-    if args.group_rows:  # another configuration of the type's decode kernel
-        kernel = ops.MATVEC_KERNELS[ggml_type]
-        ops.MATVEC_KERNELS[ggml_type] = kernel._replace(rows=args.group_rows, threads=args.threads or kernel.threads)
     weight = Weight(valid_weight(np.random.default_rng(0), ggml_type, args.rows, args.cols), ggml_type,
                     args.cols, args.rows)
     x = mx.random.normal((1, args.cols))
@@ -189,11 +197,12 @@ def main() -> None:
     parser.add_argument("--type", default="Q4_K", help="matvec: the weight format")
     parser.add_argument("--rows", type=int, default=39936, help="matvec: output rows")
     parser.add_argument("--cols", type=int, default=6656, help="matvec: input features")
-    parser.add_argument("--group-rows", type=int, default=0, help="matvec: rows per threadgroup")
-    parser.add_argument("--threads", type=int, default=0, help="matvec: most threads per row")
-    parser.add_argument("--set", action="append", default=[], help="run, prefill: module.ATTR=value")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="run, prefill: load the model with these settings (muser_mlx.settings.Settings; "
+                             "bench/settings_cli.py)")
     parser.add_argument("--context", type=int, default=0, help="run: decode at this position (caches filled with zeros)")
-    parser.add_argument("--variant", action="append", default=[], help="prefill: NAME:module.ATTR=value,...")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
+                        help="prefill: also the chunks with the model rebuilt with these settings")
     parser.add_argument("--whole", action="store_true",
                         help="report: every launch summed per kernel name (prefill), no step detection")
     args = parser.parse_args()

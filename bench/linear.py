@@ -8,8 +8,11 @@ T = 1: CALLS calls per mx.eval (rotating weight copies and x), time per call, we
 GB/s, and time over the floor (weight bytes / the copy bandwidth measured in this run).
 T = 512: TFLOP/s of linear() against an f16 `x @ w.T` of the same shape.
 
-    python bench/linear.py [--ours-only] [--sweep [--types Q4_K] [--kernel Q4_K=NAME:UNIT]]
+    python bench/linear.py [--ours-only]
     python bench/linear.py --products [--types Q4_K,Q6_K] [--product-configs 2:8:1,2:8:2]   # q8x kernels
+
+--products times each configuration as Settings(products={format: config}) with the by-width
+tables empty, passed to ops.product / ops.product_glu.
 """
 
 from __future__ import annotations
@@ -25,13 +28,11 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from ceiling import copy_bandwidth
 from muser_mlx import formats, kernels, ops
+from muser_mlx.settings import DEFAULT
 
 GPU_SHAPES = [(4096, 6656), (256, 6656), (6656, 4096), (19968, 6656), (6656, 19968), (202048, 6656)]
 CPU_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 SCALE_FIELDS = {GGMLType.Q4_K: (0, 2), GGMLType.Q6_K: (208,), GGMLType.Q8_0: (0,), GGMLType.Q4_1: (0, 2)}
-# Muse Glimmer's decode products: q+gate stacked, attn_output, ffn gate+up stacked, ffn_down,
-# and the LM head's shape.
-SWEEP_SHAPES = [(8192, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (202048, 6656)]
 STREAM_BYTES = 512 << 20  # weight copies per shape add up to at least this
 
 
@@ -75,20 +76,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--calls", type=int, default=16)
-    parser.add_argument("--sweep", action="store_true",
-                        help="GPU: time each decode kernel's rows per threadgroup x threads per row "
-                             "on the large shapes, then stop")
-    parser.add_argument("--kernel", action="append", default=[], metavar="TYPE=NAME:UNIT",
-                        help="--sweep: also time kernel NAME (values per unit UNIT) for TYPE")
-    parser.add_argument("--types", default="", help="--sweep: only these types (e.g. Q4_K,Q6_K)")
-    parser.add_argument("--sweep-rows", type=lambda s: [int(r) for r in s.split(",")], default=[2, 4, 8],
-                        help="--sweep: rows per threadgroup to try (e.g. 4,8,16)")
-    parser.add_argument("--sweep-shapes", type=int, default=len(SWEEP_SHAPES),
-                        help="--sweep: the first N of Muse Glimmer's shapes (the last is the LM head)")
+    parser.add_argument("--types", default="", help="--products: only these types (e.g. Q4_K,Q6_K)")
     parser.add_argument("--product-configs", default=[],
                         type=lambda s: [tuple(int(v) for v in c.split(":")) for c in s.split(",")],
-                        help="--products: R:G:U[:W] (rows, SIMD groups, unroll, wide Q4_K units) configurations, "
-                             "e.g. 2:8:1,2:8:1:1")
+                        help="--products: R:G:U[:W[:S[:I[:L]]]] (ProductConfig's rows, SIMD groups, unroll, wide "
+                             "Q4_K units, stage, int floats, lean) configurations, e.g. 2:8:1,2:8:1:1")
     parser.add_argument("--cases", default="", help="--products: only these labels (comma-separated), e.g. attn_output,q+gate|k+v")
     parser.add_argument("--products", action="store_true",
                         help="GPU: the fused decode's q8x products on Muse Glimmer's shapes, over rows per "
@@ -105,9 +97,6 @@ def main() -> None:
           f"{args.calls} calls per evaluation, median of {args.repeats}")
     print(f"ceiling: elementwise copy {bandwidth / 1e9:,.0f} GB/s (read + write)\n")
 
-    if args.sweep:
-        sweep(rng, bandwidth, args)
-        return
     if args.products:
         products(rng, bandwidth, args)
         return
@@ -170,41 +159,6 @@ def main() -> None:
         del dense
 
 
-def sweep(rng, bandwidth, args) -> None:
-    """µs per call of each dedicated decode kernel as configured by ops.MATVEC_KERNELS (or
-    --kernel), over rows per threadgroup (ROWS) and the most threads splitting a row."""
-    candidates = list(ops.MATVEC_KERNELS.items())
-    for spec in args.kernel:  # TYPE=NAME:UNIT, e.g. Q4_K=matvec_q4k_old:32
-        type_name, rest = spec.split("=")
-        name, unit = rest.split(":")
-        candidates.append((GGMLType[type_name], ops.MatvecKernel(name, 4, 64, int(unit))))
-    configs = [(r, n) for r in args.sweep_rows for n in (64, 128, 256)]
-    print("| shape out x in | kernel | " + " | ".join(f"R{r} T{n}" for r, n in configs) + " |")
-    print("| --- | --- | " + " | ".join("---:" for _ in configs) + " |")
-    saved = dict(ops.MATVEC_KERNELS)
-    try:
-        for out_features, in_features in SWEEP_SHAPES[:args.sweep_shapes]:
-            for ggml_type, kernel in candidates:
-                if args.types and ggml_type.name not in args.types.split(","):
-                    continue
-                nbytes = out_features * formats.FORMATS[ggml_type].row_bytes(in_features)
-                copies = max(1, math.ceil(STREAM_BYTES / nbytes))
-                weights = [Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type,
-                                  in_features, out_features) for _ in range(copies)]
-                xs = [mx.random.normal((1, in_features)) for _ in range(4)]
-                cells = []
-                for r, n in configs:
-                    ops.MATVEC_KERNELS[ggml_type] = kernel._replace(rows=r, threads=n)
-                    seconds = per_call_seconds(
-                        lambda: [ops.linear(xs[i % 4], weights[i % copies]) for i in range(args.calls)],
-                        args.repeats)
-                    cells.append(f"{seconds * 1e6:,.1f} ({100 * nbytes / seconds / bandwidth:.0f}%)")
-                print(row([f"{out_features} x {in_features}", f"{ggml_type.name} {kernel.name}"] + cells),
-                      flush=True)
-                del weights
-    finally:
-        ops.MATVEC_KERNELS.update(saved)
-
 # The fused decode step's products on Muse Glimmer (out x in, the formats of the released mix):
 # the layer's projections (q+gate Q4_K with k+v Q8_0, one launch), attn_output, gate/up with
 # the SwiGLU epilogue, ffn_down (Q4_K or Q6_K), and the LM head with its softcap epilogue.
@@ -222,64 +176,57 @@ PRODUCT_CASES = [
 
 def products(rng, bandwidth, args) -> None:
     """µs per call and % of the copy ceiling of ops.product / product_glu (x as q8x, made once)
-    over ops.PRODUCT_CONFIG's rows per SIMD group x SIMD groups per threadgroup."""
+    over ProductConfigs of rows per SIMD group x SIMD groups per threadgroup: each column's
+    config for its format at every width (Settings' by-width tables empty)."""
     configs = [ops.ProductConfig(*c) for c in args.product_configs] or [
         ops.ProductConfig(r, g) for r in (1, 2, 4, 8) for g in (2, 4, 8)]
     print("| product | shape out x in | weight | MB | "
-          + " | ".join(f"R{r} G{g} U{u}" + (" W" if w else "") for r, g, u, w in configs) + " |")
+          + " | ".join(f"R{c.rows} G{c.simd_groups} U{c.unroll}" + (" W" if c.wide else "") for c in configs) + " |")
     print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in configs) + " |")
-    saved, saved_widths = dict(ops.PRODUCT_CONFIG), dict(ops.PRODUCT_CONFIG_BY_WIDTH)
-    saved_glu = dict(ops.GLU_CONFIG_BY_WIDTH)
-    ops.PRODUCT_CONFIG_BY_WIDTH.clear()  # each column's config for every width
-    ops.GLU_CONFIG_BY_WIDTH.clear()
-    try:
-        for label, (out_features, in_features), ggml_type, extra in PRODUCT_CASES:
-            if args.cases and label not in args.cases.split(","):
-                continue
-            if args.types and ggml_type.name not in args.types.split(","):
-                continue
-            row_bytes = formats.FORMATS[ggml_type].row_bytes(in_features)
-            nbytes = out_features * row_bytes * (2 if extra == "glu" else 1)
+    for label, (out_features, in_features), ggml_type, extra in PRODUCT_CASES:
+        if args.cases and label not in args.cases.split(","):
+            continue
+        if args.types and ggml_type.name not in args.types.split(","):
+            continue
+        row_bytes = formats.FORMATS[ggml_type].row_bytes(in_features)
+        nbytes = out_features * row_bytes * (2 if extra == "glu" else 1)
+        if isinstance(extra, tuple):
+            nbytes += extra[0] * formats.FORMATS[extra[1]].row_bytes(in_features)
+        copies = max(1, math.ceil(STREAM_BYTES / nbytes))
+
+        def make():
+            w = Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type, in_features, out_features)
             if isinstance(extra, tuple):
-                nbytes += extra[0] * formats.FORMATS[extra[1]].row_bytes(in_features)
-            copies = max(1, math.ceil(STREAM_BYTES / nbytes))
+                return w, Weight(valid_weight(rng, extra[1], extra[0], in_features), extra[1], in_features, extra[0])
+            if extra == "glu":
+                return w, Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type, in_features, out_features)
+            return w, None
 
-            def make():
-                w = Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type, in_features, out_features)
-                if isinstance(extra, tuple):
-                    return w, Weight(valid_weight(rng, extra[1], extra[0], in_features), extra[1], in_features, extra[0])
-                if extra == "glu":
-                    return w, Weight(valid_weight(rng, ggml_type, out_features, in_features), ggml_type, in_features, out_features)
-                return w, None
+        weights = [make() for _ in range(copies)]
+        xs = [ops.quantize_rows(mx.random.normal((1, in_features))) for _ in range(4)]
+        mx.eval(xs)
 
-            weights = [make() for _ in range(copies)]
-            xs = [ops.quantize_rows(mx.random.normal((1, in_features))) for _ in range(4)]
-            mx.eval(xs)
+        def call(i, settings):
+            first, second = weights[i % copies]
+            x = xs[i % 4]
+            if extra == "glu":
+                return list(ops.product_glu(x, first, second, settings=settings))
+            if extra == "head":
+                return list(ops.product(x, first, head=(0.196, 20.0), settings=settings))
+            return ops.product(x, first, second, settings=settings)
 
-            def call(i):
-                first, second = weights[i % copies]
-                x = xs[i % 4]
-                if extra == "glu":
-                    return list(ops.product_glu(x, first, second))
-                if extra == "head":
-                    return list(ops.product(x, first, head=(0.196, 20.0)))
-                return ops.product(x, first, second)
-
-            cells = []
-            for config in configs:
-                ops.PRODUCT_CONFIG[ggml_type] = config
-                if extra == "glu" and config.simd_groups != 4 and not args.product_configs:  # glu: 32 / rows SIMD groups
-                    cells.append("")
-                    continue
-                seconds = per_call_seconds(lambda: [call(i) for i in range(args.calls)], args.repeats)
-                cells.append(f"{seconds * 1e6:,.1f} ({100 * nbytes / seconds / bandwidth:.0f}%)")
-            print(row([label, f"{out_features} x {in_features}", ggml_type.name, f"{nbytes / 1e6:,.1f}"] + cells),
-                  flush=True)
-            del weights
-    finally:
-        ops.PRODUCT_CONFIG.update(saved)
-        ops.PRODUCT_CONFIG_BY_WIDTH.update(saved_widths)
-        ops.GLU_CONFIG_BY_WIDTH.update(saved_glu)
+        cells = []
+        for config in configs:
+            if extra == "glu" and config.simd_groups != 4 and not args.product_configs:  # glu: 32 / rows SIMD groups
+                cells.append("")
+                continue
+            settings = DEFAULT.replace(products={**DEFAULT.products, ggml_type: config}, products_by_width={},
+                                       glu_by_width={})
+            seconds = per_call_seconds(lambda: [call(i, settings) for i in range(args.calls)], args.repeats)
+            cells.append(f"{seconds * 1e6:,.1f} ({100 * nbytes / seconds / bandwidth:.0f}%)")
+        print(row([label, f"{out_features} x {in_features}", ggml_type.name, f"{nbytes / 1e6:,.1f}"] + cells),
+              flush=True)
+        del weights
 
 
 if __name__ == "__main__":

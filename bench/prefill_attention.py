@@ -3,10 +3,10 @@
 A GPU prefill chunk of T rows at context c attends over S = c + T keys in a full layer, so
 every chunk of a long prompt brings a key length the process has not seen. If MLX's fused
 attention (cuDNN on CUDA) builds something per shape, the first chunks of each process pay it
-(bench/RESULTS.md, session 33: chunks past the warm-up spent 90-1,109 ms in MLX's encoding,
-26-33 ms a round later). Muse Glimmer's shapes: 32 query heads, 2 kv heads, head_dim 128,
-float16, T = 512. For each S = T, 2T, ... up to --max-context, in this order, prints the first
-call's time (one evaluation, the host's encoding included) and the median of --repeats more:
+(chunks past the warm-up spent 90-1,109 ms in MLX's encoding, 26-33 ms a round later). Muse
+Glimmer's shapes: 32 query heads, 2 kv heads, head_dim 128, float16, T = 512. For each S = T,
+2T, ... up to --max-context, in this order, prints the first call's time (one evaluation, the
+host's encoding included) and the median of --repeats more:
 - "causal": mask="causal", as a full layer's chunk runs it;
 - "additive": an additive float16 [T, S] mask (a window layer past its window);
 - "bucketed": keys and values padded to the next multiple of --bucket, an additive mask hiding

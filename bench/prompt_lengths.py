@@ -3,7 +3,7 @@
 A GPU prefill chunk's attention is MLX's fused attention, which on CUDA builds a cuDNN graph for
 each shape it has not seen (38-62 ms each on the H200: bench/prefill_attention.py). A prompt's
 last chunk has its own row and key counts, so a process serving prompts of many lengths pays
-that again and again unless the shapes are bucketed (models.transformer.ATTENTION_KEY_BUCKET).
+that again and again unless the shapes are bucketed (Settings.attention_key_bucket).
 This loads (writing it first if absent) the random-weight file bench/decode.py writes, runs a
 warm-up prompt (the process's first attention pays cuDNN's own start), then each length of
 --lengths in turn as generate() starts a reply: prefill in 512-row chunks plus the last token's
@@ -11,10 +11,11 @@ decode step, into a fresh cache, until the first token is on the host. It prints
 time and how many attention shapes (q, keys, mask) the process met for the first time in it.
 
     python bench/prompt_lengths.py [--dir /dev/shm] [--lengths 300,301,...] [--warm 512]
-                                   [--set module.ATTR=value ...]
+                                   [--set field=value ...]
 
-Run once as it is and once with `--set muser_mlx.models.transformer.ATTENTION_KEY_BUCKET=0`
-(each process starts with no cuDNN graphs: compare processes, not prompts within one).
+Run once as it is and once with `--set attention_key_bucket=0` (the model loaded with those
+muser_mlx.settings.Settings; each process starts with no cuDNN graphs: compare processes, not
+prompts within one).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode  # noqa: E402
 from muser_mlx.generate import feed, load  # noqa: E402
 from muser_mlx.generate import decode as decode_token  # noqa: E402
+from settings_cli import HELP, settings_from  # noqa: E402
 
 LENGTHS = "5,9,300,301,777,1000,1234,1500,2047,2300,3001,3500,4100,300,1000,3001,302,1001,3002,4000"
 
@@ -44,12 +46,13 @@ def main() -> None:
     parser.add_argument("--lengths", default=LENGTHS)
     parser.add_argument("--warm", type=int, default=512, help="the warm-up prompt's length (0: none)")
     parser.add_argument("--layers", type=int, default=decode.LAYERS, help="fewer layers: a quick smoke run")
-    parser.add_argument("--set", action="append", default=[], help="module.ATTR=value")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help=f"load the model with these settings: {HELP}")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     if any(n < 2 for n in lengths) or args.warm == 1:
         parser.error("prompts need at least 2 tokens")
-    decode.apply_settings(args.set)
+    settings = settings_from(args.set)
 
     shapes, met = set(), []
     real_attention = mx.fast.scaled_dot_product_attention
@@ -67,7 +70,7 @@ def main() -> None:
     path = Path(args.dir) / f"muse-glimmer-random-{args.layers}.gguf"
     if not path.exists():
         decode.write_file(path, rng, args.layers)
-    model, _ = load(path)
+    model, _ = load(path, settings=settings)
     print(f"device: {mx.default_device()}; {args.layers} layers; settings {args.set or 'none'}", flush=True)
 
     def first_token(length: int) -> tuple[float, float]:

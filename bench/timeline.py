@@ -13,11 +13,12 @@ profiler, and prints per run:
 Then the kernels' time per step by name, over all runs.
 
     python bench/timeline.py [--dir /dev/shm] [--steps 20] [--runs 4] [--context 0]
-                             [--trace out.json.gz] [--set module.ATTR=value ...]
+                             [--trace out.json.gz] [--set field=value ...]
+                             [--variant NAME:field=value,... ...]
 
 --prefill N profiles N 512-row prefill chunks instead (kernel_times.py prefill's measure): the
 GPU's busy time on all streams and on each, and the kernels by time; each --variant
-NAME:module.ATTR=value,... is profiled again with those settings.
+NAME:field=value,... is profiled again with those settings.
 
 It first prints the copy bandwidth of the same process (decode.py's measure), the ceiling the
 kernels' figures are read against, then the same copy's bandwidth in GPU time (CUPTI, one 1 GiB
@@ -28,14 +29,14 @@ that many MB as one launch (READ_KERNEL: 16-byte loads, four in flight a thread;
 a few grids), the least a product of that many bytes could take. Both rotate through buffers of
 256 MB or more in all, so none reads from L2 what the one before it left there.
 
-Each --variant NAME:module.ATTR=value,... of a decode profile is profiled again (the step traced
-again with those settings), after the default. A variant's short products read slow: the
-o-projection took 6.95-7.05 µs as a variant and 6.15-6.21 as the default in the same process,
-whichever configuration was which (bench/RESULTS.md, session 26). Compare the short products
-as defaults (--set), one process each.
+Each --variant NAME:field=value,... of a decode profile is profiled again (the model rebuilt
+with those settings over the same file, its step traced again), after the default. A variant's
+short products read slow: the o-projection took 6.95-7.05 µs as a variant and 6.15-6.21 as the
+default in the same process, whichever configuration was which. Compare the short products as
+defaults (--set), one process each.
 
---set changes module constants before the step is compiled (decode.py's --variant settings),
-e.g. `--set muser_mlx.ops.attention.ATTENTION_HEAD_GROUP=1`.
+--set loads the model with those muser_mlx.settings.Settings (bench/settings_cli.py), e.g.
+`--set attention_head_group=1`.
 
 Needs torch (the H200 machine has it; it is not a dependency of muser_mlx).
 """
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import gzip
 import json
 import os
@@ -60,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode as bench_decode  # noqa: E402
 from kernel_times import prefill_chunk  # noqa: E402
 from muser_mlx.generate import load  # noqa: E402
+from settings_cli import HELP, parse_variant, rebuilt, settings_from  # noqa: E402
 
 
 def profiled_run(model, cache, steps: int):
@@ -186,8 +189,7 @@ def copy_launches(nbytes: int) -> tuple[int, list]:
 def gpu_copy_bandwidth() -> None:
     """Prints the copy's bandwidth in GPU time (CUPTI), as the kernels are timed: one 1 GiB
     `x + 1` launch (read + write) over 4 rotating buffers. The host-timed 4 GiB figure includes
-    a launch's host latency: it moved 3.10-3.65 TB/s on leases where this gave 3.81 (RESULTS.md,
-    session 25)."""
+    a launch's host latency: it moved 3.10-3.65 TB/s on leases where this gave 3.81."""
     moved, durations = copy_launches(1 << 30)
     if durations:
         print(f"copy bandwidth in GPU time (1 GiB elementwise, read+write, CUPTI median of {len(durations)}): "
@@ -293,20 +295,26 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--context", type=int, default=0)
     parser.add_argument("--trace", help="also write the last run's kernels and marks here (.json.gz)")
-    parser.add_argument("--set", action="append", default=[], help="module.ATTR=value, before compiling")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help=f"load the model with these settings: {HELP}")
     parser.add_argument("--prefill", type=int, default=0,
                         help="profile this many 512-row prefill chunks instead of decode steps")
     parser.add_argument("--variant", action="append", default=[],
-                        help="NAME:module.ATTR=value,... profiled again with these settings (decode: recompiled)")
+                        metavar="NAME:FIELD=VALUE,...",
+                        help="profiled again with the model rebuilt with these settings")
     parser.add_argument("--kernels", type=int, default=14, help="--prefill: print this many kernel names by time")
     parser.add_argument("--sequence", type=int, default=0,
                         help="--prefill: print this many of the last chunk's kernels in order, from its middle")
     parser.add_argument("--copy-sizes", default="",
                         help="MB,MB,...: also time one-launch copies moving that many MB (read + write)")
     args = parser.parse_args()
+    settings = settings_from(args.set)
+    variants = [("", [], settings)]
+    for variant in args.variant:
+        name, changes = parse_variant(variant)
+        variants.append((name, changes, settings_from(changes, settings)))
     if args.set:
         print(f"settings: {args.set}")
-        bench_decode.apply_settings(args.set)
     # The copy ceiling of this process, for the kernels' % of it (RESULTS.md tables): the
     # issue's figures want the same run's, and a lease's copy moves 3.10-3.65 TB/s.
     bandwidth = bench_decode.copy_bandwidth(4 << 30)
@@ -318,24 +326,23 @@ def main() -> None:
     rng = np.random.default_rng(0)
     if not path.exists() or path.stat().st_size < bench_decode.ARTIFACT_BYTES * 0.9:
         bench_decode.write_file(path, rng)
-    model, _ = load(path)
+    model, _ = load(path, settings=settings)
     for tensor in model.file.tensors.values():
         mx.eval(tensor.data)
     if args.prefill:
-        for label, settings in [("", [])] + [bench_decode.parse_variant(v) for v in args.variant]:
-            saved = bench_decode.apply_settings(settings)
-            prefill_profile(args, model, rng, f"{label} {settings}" if label else str(args.set))
-            bench_decode.restore_settings(saved)
+        for label, changes, variant_settings in variants:
+            model = rebuilt(model, variant_settings)
+            gc.collect()  # the model replaced (and its stacked projections) freed
+            prefill_profile(args, model, rng, f"{label} {changes}" if label else str(args.set))
         return
     cache = model.make_cache()
     bench_decode.fill_context(model, cache, args.context, rng)
-    for label, settings in [("", [])] + [bench_decode.parse_variant(v) for v in args.variant]:
-        saved = bench_decode.apply_settings(settings)
-        model._compiled_decode = {}  # traced again with these settings
+    for label, changes, variant_settings in variants:
+        model = rebuilt(model, variant_settings)
+        gc.collect()
         if label:
-            print(f"variant {label}: {settings}")
+            print(f"variant {label}: {changes}")
         decode_profile(args, model, cache)
-        bench_decode.restore_settings(saved)
 
 
 def decode_profile(args, model, cache) -> None:

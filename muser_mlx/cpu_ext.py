@@ -7,13 +7,19 @@ mx.eval on a CPU stream, in float32 on all cores with the CPU's vector instructi
 reads the raw GGUF blocks.
 Where the extension was not built or does not load, `available()` is False, `unavailable()`
 says why, and ops.linear_path sends the products to MLX's own ops (logged once).
+MUSER_CPU_EXT_PATH=<directory> loads the extension built there instead (make test's builds for
+other instruction sets: Makefile, test-cpu-arch).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.util
 import logging
+import os
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -21,8 +27,28 @@ from muser_mlx.formats import GGMLType
 
 _log = logging.getLogger(__name__)
 
+
+def _load_from(directory: str):
+    """The extension built into `directory` (e.g. make test's build for AVX2, build/cpu-x86-64-v3),
+    loaded as muser_mlx._cpu_kernels in place of the installed one: (module, '') or (None, why)."""
+    files = [path for suffix in importlib.machinery.EXTENSION_SUFFIXES
+             for path in sorted(Path(directory).glob(f"_cpu_kernels{suffix}"))]
+    if not files:
+        return None, f"MUSER_CPU_EXT_PATH={directory} holds no _cpu_kernels extension"
+    spec = importlib.util.spec_from_file_location("muser_mlx._cpu_kernels", files[0])
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        return None, f"{files[0]} (MUSER_CPU_EXT_PATH) does not load ({error})"
+    sys.modules[spec.name] = module  # so that no importer loads the installed one beside it
+    return module, ""
+
+
 _REINSTALL = "reinstall the package with a C++20 compiler and CMake >= 3.24 on the PATH"
-if importlib.util.find_spec("muser_mlx._cpu_kernels") is None:
+if os.environ.get("MUSER_CPU_EXT_PATH"):
+    _cpu_kernels, _why = _load_from(os.environ["MUSER_CPU_EXT_PATH"])
+elif importlib.util.find_spec("muser_mlx._cpu_kernels") is None:
     _cpu_kernels = None
     _why = f"the extension muser_mlx._cpu_kernels was not built at install; {_REINSTALL}"
 else:

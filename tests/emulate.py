@@ -30,7 +30,7 @@ Testing a kernel (tests/test_emulated_kernels.py has one test per kernel):
 
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         out = np.array(ops.linear(x, weight))   # the op's real GPU path: its grid, template
-    assert launches[0][0] == "matvec_q4k" and np.isfinite(out).all()   # NaN: never written
+    assert launches[0][0] == "matvec" and np.isfinite(out).all()   # NaN: never written
     assert relative_error(out, reference) <= 2e-5
     # one launch, no op yet: run(name, inputs, template, grid, threadgroup, shapes, dtypes)
     # a broken variant: emulated_gpu(sources={name: dataclasses.replace(kernels.source(name), ...)})

@@ -199,8 +199,8 @@ def test_a_step_past_the_context_is_refused(tiny):
 
 
 def test_generate_runs_the_rounded_compiled_step_on_the_cpu(tiny, rng, monkeypatch):
-    # The general step's LM head is made to fail after the prompt: generate()'s one-token steps
-    # must be the compiled CPU step's, and its products must be asked to round.
+    # The general step is made to fail after the prompt: generate()'s one-token steps must be
+    # the compiled CPU step's, and its products must be asked to round.
     _, model = tiny("qwen2", "Q4_K_M")
     assert cpu_decode.serves(model) and cpu_decode.rounds(model)
     asked = []
@@ -212,10 +212,10 @@ def test_generate_runs_the_rounded_compiled_step_on_the_cpu(tiny, rng, monkeypat
 
     monkeypatch.setattr(ops, "linear", spy)
 
-    def general_head(hidden):
+    def general_step(ids, cache=None):
         raise AssertionError("a one-token step ran the general step")
 
-    monkeypatch.setattr(model, "logits", general_head)
+    monkeypatch.setattr(model, "hidden_unchecked", general_step)
     cache = cpu_decode.generation_cache(model)
     assert all(c.dtype == (mx.float16 if cpu_ext.half_cache() else mx.float32) for c in cache)
     first, _ = decode(model, mx.array([[3]], dtype=mx.int32), cache)

@@ -17,6 +17,8 @@ sqrt(12)): for normal x, max|x| ~2.5 sigma over 32 values (0.57 % of the output)
 """
 
 import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +27,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from gguf import quants
 
 from muser_mlx import cpu_ext, formats, gguf, ops, testing
+from muser_mlx.ops import products
 from tests.conftest import relative_error
 
 # `make test` installs the package, which builds the extension, and sets MUSER_REQUIRE_CPU_EXT:
@@ -91,6 +94,19 @@ def test_the_extension_is_built_and_serves_every_format():
     for ggml_type in FORMATS:
         for tokens in (1, 8, 9, 512):
             assert ops.linear_path(ggml_type, tokens, "cpu") == "cpu_gguf_linear"
+
+
+def test_MUSER_CPU_EXT_PATH_loads_the_extension_built_there_or_says_why_not(tmp_path):
+    # make test runs this file again on builds for other instruction sets (MUSER_CPU_EXT_PATH).
+    probe = "from muser_mlx import cpu_ext; print(cpu_ext.available()); print(cpu_ext.unavailable())"
+    env = dict(os.environ, MUSER_CPU_EXT_PATH=str(tmp_path))
+    lines = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    assert lines[0] == "False"
+    assert lines[1] == f"MUSER_CPU_EXT_PATH={tmp_path} holds no _cpu_kernels extension"
+    if os.environ.get("MUSER_CPU_EXT_PATH"):
+        loaded = os.path.dirname(os.path.abspath(cpu_ext._cpu_kernels.__file__))
+        assert loaded == os.path.abspath(os.environ["MUSER_CPU_EXT_PATH"])
 
 
 def test_without_the_extension_products_take_mlx_ops_and_say_so_once(monkeypatch, caplog):
@@ -237,7 +253,7 @@ def test_ops_linear_runs_the_compiled_product_on_the_cpu(rng, tmp_path, monkeypa
     # Through the model's entry point, with MLX's own CPU paths made to fail: the compiled
     # product must be what ran.
     for fallback in ("cpu_affine_qmm", "cpu_dequant_matmul"):
-        monkeypatch.setitem(ops.products._LINEAR_PATHS, fallback, None)
+        monkeypatch.setitem(products._LINEAR_PATHS, fallback, None)
     ggml_type, in_features, out_features = GGMLType.Q4_K, 512, 33
     raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
     path = testing.write_gguf(tmp_path / "w.gguf", {}, {"w": (ggml_type, (in_features, out_features), raw)})

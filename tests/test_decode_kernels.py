@@ -7,7 +7,6 @@ quantizes its own float32 result, a code may land on the other side of a roundin
 the float64 reference's; so each value is checked to lie within half a code step (d / 2) of the
 exact result, which is the quantization's own bound, plus float32 rounding."""
 
-import importlib
 
 import mlx.core as mx
 import numpy as np
@@ -17,9 +16,16 @@ from gguf import GGMLQuantizationType as GGMLType
 from muser_mlx import formats, kernels, ops, testing
 from muser_mlx.gguf import StackedRows
 from muser_mlx.reference import rms, rope
+from muser_mlx.settings import DEFAULT, Settings
 from tests.conftest import relative_error
 
 PRODUCT_BOUND = 2e-5
+
+
+def with_products(products: dict, **fields) -> Settings:
+    """The default settings with kernel product's configs of some formats replaced (and other
+    Settings fields: products_by_width={} drops the per-width overrides)."""
+    return DEFAULT.replace(products={**DEFAULT.products, **products}, **fields)
 
 
 def q8x(x: np.ndarray) -> tuple[ops.Q8X, np.ndarray]:
@@ -93,7 +99,7 @@ def test_product_of_one_or_two_weights_matches_numpy(backend, rng, formats_ab, t
 @pytest.mark.parametrize("unroll", [1, 2, 4])  # 4 with 3 tokens: 1 (at most 4 units x tokens)
 @pytest.mark.parametrize("formats_ab", FORMAT_PAIRS[:3], ids=lambda p: "+".join(t.name for t in p if t))
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, rng, monkeypatch, formats_ab,
+def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, rng, formats_ab,
                                                                          tokens, unroll, wide):
     """ProductConfig.unroll: 88 units a row, so lanes take 2 or 3 units and, two or four at a
     time, the last batch of most lanes runs past the row (those units must add nothing).
@@ -101,14 +107,14 @@ def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, 
     ignore it)."""
     first, _ = formats_ab
     in_features, out = 2816, 37
-    monkeypatch.setitem(ops.PRODUCT_CONFIG, first, ops.ProductConfig(2, 4, unroll, wide))
+    settings = with_products({first: ops.ProductConfig(2, 4, unroll, wide)})
     a, a_values = weight(rng, first, in_features, out, "a")
     x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32))
     gate, gate_values = weight(rng, first, in_features, 64, "gate")
     up, up_values = weight(rng, first, in_features, 64, "up")
     with kernels.poisoned_outputs():
-        y = np.array(ops.product(x, a))
-        glu = ops.product_glu(x, gate, up, "silu")
+        y = np.array(ops.product(x, a, settings=settings))
+        glu = ops.product_glu(x, gate, up, "silu", settings=settings)
         mx.eval(glu)
     assert relative_error(y, x_values @ a_values.T) <= PRODUCT_BOUND
     g, u = x_values @ gate_values.T, x_values @ up_values.T
@@ -119,30 +125,30 @@ def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, 
 @pytest.mark.parametrize("unroll", [1, 2])
 @pytest.mark.parametrize("formats_ab", FORMAT_PAIRS[:3], ids=lambda p: "+".join(t.name for t in p if t))
 @pytest.mark.parametrize("tokens", [1, 2])
-def test_products_whose_rows_are_one_pass_of_the_lanes_match_numpy(backend, rng, monkeypatch, formats_ab, tokens,
+def test_products_whose_rows_are_one_pass_of_the_lanes_match_numpy(backend, rng, formats_ab, tokens,
                                                                    unroll, wide):
     """Rows of exactly 32 * unroll units (the o-projection's: 64 wide units, 2 a lane) take
     blocks.metal's one-pass form (no loop, no clamp); against numpy, and against the same
     launch on rows one unit longer, which loop and clamp."""
     first, _ = formats_ab
     unit = 64 if wide and first == GGMLType.Q4_K else 32
-    monkeypatch.setitem(ops.PRODUCT_CONFIG, first, ops.ProductConfig(2, 4, unroll, wide))
+    settings = with_products({first: ops.ProductConfig(2, 4, unroll, wide)})
     for in_features in (32 * unroll * unit, 32 * unroll * unit + 256):
         a, a_values = weight(rng, first, in_features, int(rng.integers(3, 20)) * 2 + 1, "a")
         x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32))
         with kernels.poisoned_outputs():
-            y = np.array(ops.product(x, a))
+            y = np.array(ops.product(x, a, settings=settings))
         assert np.isfinite(y).all() and relative_error(y, x_values @ a_values.T) <= PRODUCT_BOUND
 
 
-def _with_and_without(monkeypatch, field: str, config, formats_ab, a, b, x, tokens: int, on: int = 1) -> list:
+def _with_and_without(field: str, config, formats_ab, a, b, x, tokens: int, on: int = 1, **fields) -> list:
     """The product of x with a (and b) under `config` with ProductConfig field `field` set to 0,
-    then `on`, for both weights' formats (each launch's template checked)."""
+    then `on`, for both weights' formats (each launch's template checked); `fields`: other
+    Settings fields."""
     outs = []
     for value in (0, on):
-        for ggml_type in set(formats_ab) - {None}:
-            monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, config._replace(**{field: value}))
-        product = ops.Product(a, b, tokens=tokens)
+        settings = with_products({t: config._replace(**{field: value}) for t in set(formats_ab) - {None}}, **fields)
+        product = ops.Product(a, b, tokens=tokens, settings=settings)
         assert dict(product.template)[field.upper()] == value
         with kernels.poisoned_outputs():
             outs.append(np.array(product(x)))
@@ -159,7 +165,7 @@ def _reference_product(x_values, a_values, b_values):
 @pytest.mark.parametrize("formats_ab", FORMAT_PAIRS, ids=lambda p: "+".join(t.name for t in p if t))
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_products_that_make_floats_without_conversions_equal_those_that_convert_bit_for_bit(
-        backend, rng, monkeypatch, formats_ab, tokens, wide):
+        backend, rng, formats_ab, tokens, wide):
     """ProductConfig.int_floats (kernel product's INT_FLOATS): the integer dots and scales
     become floats through a float's mantissa (blocks.metal's muser_int_float) instead of
     conversion instructions: the same values, so the same result bit for bit; and numpy's."""
@@ -168,7 +174,7 @@ def test_products_that_make_floats_without_conversions_equal_those_that_convert_
     a, a_values = weight(rng, first, in_features, int(rng.integers(3, 30)) * 2 + 1, "a")
     b, b_values = weight(rng, second, in_features, 9, "b") if second else (None, None)
     x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32) * 4)
-    outs = _with_and_without(monkeypatch, "int_floats", ops.ProductConfig(2, 4, 1, wide), formats_ab, a, b, x, tokens)
+    outs = _with_and_without("int_floats", ops.ProductConfig(2, 4, 1, wide), formats_ab, a, b, x, tokens)
     expected = _reference_product(x_values, a_values, b_values)
     assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
     np.testing.assert_array_equal(outs[1], outs[0])
@@ -178,22 +184,22 @@ def test_products_that_make_floats_without_conversions_equal_those_that_convert_
 @pytest.mark.parametrize("formats_ab", [(GGMLType.Q4_K, None), (GGMLType.Q4_K, GGMLType.Q8_0)],
                          ids=lambda p: "+".join(t.name for t in p if t))
 @pytest.mark.parametrize("tokens", [1, 2])
-def test_lean_products_match_numpy_and_the_plain_arithmetic(backend, rng, monkeypatch, formats_ab, tokens, rows,
+def test_lean_products_match_numpy_and_the_plain_arithmetic(backend, rng, formats_ab, tokens, rows,
                                                            unroll, stage):
     """ProductConfig.lean (kernel product's LEAN): wide Q4_K dots scaled by their 6-bit scales
     as integers, and two rows reduced in one butterfly (ROWS 2); another rounding order, so
     against numpy within the products' bound and against LEAN 0 within float32 rounding. x is
     scaled so that some dots reach the integer bound's order (|63 * dot| up to ~2^21)."""
     first, second = formats_ab
-    monkeypatch.delitem(ops.PRODUCT_CONFIG_BY_WIDTH, (GGMLType.Q4_K, 4096), raising=False)
-    monkeypatch.setattr(ops.fused_products, "STAGE_MIN_IN", 4096)
+    fields = dict(products_by_width={}, stage_min_in=4096)
     in_features = 4096 if stage else 256 * int(rng.integers(2, 9))
     a, a_values = weight(rng, first, in_features, int(rng.integers(3, 20)) * 2 + 1, "a")
     b, b_values = weight(rng, second, in_features, 7, "b") if second else (None, None)
     x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32) * 8)
     config = ops.ProductConfig(rows, 4, unroll, 1, stage, 1)
-    outs = _with_and_without(monkeypatch, "lean", config, formats_ab, a, b, x, tokens)
-    assert dict(ops.Product(a, b, tokens=tokens).template)["STAGE"] == stage
+    outs = _with_and_without("lean", config, formats_ab, a, b, x, tokens, **fields)
+    settings = with_products({t: config for t in set(formats_ab) - {None}}, **fields)
+    assert dict(ops.Product(a, b, tokens=tokens, settings=settings).template)["STAGE"] == stage
     expected = _reference_product(x_values, a_values, b_values)
     assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
     assert relative_error(outs[1], outs[0]) <= 1e-6
@@ -203,88 +209,45 @@ def test_lean_products_match_numpy_and_the_plain_arithmetic(backend, rng, monkey
 @pytest.mark.parametrize("formats_ab", [(GGMLType.Q6_K, None), (GGMLType.Q6_K, GGMLType.Q4_K)],
                          ids=lambda p: "+".join(t.name for t in p if t))
 @pytest.mark.parametrize("tokens", [1, 2, 3])
-def test_lean_q6k_products_match_numpy_and_the_plain_arithmetic(backend, rng, monkeypatch, formats_ab, tokens, rows):
+def test_lean_q6k_products_match_numpy_and_the_plain_arithmetic(backend, rng, formats_ab, tokens, rows):
     """Q6_K under ProductConfig.lean: the -32 offset and the int8 scales applied as integers
     (|(q - 32) . c| * |scale| up to 8 * 32 * 127 * 128 < 2^22), one float product by x's scale a
     quarter; another rounding order, so against numpy within the products' bound and against
     LEAN 0 within float32 rounding. x scaled so that some codes reach +-127; scales of -128
     included (testing.random_blocks draws any int8)."""
     first, second = formats_ab
-    for key in list(ops.PRODUCT_CONFIG_BY_WIDTH):
-        monkeypatch.delitem(ops.PRODUCT_CONFIG_BY_WIDTH, key)
     in_features = 256 * int(rng.integers(2, 9))
     a, a_values = weight(rng, first, in_features, int(rng.integers(3, 20)) * 2 + 1, "a")
     b, b_values = weight(rng, second, in_features, 7, "b") if second else (None, None)
     x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32) * 8)
     config = ops.ProductConfig(rows, 4, 1)
-    outs = _with_and_without(monkeypatch, "lean", config, formats_ab, a, b, x, tokens)
+    outs = _with_and_without("lean", config, formats_ab, a, b, x, tokens, products_by_width={})
     expected = _reference_product(x_values, a_values, b_values)
     assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
     assert relative_error(outs[1], outs[0]) <= 1e-6
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
-@pytest.mark.parametrize("formats_ab, wide", [((GGMLType.Q6_K, None), 0), ((GGMLType.Q4_K, GGMLType.Q8_0), 1),
-                                              ((GGMLType.Q4_K, None), 0)], ids=["Q6_K", "wide-Q4_K+Q8_0", "Q4_K"])
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_products_that_prefetch_equal_those_that_do_not_bit_for_bit(backend, rng, monkeypatch, formats_ab, wide,
-                                                                   tokens, prefetch):
-    """ProductConfig.prefetch (kernel product's and product_glu's PREFETCH: L2 asked for each
-    lane's bytes 1 or 2 passes ahead) changes no arithmetic: rows of 3-9 passes, including the
-    last rows and last units, whose prefetches would fall past the row (skipped), equal the
-    launch without it bit for bit, and numpy."""
-    first, second = formats_ab
-    for key in list(ops.PRODUCT_CONFIG_BY_WIDTH):  # (Q4_K, 4096) would override the config
-        monkeypatch.delitem(ops.PRODUCT_CONFIG_BY_WIDTH, key)
-    in_features = 256 * int(rng.integers(9, 19))  # 72-144 units of 32 values, 36-72 wide ones
-    a, a_values = weight(rng, first, in_features, int(rng.integers(3, 12)) * 2 + 1, "a")
-    b, b_values = weight(rng, second, in_features, 5, "b") if second else (None, None)
-    x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32))
-    outs = _with_and_without(monkeypatch, "prefetch", ops.ProductConfig(2, 4, 1, wide), formats_ab, a, b, x, tokens,
-                             on=prefetch)
-    expected = _reference_product(x_values, a_values, b_values)
-    assert np.isfinite(outs[1]).all() and relative_error(outs[1], expected) <= PRODUCT_BOUND
-    np.testing.assert_array_equal(outs[1], outs[0])
-    gate, gate_values = weight(rng, first, in_features, 64, "gate")
-    up, up_values = weight(rng, first, in_features, 64, "up")
-    glus = []
-    for value in (0, prefetch):
-        monkeypatch.setitem(ops.PRODUCT_CONFIG, first, ops.ProductConfig(2, 4, 1, wide, 0, 0, 0, value))
-        glu = ops.GatedProduct(gate, up, tokens=tokens)
-        assert dict(glu.launch_arguments()[0])["PREFETCH"] == value
-        with kernels.poisoned_outputs():
-            out = glu(x)
-            mx.eval(out)
-        glus.append([np.array(part) for part in out])
-    g, u = x_values @ gate_values.T, x_values @ up_values.T
-    assert_within_half_a_code(ops.Q8X(*(mx.array(part) for part in glus[1])), g / (1 + np.exp(-g)) * u)
-    for with_prefetch, without in zip(glus[1], glus[0]):
-        np.testing.assert_array_equal(with_prefetch, without)
-
-
 @pytest.mark.parametrize("rows, simd_groups, unroll", [(2, 4, 1), (2, 2, 2), (1, 8, 1)])
 @pytest.mark.parametrize("tokens", [1, 2])
-def test_products_that_stage_x_match_numpy(backend, rng, monkeypatch, rows, simd_groups, unroll, tokens):
+def test_products_that_stage_x_match_numpy(backend, rng, rows, simd_groups, unroll, tokens):
     """ProductConfig.stage: x in threadgroup memory, read by wide Q4_K units and Q8_0 ones (the
     o-projection's and q+gate with k+v's formats) at 4,096 values: 64 wide units a row, 2 a lane;
     equal to the unstaged launch's result."""
-    monkeypatch.delitem(ops.PRODUCT_CONFIG_BY_WIDTH, (GGMLType.Q4_K, 4096), raising=False)
-    monkeypatch.setattr(ops.fused_products, "STAGE_MIN_IN", 4096)
-    for ggml_type in (GGMLType.Q4_K, GGMLType.Q8_0):
-        monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(rows, simd_groups, unroll, 1, 1))
+    def settings(stage):
+        config = ops.ProductConfig(rows, simd_groups, unroll, 1, stage)
+        return with_products({GGMLType.Q4_K: config, GGMLType.Q8_0: config}, products_by_width={}, stage_min_in=4096)
+
     a, a_values = weight(rng, GGMLType.Q4_K, 4096, 45, "a")
     b, b_values = weight(rng, GGMLType.Q8_0, 4096, 19, "b")
     x, x_values = q8x(rng.standard_normal((tokens, 4096)).astype(np.float32))
-    product = ops.Product(a, b, tokens=tokens)
+    product = ops.Product(a, b, tokens=tokens, settings=settings(1))
     assert dict(product.template)["STAGE"] == 1
     with kernels.poisoned_outputs():
         y = np.array(product(x))
     expected = np.concatenate([x_values @ a_values.T, x_values @ b_values.T], axis=-1)
     assert np.isfinite(y).all() and relative_error(y, expected) <= PRODUCT_BOUND
-    for ggml_type in (GGMLType.Q4_K, GGMLType.Q8_0):
-        monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, ops.ProductConfig(rows, simd_groups, unroll, 1, 0))
     with kernels.poisoned_outputs():
-        np.testing.assert_array_equal(np.array(ops.Product(a, b, tokens=tokens)(x)), y)
+        np.testing.assert_array_equal(np.array(ops.Product(a, b, tokens=tokens, settings=settings(0))(x)), y)
 
 
 WOVEN_CASES = {  # first weight's format, its config, the second weight's format, staged
@@ -299,21 +262,20 @@ WOVEN_CASES = {  # first weight's format, its config, the second weight's format
 
 @pytest.mark.parametrize("case", sorted(WOVEN_CASES))
 @pytest.mark.parametrize("tokens", [1, 2])
-def test_products_read_woven_x_as_the_plain_layout_bit_for_bit(backend, rng, monkeypatch, case, tokens):
+def test_products_read_woven_x_as_the_plain_layout_bit_for_bit(backend, rng, case, tokens):
     """Product(woven=True): x's codes and sums in q8x's woven layout (ops.weave, as
     attention_combine writes the o-projection's x). 2,560 values: a run of 32 64-value units
     and a short run of 8, so both strides of the layout are read. The result is the plain
     layout's bit for bit (the same values, added in the same order)."""
     first, config, second = WOVEN_CASES[case]
-    monkeypatch.setitem(ops.PRODUCT_CONFIG, first, config)
-    if second is not None:
-        monkeypatch.setitem(ops.PRODUCT_CONFIG, second, config)
-        monkeypatch.setattr(ops.fused_products, "STAGE_MIN_IN", 2048)
+    settings = with_products({first: config} if second is None else {first: config, second: config},
+                             stage_min_in=2048)
     in_features = 2560
     a, a_values = weight(rng, first, in_features, int(rng.integers(5, 40)), "a")
     b, b_values = weight(rng, second, in_features, 11, "b") if second else (None, None)
     x, x_values = q8x(rng.standard_normal((tokens, in_features)).astype(np.float32))
-    plain, woven = ops.Product(a, b, tokens=tokens), ops.Product(a, b, tokens=tokens, woven=True)
+    plain = ops.Product(a, b, tokens=tokens, settings=settings)
+    woven = ops.Product(a, b, tokens=tokens, woven=True, settings=settings)
     assert woven.x_woven and dict(woven.template)["WOVEN"] == 1 and dict(plain.template)["WOVEN"] == 0
     assert dict(woven.template)["STAGE"] == int(second is not None)
     woven_x = ops.weave(x)
@@ -328,7 +290,7 @@ def test_products_read_woven_x_as_the_plain_layout_bit_for_bit(backend, rng, mon
     np.testing.assert_array_equal(out, expected_bits)
 
 
-def test_woven_x_is_a_switch_and_each_product_refuses_the_other_layout(rng, monkeypatch):
+def test_each_product_refuses_the_other_layout(rng):
     a, _ = weight(rng, GGMLType.Q8_0, 96, 8, "odd")
     with pytest.raises(ValueError, match="'odd' takes 96 inputs; woven x needs a multiple of 64"):
         ops.Product(a, woven=True)
@@ -350,61 +312,52 @@ def test_woven_x_is_a_switch_and_each_product_refuses_the_other_layout(rng, monk
     gate, _ = weight(rng, GGMLType.Q4_K, 256, 32, "gate")
     with pytest.raises(ValueError, match="product_glu: the launch reads plain q8x x, got woven"):
         ops.GatedProduct(gate, gate)(woven_x)
-    monkeypatch.setattr(ops.fused_products, "WOVEN_X", False)
-    assert not ops.Product(b, woven=True).x_woven and dict(ops.Product(b, woven=True).template)["WOVEN"] == 0
-    assert np.isfinite(np.array(ops.Product(b, woven=True)(x))).all()
 
 
-def test_products_refuse_an_unroll_they_cannot_launch(rng, monkeypatch):
-    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 3))
-    a, _ = weight(rng, GGMLType.Q4_K, 256, 8, "a")
-    with pytest.raises(ValueError, match="unroll must be 1, 2 or 4"):
-        ops.Product(a)
-    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 2))
-    with pytest.raises(ValueError, match="wide must be 0 or 1"):
-        ops.Product(a)
-    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 2))
-    with pytest.raises(ValueError, match="stage must be 0 or 1"):
-        ops.Product(a)
-    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 0, 2))
-    with pytest.raises(ValueError, match="int_floats must be 0 or 1"):
-        ops.Product(a)
-    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 0, 1, 2))
-    with pytest.raises(ValueError, match="lean must be 0 or 1"):
-        ops.Product(a)
-    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 1, 1, 0, 1, 1, 3))
-    with pytest.raises(ValueError, match="prefetch must be 0, 1 or 2"):
-        ops.Product(a)
+def test_settings_refuse_a_product_config_that_cannot_launch():
+    for config, message in [(ops.ProductConfig(2, 4, 3), "unroll must be 1, 2 or 4"),
+                            (ops.ProductConfig(2, 4, 1, 2), "wide must be 0 or 1"),
+                            (ops.ProductConfig(2, 4, 1, 1, 2), "stage must be 0 or 1"),
+                            (ops.ProductConfig(2, 4, 1, 1, 0, 2), "int_floats must be 0 or 1"),
+                            (ops.ProductConfig(2, 4, 1, 1, 0, 1, 2), "lean must be 0 or 1"),
+                            (ops.ProductConfig(0, 4), "rows and simd_groups must be at least 1")]:
+        with pytest.raises(ValueError, match=message):
+            with_products({GGMLType.Q4_K: config})
+    with pytest.raises(ValueError, match="attention_splits must be 1..128"):
+        Settings(attention_splits=129)
 
 
-def test_wide_units_take_at_most_two_tokens_and_fewer_units_at_once(rng, monkeypatch):
+def test_wide_units_take_at_most_two_tokens_and_fewer_units_at_once(rng):
     """A wide unit holds twice the activations: more than 2 tokens would need more registers
     than product_glu's 512 threads have (nvcc sm_90: 134 a thread at 4 tokens)."""
-    monkeypatch.setitem(ops.PRODUCT_CONFIG, GGMLType.Q4_K, ops.ProductConfig(2, 4, 4, 1))
+    settings = with_products({GGMLType.Q4_K: ops.ProductConfig(2, 4, 4, 1)})
     gate, _ = weight(rng, GGMLType.Q4_K, 512, 32, "gate")
     for tokens, unroll, wide in [(1, 2, 1), (2, 1, 1), (3, 1, 0), (8, 1, 0)]:
-        for template in (ops.Product(gate, tokens=tokens).template,
-                         ops.GatedProduct(gate, gate, tokens=tokens).launch_arguments()[0]):
+        for template in (ops.Product(gate, tokens=tokens, settings=settings).template,
+                         ops.GatedProduct(gate, gate, tokens=tokens, settings=settings).launch_arguments()[0]):
             assert (dict(template)["UNROLL"], dict(template)["WIDE"]) == (unroll, wide), tokens
 
 
-def test_a_product_config_for_one_width_overrides_the_format_s(rng, monkeypatch):
-    monkeypatch.setitem(ops.PRODUCT_CONFIG_BY_WIDTH, (GGMLType.Q4_K, 512), ops.ProductConfig(4, 2, 4))
+def test_a_product_config_for_one_width_overrides_the_format_s(rng):
+    narrow_config = ops.ProductConfig(4, 2, 4)
+    settings = DEFAULT.replace(products_by_width={**DEFAULT.products_by_width, (GGMLType.Q4_K, 512): narrow_config})
     narrow, _ = weight(rng, GGMLType.Q4_K, 512, 8, "narrow")
     wide, _ = weight(rng, GGMLType.Q4_K, 768, 8, "wide")
-    template = dict(ops.Product(narrow).template)
-    assert (template["ROWS"], template["UNROLL"], ops.Product(narrow).threadgroup) == (4, 4, (64, 1, 1))
-    assert dict(ops.Product(narrow, tokens=3).template)["UNROLL"] == 1  # 4 units x 3 tokens: too many registers
-    default = ops.PRODUCT_CONFIG[GGMLType.Q4_K]
-    assert dict(ops.Product(wide).template)["ROWS"] == default.rows
+    product = ops.Product(narrow, settings=settings)
+    template = dict(product.template)
+    assert (template["ROWS"], template["UNROLL"], product.threadgroup) == (4, 4, (64, 1, 1))
+    # 4 units x 3 tokens: too many registers
+    assert dict(ops.Product(narrow, tokens=3, settings=settings).template)["UNROLL"] == 1
+    default = DEFAULT.products[GGMLType.Q4_K]
+    assert dict(ops.Product(wide, settings=settings).template)["ROWS"] == default.rows
     # product_glu's own override comes first; without one it takes the product's
-    monkeypatch.setitem(ops.GLU_CONFIG_BY_WIDTH, (GGMLType.Q4_K, 512), ops.ProductConfig(1, 8, 2, 1))
+    glu_settings = settings.replace(glu_by_width={(GGMLType.Q4_K, 512): ops.ProductConfig(1, 8, 2, 1)})
     gate, _ = weight(rng, GGMLType.Q4_K, 512, 32, "gate")
-    glu = dict(ops.GatedProduct(gate, gate).launch_arguments()[0])
+    glu = dict(ops.GatedProduct(gate, gate, settings=glu_settings).launch_arguments()[0])
     assert (glu["ROWS"], glu["UNROLL"], glu["WIDE"]) == (1, 2, 1)
-    assert dict(ops.Product(narrow).template)["ROWS"] == 4
+    assert dict(ops.Product(narrow, settings=glu_settings).template)["ROWS"] == 4
     other, _ = weight(rng, GGMLType.Q4_K, 768, 32, "other")
-    assert dict(ops.GatedProduct(other, other).launch_arguments()[0])["ROWS"] == default.rows
+    assert dict(ops.GatedProduct(other, other, settings=glu_settings).launch_arguments()[0])["ROWS"] == default.rows
 
 
 @pytest.mark.parametrize("cap", [20.0, 0.0], ids=["softcap", "no-softcap"])
@@ -532,19 +485,9 @@ def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm
                          ids=["first", "second", "full-200", "ring-filling", "ring-wraps", "ring-29", "long"])
 @pytest.mark.parametrize("variant", ["muse", "llama", "qwen2", "gqa-3"])
 @pytest.mark.parametrize("splits", [64, 128], ids=["64-splits", "128-splits"])
-@pytest.mark.parametrize("loads", [(0, 0, 1), (1, 1, 1), (0, 0, 0)],
-                         ids=["values-early", "values-late-shared-p", "no-fast-blocks"])
-def test_attention_decode_matches_numpy_and_writes_its_slot(backend, rng, monkeypatch, capacity, position, variant,
-                                                            splits, loads):
+def test_attention_decode_matches_numpy_and_writes_its_slot(backend, rng, capacity, position, variant, splits):
     if splits != 64 and capacity < 4096:
         pytest.skip("only a long cache has more than 64 splits")
-    if loads != (0, 0, 1) and backend == "cpu":
-        pytest.skip("LATE_VALUES / SHARED_P / FAST_BLOCKS are GPU kernel options")
-    attention_module = importlib.import_module("muser_mlx.ops.attention")
-    monkeypatch.setattr(attention_module, "ATTENTION_SPLITS", splits)
-    monkeypatch.setattr(attention_module, "ATTENTION_LATE_VALUES", loads[0])
-    monkeypatch.setattr(attention_module, "ATTENTION_SHARED_P", loads[1])
-    monkeypatch.setattr(attention_module, "ATTENTION_FAST_BLOCKS", loads[2])
     heads, kv_heads, gate, bias, qk_norm, rope_spec = {
         "muse": (8, 2, True, False, True, (64, True)),
         "llama": (4, 2, False, False, False, (64, False)),
@@ -554,7 +497,7 @@ def test_attention_decode_matches_numpy_and_writes_its_slot(backend, rng, monkey
     inputs, expected, (slot, new_k, new_v, keys, values) = attention_case(
         rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec)
     with kernels.poisoned_outputs():
-        out, cache_keys, cache_values = ops.attention_decode(**inputs)
+        out, cache_keys, cache_values = ops.attention_decode(**inputs, splits=splits)
         mx.eval(out, cache_keys, cache_values)
     assert out.shape == (1, heads * HEAD_DIM)
     assert_within_half_a_code(out, expected, slack=2e-3)  # float32 angles, exp

@@ -21,6 +21,7 @@ from muser_mlx import formats, gguf, kernels, ops, testing
 from muser_mlx.kernels import KernelSource
 from muser_mlx.models import build_model
 from muser_mlx.reference import Reference, rms
+from muser_mlx.settings import DEFAULT, Settings
 from tests.conftest import gpu_available, relative_error
 from tests.emulate import EmulationError, emulated_gpu, run
 from tests.test_decode_kernels import PRODUCT_BOUND, assert_within_half_a_code, attention_case, q8x, weight
@@ -39,10 +40,9 @@ F16_VALUES = 1e-3
 F16_MATMUL = 3e-3
 
 ALL_FORMATS = list(formats.FORMATS)
-DEDICATED = list(ops.MATVEC_KERNELS)
-KERNELS_TESTED = {"embedding", "dequant_rows", "dequant_spans", "dequant_into", "matvec", "qk_norm_rope", "quantize_rows", "product", "argmax",
-                  "product_glu", "residual_norm_quant", "residual_norm_rows", "attention_decode", "attention_combine",
-                  *(kernel.name for kernel in ops.MATVEC_KERNELS.values())}
+KERNELS_TESTED = {"embedding", "dequant_rows", "dequant_spans", "dequant_into", "matvec", "qk_norm_rope", "quantize_rows",
+                  "product", "argmax", "product_glu", "residual_norm_quant", "residual_norm_rows", "attention_decode",
+                  "attention_combine"}
 
 
 def test_every_kernel_is_emulated():
@@ -75,12 +75,12 @@ def test_decode_matvec_every_format(tmp_path, rng, ggml_type):
     assert relative_error(out, expected) <= F32_SUMS
 
 
-@pytest.mark.parametrize("ggml_type", DEDICATED, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("tokens, in_features", [(1, 2304), (8, 512)])
-def test_decode_kernels_one_and_eight_tokens(tmp_path, rng, ggml_type, tokens, in_features):
-    # 2304 values: 36 (Q4_K) or 72 units a row, so 2-3 SIMD groups add up through threadgroup memory.
+def test_the_generic_matvec_one_and_eight_tokens(tmp_path, rng, ggml_type, tokens, in_features):
+    # 2304 values: each lane strides 72 elements of its row.
     out, expected, launches = linear(tmp_path, rng, ggml_type, in_features, 10, tokens)
-    assert launches[0][0] == ops.MATVEC_KERNELS[ggml_type].name
+    assert launches[0][0] == "matvec"
     assert relative_error(out, expected) <= F32_SUMS
 
 
@@ -94,19 +94,23 @@ def test_prefill_decodes_the_weight_with_dequant_spans(tmp_path, rng):
 @pytest.mark.parametrize("ggml_type, in_features", [
     (GGMLType.Q4_K, 512), (GGMLType.Q6_K, 256), (GGMLType.Q8_0, 96), (GGMLType.Q5_K, 256), (GGMLType.F32, 100),
     (GGMLType.Q4_1, 160), (GGMLType.F16, 64)], ids=lambda v: getattr(v, "name", v))
-def test_dequant_rows_and_spans(tmp_path, rng, monkeypatch, kernel, ggml_type, in_features):
+def test_dequant_rows_and_spans(tmp_path, rng, kernel, ggml_type, in_features):
     # Q8_0, Q4_1 and F32 rows end inside their last 256-value span; 11 rows leave surplus SIMD
-    # groups. F32 rows of 100 values are not whole 32-value blocks: dequant_rows takes them.
-    from muser_mlx.ops import products
+    # groups. F32 rows of 100 values are not whole 32-value blocks: only dequant_rows takes them,
+    # and dequantize_weight chooses it for them.
+    from muser_mlx.ops import dequantize
 
-    monkeypatch.setattr(products, "DEQUANT_KERNEL", kernel)
+    if kernel == "dequant_spans" and in_features % 32:
+        pytest.skip("dequant_spans takes rows of whole 32-value blocks")
     out_features = 11
     raw = testing.random_blocks(rng, ggml_type, out_features, in_features)
     expected = formats.dequantize(raw, ggml_type, [in_features, out_features])
     for dtype in (mx.float16, mx.float32):
         with emulated_gpu() as launches, kernels.poisoned_outputs():
-            out = np.array(ops.dequantize_weight(mx.array(raw), ggml_type, in_features, out_features, dtype))
-        assert [launch[0] for launch in launches] == [kernel if in_features % 32 == 0 else "dequant_rows"]
+            out = np.array(dequantize.launch_dequant(kernel, mx.array(raw), ggml_type, in_features, out_features, dtype))
+            chosen = ops.dequantize_weight(mx.array(raw), ggml_type, in_features, out_features, dtype)
+            mx.eval(chosen)
+        assert [launch[0] for launch in launches] == [kernel, "dequant_spans" if in_features % 32 == 0 else "dequant_rows"]
         assert np.isfinite(out).all(), "an output left unwritten"
         if dtype == mx.float32 and ggml_type != GGMLType.F16:
             assert relative_error(out, expected) <= 1e-7
@@ -121,7 +125,7 @@ def test_dequant_into_writes_dequant_spans_bits_in_place(rng, ggml_type, in_feat
     """dequant_into: the first OUT * IN values of a longer float16 target become dequant_spans'
     values (bit for bit); the rest of the target stays as it was; x16 (poisoned first) is x
     in float16. x has more values (3 x 512 / 8 threads) or fewer than the weight's threads."""
-    from muser_mlx.ops import products
+    from muser_mlx.ops import dequantize
 
     out_features = 11  # surplus SIMD groups in the last threadgroup
     raw = mx.array(testing.random_blocks(rng, ggml_type, out_features, in_features))
@@ -130,7 +134,7 @@ def test_dequant_into_writes_dequant_spans_bits_in_place(rng, ggml_type, in_feat
     target = mx.array(before)
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         spans = np.array(ops.dequantize_weight(raw, ggml_type, in_features, out_features, mx.float16))
-        view, x16 = products.dequantize_into(raw, ggml_type, in_features, out_features, target, target, mx.array(x))
+        view, x16 = dequantize.dequantize_into(raw, ggml_type, in_features, out_features, target, target, mx.array(x))
         view, x16 = np.array(view), np.array(x16)
     np.testing.assert_array_equal(x16.view(np.uint16), x.astype(np.float16).view(np.uint16))
     assert [launch[0] for launch in launches] == ["dequant_spans", "dequant_into"]
@@ -141,31 +145,30 @@ def test_dequant_into_writes_dequant_spans_bits_in_place(rng, ggml_type, in_feat
 
 
 def test_dequant_into_refuses_a_target_it_does_not_fit(rng):
-    from muser_mlx.ops import products
+    from muser_mlx.ops import dequantize
 
     raw = mx.array(testing.random_blocks(rng, GGMLType.Q8_0, 4, 64))
     with emulated_gpu():
         for target, message in ((mx.zeros((255,), mx.float16), "float16"), (mx.zeros((256,), mx.float32), "float16"),
                                 (mx.zeros((16, 16), mx.float16), "flat")):
             with pytest.raises(ValueError, match=message):
-                products.dequantize_into(raw, GGMLType.Q8_0, 64, 4, target, target, mx.zeros((2, 64)))
+                dequantize.dequantize_into(raw, GGMLType.Q8_0, 64, 4, target, target, mx.zeros((2, 64)))
         with pytest.raises(ValueError, match="32-value blocks"):
-            products.dequantize_into(raw, GGMLType.Q8_0, 48, 4, mx.zeros((256,), mx.float16), raw, mx.zeros((2, 48)))
+            dequantize.dequantize_into(raw, GGMLType.Q8_0, 48, 4, mx.zeros((256,), mx.float16), raw, mx.zeros((2, 48)))
         with pytest.raises(ValueError, match="x has rows of 32"):
-            products.dequantize_into(raw, GGMLType.Q8_0, 64, 4, mx.zeros((256,), mx.float16), raw, mx.zeros((2, 32)))
+            dequantize.dequantize_into(raw, GGMLType.Q8_0, 64, 4, mx.zeros((256,), mx.float16), raw, mx.zeros((2, 32)))
 
 
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)
-def test_dequant_spans_gives_dequant_rows_bits(tmp_path, rng, monkeypatch, ggml_type):
+def test_dequant_spans_gives_dequant_rows_bits(tmp_path, rng, ggml_type):
     """The same expression for each value: the two decoders agree bit for bit."""
-    from muser_mlx.ops import products
+    from muser_mlx.ops import dequantize
 
     raw = mx.array(testing.random_blocks(rng, ggml_type, 5, 512))
     outs = []
     for kernel in ("dequant_rows", "dequant_spans"):
-        monkeypatch.setattr(products, "DEQUANT_KERNEL", kernel)
         with emulated_gpu(), kernels.poisoned_outputs():
-            outs.append(np.array(ops.dequantize_weight(raw, ggml_type, 512, 5, mx.float16)))
+            outs.append(np.array(dequantize.launch_dequant(kernel, raw, ggml_type, 512, 5, mx.float16)))
     np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
 
 
@@ -250,20 +253,20 @@ def test_product(rng, first, second, tokens):
     assert relative_error(out, expected) <= PRODUCT_BOUND
 
 
-def configure_products(monkeypatch, config, *ggml_types):
-    """Kernel product's (and product_glu's) configuration for these formats, for one test."""
-    for ggml_type in ggml_types:
-        monkeypatch.setitem(ops.PRODUCT_CONFIG, ggml_type, config)
+def configured(config, *ggml_types, **fields) -> Settings:
+    """Settings with kernel product's (and product_glu's) configuration for these formats (and
+    other fields)."""
+    return DEFAULT.replace(products={**DEFAULT.products, **{t: config for t in ggml_types}}, **fields)
 
 
 @pytest.mark.parametrize("rows, unroll, tokens", [(2, 1, 1), (1, 1, 2), (4, 2, 1)])  # wide: at most 2 tokens
-def test_products_in_wide_units(rng, monkeypatch, rows, unroll, tokens):
+def test_products_in_wide_units(rng, rows, unroll, tokens):
     """ProductConfig.wide: Q4_K in 64-value units. 1,280 values: 20 wide units a row, so most
     lanes take none, and with unroll every lane's batch runs past the row (adds nothing). Q6_K
     weights (32-value units, whatever the configuration says) second in a launch, first in one
     and as product_glu's up."""
     wide = 1
-    configure_products(monkeypatch, ops.ProductConfig(rows, 4, unroll, wide), GGMLType.Q4_K, GGMLType.Q6_K)
+    settings = configured(ops.ProductConfig(rows, 4, unroll, wide), GGMLType.Q4_K, GGMLType.Q6_K)
     a, a_values = weight(rng, GGMLType.Q4_K, 1280, 11, "a")
     b, b_values = weight(rng, GGMLType.Q6_K, 1280, 6, "b")
     c, c_values = weight(rng, GGMLType.Q6_K, 1280, 9, "c")
@@ -271,9 +274,9 @@ def test_products_in_wide_units(rng, monkeypatch, rows, unroll, tokens):
     up, up_values = weight(rng, GGMLType.Q6_K, 1280, 32, "up")
     x, x_values = q8x(rng.standard_normal((tokens, 1280)).astype(np.float32))
     with emulated_gpu() as launches, kernels.poisoned_outputs():
-        out = np.array(ops.product(x, a, b))
-        out_c = np.array(ops.product(x, c))
-        glu = ops.product_glu(x, gate, up, "silu")
+        out = np.array(ops.product(x, a, b, settings=settings))
+        out_c = np.array(ops.product(x, c, settings=settings))
+        glu = ops.product_glu(x, gate, up, "silu", settings=settings)
         mx.eval(glu)
     assert kernel_names(launches) == ["product", "product", "product_glu"]
     assert np.isfinite(out).all() and np.isfinite(out_c).all()
@@ -286,33 +289,33 @@ def test_products_in_wide_units(rng, monkeypatch, rows, unroll, tokens):
 
 
 @pytest.mark.parametrize("rows, unroll, tokens", [(2, 1, 1), (1, 2, 2), (4, 1, 2)])
-def test_products_that_stage_x_in_threadgroup_memory(rng, monkeypatch, rows, unroll, tokens):
+def test_products_that_stage_x_in_threadgroup_memory(rng, rows, unroll, tokens):
     """ProductConfig.stage: x copied to threadgroup memory (muser_stage_x's slots), then read
     there by wide Q4_K units and Q8_0 ones, each first and second in a launch; 1,280 values:
     80 chunks of 16 codes a token, a second token's from chunk 80 on. The result equals the
     unstaged launch's bit for bit (same sums, same order). A Q6_K weight in the launch, or a
     1,312-value row (not whole 64-value blocks), is not staged."""
-    configure_products(monkeypatch, ops.ProductConfig(rows, 4, unroll, 1, 1), GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.Q6_K)
-    monkeypatch.setattr(ops.fused_products, "STAGE_MIN_IN", 1024)  # short rows here, to be quick
+    # stage_min_in 1024: short rows here, to be quick
+    settings = configured(ops.ProductConfig(rows, 4, unroll, 1, 1), GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.Q6_K,
+                          stage_min_in=1024)
     a, a_values = weight(rng, GGMLType.Q4_K, 1280, 13, "a")
     b, b_values = weight(rng, GGMLType.Q8_0, 1280, 22, "b")
     c, _ = weight(rng, GGMLType.Q6_K, 1280, 5, "c")
     d, _ = weight(rng, GGMLType.Q8_0, 1312, 5, "d")
     x, x_values = q8x(rng.standard_normal((tokens, 1280)).astype(np.float32))
     with emulated_gpu() as launches, kernels.poisoned_outputs():
-        ab = np.array(ops.product(x, a, b))
-        ba = np.array(ops.product(x, b, a))
+        ab = np.array(ops.product(x, a, b, settings=settings))
+        ba = np.array(ops.product(x, b, a, settings=settings))
     assert [dict(launch[1])["STAGE"] for launch in launches] == [1, 1]
     expected = np.concatenate([x_values @ a_values.T, x_values @ b_values.T], axis=-1)
     assert np.isfinite(ab).all() and relative_error(ab, expected) <= PRODUCT_BOUND
     np.testing.assert_array_equal(ba, np.concatenate([ab[..., 13:], ab[..., :13]], axis=-1))
-    configure_products(monkeypatch, ops.ProductConfig(rows, 4, unroll, 1, 0), GGMLType.Q4_K, GGMLType.Q8_0)
+    unstaged = configured(ops.ProductConfig(rows, 4, unroll, 1, 0), GGMLType.Q4_K, GGMLType.Q8_0, stage_min_in=1024)
     with emulated_gpu():
-        np.testing.assert_array_equal(np.array(ops.product(x, a, b)), ab)
-    assert dict(ops.Product(a, c, tokens=tokens).template)["STAGE"] == 0
-    assert dict(ops.Product(d, tokens=tokens).template)["STAGE"] == 0
-    monkeypatch.setattr(ops.fused_products, "STAGE_MIN_IN", 2048)
-    assert dict(ops.Product(a, b, tokens=tokens).template)["STAGE"] == 0
+        np.testing.assert_array_equal(np.array(ops.product(x, a, b, settings=unstaged)), ab)
+    assert dict(ops.Product(a, c, tokens=tokens, settings=settings).template)["STAGE"] == 0
+    assert dict(ops.Product(d, tokens=tokens, settings=settings).template)["STAGE"] == 0
+    assert dict(ops.Product(a, b, tokens=tokens, settings=settings.replace(stage_min_in=2048)).template)["STAGE"] == 0
 
 
 def test_lm_head_product_and_argmax(rng):
@@ -386,13 +389,7 @@ def test_residual_norm_rows(rng, branch_norm, dtype, hidden, rows):
 
 @pytest.mark.parametrize("variant, capacity, position", [("muse", 8, 29), ("qwen2", 256, 200), ("llama", 4096, 3000)],
                          ids=["muse-ring", "qwen2-bias", "llama-long"])
-@pytest.mark.parametrize("loads", [(0, 0, 1), (1, 0, 1), (0, 1, 1), (0, 0, 0)],
-                         ids=["values-early", "values-late", "shared-p", "no-fast-blocks"])
-def test_attention_decode_and_combine(rng, monkeypatch, variant, capacity, position, loads):
-    attention_module = importlib.import_module("muser_mlx.ops.attention")
-    monkeypatch.setattr(attention_module, "ATTENTION_LATE_VALUES", loads[0])
-    monkeypatch.setattr(attention_module, "ATTENTION_SHARED_P", loads[1])
-    monkeypatch.setattr(attention_module, "ATTENTION_FAST_BLOCKS", loads[2])
+def test_attention_decode_and_combine(rng, variant, capacity, position):
     # Its key and value go into the cache in place (the emulator writes them back, as a GPU does).
     heads, kv_heads, gate, bias, qk_norm, rope_spec = {
         "muse": (8, 2, True, False, True, (64, True)),
@@ -588,21 +585,28 @@ def tensor(rng, ggml_type, in_features, out_features):
     return SimpleNamespace(shape=(in_features, out_features), name="w", ggml_type=ggml_type, data=mx.array(raw))
 
 
-def test_a_missing_barrier_leaves_nan_in_the_outputs(rng):
-    # Two SIMD groups add their sums through threadgroup memory; without the barrier a thread
-    # reads the other group's slot before it is written.
-    sources = broken("matvec_q4k", "header", "threadgroup_barrier(mem_flags::mem_threadgroup);", "")
-    x = mx.array(rng.standard_normal((2, 2304)).astype(np.float32))
-    with emulated_gpu(sources=sources), kernels.poisoned_outputs():
-        out = np.array(ops.linear(x, tensor(rng, GGMLType.Q4_K, 2304, 9)))
-    assert np.isnan(out).any()
+def seam_inputs(rng, rows: int, hidden: int):
+    """ops.residual_norm's inputs for `rows` rows: residual, branch, next_weight."""
+    return tuple(mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in ((rows, hidden), (rows, hidden), (hidden,)))
+
+
+def test_a_missing_barrier_is_reported(rng):
+    # A row's eight SIMD groups add their sums through threadgroup memory; without the barrier
+    # a thread reads another group's slot before it is written (poisoned, or written, by the
+    # order the emulator runs the threads in): the two orders disagree.
+    sources = broken("residual_norm_rows", "body", "threadgroup_barrier(mem_flags::mem_threadgroup);", "")
+    residual, branch, weight = seam_inputs(rng, 2, 2304)
+    with emulated_gpu(sources=sources), kernels.poisoned_outputs(), \
+            pytest.raises(EmulationError, match="`normed` differs between threads run .*a missing barrier"):
+        mx.eval(ops.residual_norm(residual, branch, None, weight, 1e-5, 1e-5))
 
 
 def test_a_thread_returning_before_a_barrier_is_reported(rng):
-    sources = broken("matvec_q4k", "body", "if (first_row >= uint(OUT)) {", "if (first_row >= uint(OUT) || position >= 32u) {")
-    x = mx.array(rng.standard_normal((1, 2304)).astype(np.float32))
+    sources = broken("residual_norm_rows", "body", "if (row >= uint(residual_shape[0])) {",
+                     "if (row >= uint(residual_shape[0]) || thread_position_in_threadgroup.x >= 32u) {")
+    residual, branch, weight = seam_inputs(rng, 1, 2304)
     with emulated_gpu(sources=sources), pytest.raises(EmulationError, match="barrier that not every thread"):
-        ops.linear(x, tensor(rng, GGMLType.Q4_K, 2304, 9))
+        mx.eval(ops.residual_norm(residual, branch, None, weight, 1e-5, 1e-5))
 
 
 def test_lanes_returning_before_simd_sum_are_reported(rng):
@@ -637,10 +641,12 @@ def test_surplus_threads_without_the_bound_check_are_reported(rng):
 
 
 def test_a_misaligned_vector_load_is_reported(rng):
-    sources = broken("matvec_q6k", "body", "(block + 64 * half_index + l0)", "(block + 64 * half_index + l0 + 1)")
-    x = mx.array(rng.standard_normal((1, 256)).astype(np.float32))
-    with emulated_gpu(sources=sources), pytest.raises(EmulationError, match="2-byte aligned values at byte 1 of `weight`"):
-        ops.linear(x, tensor(rng, GGMLType.Q6_K, 256, 5))
+    # Q6_K's d read one byte off: a 2-byte load at an odd address.
+    sources = broken("product", "header", "(weight + block + 208u)", "(weight + block + 209u)")
+    a, _ = weight(rng, GGMLType.Q6_K, 256, 5, "a")
+    x, _ = q8x(rng.standard_normal((1, 256)).astype(np.float32))
+    with emulated_gpu(sources=sources), pytest.raises(EmulationError, match=r"2-byte aligned values at byte 209 of `weight_a`"):
+        mx.eval(ops.product(x, a))
 
 
 def test_an_endless_loop_is_reported(rng):

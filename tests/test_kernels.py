@@ -88,24 +88,6 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT", 14), ("IN", 512), ("ROW_BYTES", 420), ("OUT", 24), ("TOKENS", 3)],
     ),
-    "matvec_q4k": (
-        "matvec_q4k",
-        [InputSpec(mx.uint8, 2, 24 * 288), InputSpec(mx.float32, 2, 2 * 512)],
-        [mx.float32],
-        [("IN", 512), ("ROW_BYTES", 288), ("OUT", 24), ("TOKENS", 2), ("ROWS", 4)],
-    ),
-    "matvec_q6k": (
-        "matvec_q6k",
-        [InputSpec(mx.uint8, 2, 24 * 420), InputSpec(mx.float32, 2, 3 * 512)],
-        [mx.float32],
-        [("IN", 512), ("ROW_BYTES", 420), ("OUT", 24), ("TOKENS", 3), ("ROWS", 4)],
-    ),
-    "matvec_q8_0": (
-        "matvec_q8_0",
-        [InputSpec(mx.uint8, 2, 24 * 544), InputSpec(mx.float32, 2, 1 * 512)],
-        [mx.float32],
-        [("IN", 512), ("ROW_BYTES", 544), ("OUT", 24), ("TOKENS", 1), ("ROWS", 4)],
-    ),
     "product_two_formats": (
         "product",
         [InputSpec(mx.uint8, 2, 24 * 288), InputSpec(mx.uint8, 2, 8 * 544), InputSpec(mx.int8, 2, 2 * 512),
@@ -113,7 +95,7 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 24), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
          ("OUT_B", 8), ("IN", 512), ("TOKENS", 2), ("ROWS", 4), ("UNROLL", 2), ("WIDE", 1), ("STAGE", 1),
-         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 0), ("PREFETCH", 1)],
+         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 0)]
     ),
     "product_woven": (  # the o-projection's form: wide Q4_K units reading woven x from device memory
         "product",
@@ -122,7 +104,7 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 2304), ("OUT_A", 24), ("FORMAT_B", 12), ("ROW_BYTES_B", 2304),
          ("OUT_B", 0), ("IN", 4096), ("TOKENS", 1), ("ROWS", 2), ("UNROLL", 2), ("WIDE", 1), ("STAGE", 0),
-         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 1), ("LEAN", 1), ("PREFETCH", 0)],
+         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 1), ("LEAN", 1)]
     ),
     "product_head": (
         "product",
@@ -131,16 +113,16 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 14), ("ROW_BYTES_A", 420), ("OUT_A", 40), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
          ("OUT_B", 0), ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 1), ("WIDE", 0), ("STAGE", 0),
-         ("WOVEN", 0), ("EPILOGUE", 1), ("INT_FLOATS", 1), ("LEAN", 0), ("PREFETCH", 0)],
+         ("WOVEN", 0), ("EPILOGUE", 1), ("INT_FLOATS", 1), ("LEAN", 0)]
     ),
-    "product_q6k_lean": (  # ffn_down Q6_K's form with LEAN's integer scales, prefetching two passes ahead
+    "product_q6k_lean": (  # ffn_down Q6_K's form with LEAN's integer scales
         "product",
         [InputSpec(mx.uint8, 2, 40 * 1680), InputSpec(mx.uint8, 2, 40 * 1680), InputSpec(mx.int8, 2, 2 * 2048),
          InputSpec(mx.float32, 2, 2 * 64), InputSpec(mx.float32, 2, 2 * 256), InputSpec(mx.float32, 1, 2)],
         [mx.float32],
         [("FORMAT_A", 14), ("ROW_BYTES_A", 1680), ("OUT_A", 40), ("FORMAT_B", 14), ("ROW_BYTES_B", 1680),
          ("OUT_B", 0), ("IN", 2048), ("TOKENS", 2), ("ROWS", 2), ("UNROLL", 1), ("WIDE", 0), ("STAGE", 0),
-         ("WOVEN", 0), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 1), ("PREFETCH", 2)],
+         ("WOVEN", 0), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 1)]
     ),
     "product_glu": (
         "product_glu",
@@ -148,7 +130,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 16), InputSpec(mx.float32, 2, 64)],
         [mx.int8, mx.float32, mx.float32],
         [("FORMAT_G", 12), ("ROW_BYTES_G", 288), ("FORMAT_U", 14), ("ROW_BYTES_U", 420), ("OUT", 64),
-         ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 3), ("WIDE", 1), ("ACTIVATION", 1), ("PREFETCH", 2)],
+         ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 3), ("WIDE", 1), ("ACTIVATION", 1)]
     ),
     "quantize_rows": (
         "quantize_rows",
@@ -186,7 +168,7 @@ LAUNCHES = {
         [mx.float32],
         [("HEADS", 32), ("KV_HEADS", 2), ("HEAD_DIM", 128), ("ROTARY", 128), ("TRADITIONAL", 1), ("QK_NORM", 1),
          ("BIAS", 0), ("MAX_SPLITS", 128), ("HEAD_GROUP", 4), ("Q_OFF", 0),
-         ("K_OFF", 8192), ("V_OFF", 8448), ("LATE_VALUES", 1), ("SHARED_P", 1), ("FAST_BLOCKS", 1)],
+         ("K_OFF", 8192), ("V_OFF", 8448)]
     ),
     "attention_combine": (
         "attention_combine",

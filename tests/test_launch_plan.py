@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib
 import io
 import re
 
@@ -17,11 +16,12 @@ import pytest
 
 from muser_mlx import kernels, ops
 from muser_mlx.generate import load
-from muser_mlx.models import transformer
+from muser_mlx.ops.products import MATVEC_SIMD_GROUPS
+from muser_mlx.settings import Settings
 from muser_mlx.testing import recorded_launches, tiny_model
 
-attention = importlib.import_module("muser_mlx.ops.attention")  # the module (ops exports the function)
-SIMD_REDUCING = {kernel.name: kernel for kernel in ops.MATVEC_KERNELS.values()}
+# The fused step's launches one by one (untraced), as a recorder can count them.
+UNTRACED = Settings(compile_decode=False)
 
 
 def declared_constants(name: str) -> set[str]:
@@ -51,23 +51,19 @@ def test_every_launch_of_prefill_and_decode_is_well_formed(tmp_path, rng, record
         for a, b in [(0, 20), (20, 21), (21, 26), (26, 30)]:  # prefill, decode, 5 and 4 rows
             mx.eval(model(ids[None, a:b], cache))
     names = {launch[0] for launch in recorded}
-    assert {"embedding", ops.products.DEQUANT_KERNEL} <= names and names & set(SIMD_REDUCING)
+    assert {"embedding", "dequant_spans", "matvec"} <= names
     for name, inputs, template, grid, threadgroup, output_shapes in recorded:
         source = kernels.source(name)
         where = f"{name} {template}"
         assert len(inputs) == len(source.inputs) and len(output_shapes) == len(source.outputs), where
         assert set(template) == declared_constants(name), where
         assert threadgroup[0] % 32 == 0 and threadgroup[0] <= 1024 and grid[0] <= ops.MAX_GRID, where
-        if name in SIMD_REDUCING:
-            # Whole threadgroups, one per ROWS output rows, of no more SIMD groups than the
-            # kernel's partial sums have rows for, nor than the row has units for (a SIMD group
-            # without a unit would only wait); x comes as float32 rows of IN values.
+        if name == "matvec":
+            # Whole threadgroups of MATVEC_SIMD_GROUPS SIMD groups, one an output row, covering
+            # every row; x comes as float32 rows of IN values.
             x = inputs[1]
-            groups = int(re.search(r"threadgroup float partial\[(\d+)\s*\*", source.body).group(1))
-            units = template["IN"] // SIMD_REDUCING[name].unit
-            assert threadgroup[0] <= 32 * groups and grid[0] % threadgroup[0] == 0, where
-            assert threadgroup[0] <= 32 * -(-units // 32), where
-            assert grid[0] // threadgroup[0] == -(-template["OUT"] // template["ROWS"]), where
+            assert threadgroup[0] == 32 * MATVEC_SIMD_GROUPS and grid[0] % threadgroup[0] == 0, where
+            assert grid[0] // threadgroup[0] == -(-template["OUT"] // MATVEC_SIMD_GROUPS), where
             assert x.dtype == mx.float32 and x.shape[-1] == template["IN"], where
             assert int(np.prod(x.shape[:-1])) == template["TOKENS"] <= ops.MATVEC_MAX_TOKENS, where
             assert output_shapes[0] == (*x.shape[:-1], template["OUT"]), where
@@ -96,7 +92,7 @@ INPUTS_PER_LAYER = 45
 def test_prefill_chunks_of_any_length_launch_the_same_kernels(tmp_path, rng, recorded, architecture):
     """A GPU prefill chunk's kernels, each a (name, template constants) pair that compiles on
     its first use, are the same for chunks of every row count. One template constant that
-    followed the rows (dequant_into's count of x's values, until session 34) made every prompt
+    followed the rows (dequant_into's count of x's values, once) made every prompt
     length a process had not seen compile its products' kernels again: ~13 s a prompt on
     full-scale Muse Glimmer on the H200 (bench/prompt_lengths.py)."""
     path = tiny_model(tmp_path / "m.gguf", architecture, rng, weights="Q4_K_M", hidden=512, ff=1024, layers=2)
@@ -108,19 +104,17 @@ def test_prefill_chunks_of_any_length_launch_the_same_kernels(tmp_path, rng, rec
             recorded.clear()
             mx.eval(model.hidden(ids[None, :tokens], model.make_cache()))
             kernels_of[tokens] = {(name, tuple(sorted(template.items()))) for name, _, template, *_ in recorded}
-    assert ops.products.DEQUANT_KERNEL in {name for name, _ in kernels_of[20]}
+    assert "dequant_spans" in {name for name, _ in kernels_of[20]}
     assert kernels_of[20] == kernels_of[23] == kernels_of[37], {
         tokens: sorted(found - kernels_of[20]) for tokens, found in kernels_of.items()}
 
 
 @pytest.mark.parametrize("architecture", ["muse-glimmer", "llama", "gemma3", "qwen2"])
-def test_a_fused_decode_step_launches_at_most_8_kernels_a_layer(tmp_path, rng, recorded, monkeypatch,
-                                                                  architecture):
-    monkeypatch.setattr(transformer, "COMPILE_DECODE", False)  # count the launches of every step
+def test_a_fused_decode_step_launches_at_most_8_kernels_a_layer(tmp_path, rng, recorded, architecture):
     layers = 3
     path = tiny_model(tmp_path / "m.gguf", architecture, rng, weights="Q4_K_M", layers=layers)
     with mx.stream(mx.cpu):
-        model, _ = load(path)
+        model, _ = load(path, settings=UNTRACED)
         assert model.fused
         cache = model.make_cache()
         for token in (5, 9):
@@ -144,21 +138,19 @@ def test_a_fused_decode_step_launches_at_most_8_kernels_a_layer(tmp_path, rng, r
             assert grid[0] >= 32 * rows and grid[0] % threadgroup[0] == 0, where
             assert inputs[2].dtype == mx.int8 and inputs[2].shape[-1] == template["IN"], where
         if name == "attention_decode":
-            assert inputs[6].dtype == mx.float16 and template["MAX_SPLITS"] == attention.ATTENTION_SPLITS, where
+            assert inputs[6].dtype == mx.float16 and template["MAX_SPLITS"] == model.settings.attention_splits, where
 
 
-def test_decode_steps_at_every_cache_capacity_launch_the_same_kernels(tmp_path, rng, recorded, monkeypatch):
+def test_decode_steps_at_every_cache_capacity_launch_the_same_kernels(tmp_path, rng, recorded):
     """A fused decode step's kernels are the same whatever its caches' capacity. attention_decode
-    took its split (keys per SIMD group, which grows with the capacity) as a template constant
-    until session 35: each power of two a full cache crossed compiled a kernel mid-generation
-    (1.8-3.2 s on the H200). Two splits at most here, so that capacities of 256 and 1,024 slots
-    take splits of 128 and 512 keys."""
-    monkeypatch.setattr(transformer, "COMPILE_DECODE", False)
-    monkeypatch.setattr(attention, "ATTENTION_SPLITS", 2)
+    once took its split (keys per SIMD group, which grows with the capacity) as a template
+    constant: each power of two a full cache crossed compiled a kernel mid-generation (1.8-3.2 s
+    on the H200). Two splits at most here, so that capacities of 256 and 1,024 slots take splits
+    of 128 and 512 keys."""
     path = tiny_model(tmp_path / "m.gguf", "llama", rng, weights="Q4_K_M", layers=2, context=2048)  # full layers
     kernels_of, grids = {}, {}
     with mx.stream(mx.cpu):
-        model, _ = load(path)
+        model, _ = load(path, settings=UNTRACED.replace(attention_splits=2))
         for capacity in (256, 1024):
             cache = model.make_cache()
             for layer_cache in cache:
@@ -171,33 +163,34 @@ def test_decode_steps_at_every_cache_capacity_launch_the_same_kernels(tmp_path, 
     assert grids[256] and grids[256] == grids[1024]  # two splits of each full cache either way
 
 
-def prefill_graph_nodes(path, rng, monkeypatch, fused: bool) -> collections.Counter:
-    """The MLX nodes of one 20-row prefill chunk's graph (kernels recorded, products not paced
-    so that nothing in the chunk is evaluated before the graph is read; the seams as MLX's ops,
-    since a recorded kernel's output cuts the graph), by primitive name."""
-    monkeypatch.setattr(transformer, "PREFILL_FUSED", fused)
-    monkeypatch.setattr(ops.norm, "SEAM_ROWS_KERNEL", False)
-    monkeypatch.setattr(ops, "paced_products", contextlib.nullcontext)
+def mlx_residual_norm(residual, branch, branch_weight, next_weight, branch_eps, next_eps):
+    """ops.residual_norm as MLX's ops (a recorded kernel's output would cut the graph)."""
+    branch = branch.astype(mx.float32)
+    if branch_weight is not None:
+        branch = mx.fast.rms_norm(branch, branch_weight, branch_eps)
+    total = residual + branch
+    return total, mx.fast.rms_norm(total, next_weight, next_eps)
+
+
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
+def test_a_prefill_layer_converts_its_float16_products_inside_compiled_launches(tmp_path, rng, monkeypatch,
+                                                                                 architecture):
+    """A GPU prefill chunk keeps its products' float16 outputs where the next step converts them
+    anyway: per layer, the FFN's activation (and Muse Glimmer's attention gate) is one compiled
+    node that converts them itself, and the graph holds no standalone sigmoid of the gate. The
+    graph of one 20-row chunk is read with kernels recorded, the products not paced (nothing
+    evaluated before the graph is read) and the seams as MLX's ops."""
+    layers = 2
+    path = tiny_model(tmp_path / "m.gguf", architecture, rng, weights="Q4_K_M", hidden=512, ff=1024, layers=layers)
+    monkeypatch.setattr(ops, "residual_norm", mlx_residual_norm)
+    monkeypatch.setattr(ops, "paced_products", lambda settings: contextlib.nullcontext())
     with recorded_launches(), mx.stream(mx.cpu):
         model, _ = load(path)
         hidden = model.hidden(rng.integers(0, model.config.vocab, size=(1, 20)), model.make_cache())
         dot = io.StringIO()
         mx.export_to_dot(dot, hidden)
-    return collections.Counter(re.findall(r'label\s*=\s*"(\w+)"', dot.getvalue()))
-
-
-@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
-def test_a_fused_prefill_layer_converts_its_float16_products_inside_compiled_launches(tmp_path, rng, monkeypatch,
-                                                                                        architecture):
-    """transformer.PREFILL_FUSED on a GPU prefill chunk: per layer, the FFN's activation (and
-    Muse Glimmer's attention gate) is one compiled node that converts the float16 products'
-    outputs itself; the graph holds no standalone sigmoid of the gate and fewer conversions."""
-    layers = 2
-    path = tiny_model(tmp_path / "m.gguf", architecture, rng, weights="Q4_K_M", hidden=512, ff=1024, layers=layers)
-    fused = prefill_graph_nodes(path, rng, monkeypatch, True)
-    unfused = prefill_graph_nodes(path, rng, monkeypatch, False)
-    compiled = lambda nodes: sum(n for name, n in nodes.items() if name.startswith("Compiled") and "AsType" in name)  # noqa: E731
+    nodes = collections.Counter(re.findall(r'label\s*=\s*"(\w+)"', dot.getvalue()))
+    compiled = sum(n for name, n in nodes.items() if name.startswith("Compiled") and "AsType" in name)
     gates = layers if architecture == "muse-glimmer" else 0
-    assert compiled(fused) == layers + gates and compiled(unfused) == 0, (sorted(fused.items()), sorted(unfused.items()))
-    assert unfused["Sigmoid"] == gates and fused["Sigmoid"] == 0, (fused, unfused)
-    assert fused["AsType"] <= unfused["AsType"] - layers, (fused, unfused)
+    assert compiled == layers + gates, sorted(nodes.items())
+    assert nodes["Sigmoid"] == 0, sorted(nodes.items())

@@ -10,6 +10,9 @@ import pytest
 from gguf import GGMLQuantizationType as GGMLType
 
 from muser_mlx import cpu_ext, formats, gguf, kernels, ops, testing
+from muser_mlx.ops import dequantize as dequantize_module
+from muser_mlx.ops import pacer as pacer_module
+from muser_mlx.settings import Settings
 from tests.conftest import relative_error
 
 FORMATS = [
@@ -53,13 +56,11 @@ def test_linear_matches_reference(backend, rng, tmp_path, ggml_type, tokens):
     assert relative_error(out, expected) <= BOUND.get(path_name, DEFAULT_BOUND), path_name
 
 
-@pytest.mark.parametrize("ggml_type", list(ops.MATVEC_KERNELS), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_decode_kernels_split_long_rows_over_a_threadgroup(backend, rng, tmp_path, ggml_type, tokens):
-    # Rows of 9-80 super-blocks: 36-640 units (of 64 or 32 values), so several SIMD groups per
-    # threadgroup, and past the kernel's most threads each thread takes several units (the
-    # strided loop); a threadgroup's last rows may lie past OUT. The sums over SIMD groups go
-    # through threadgroup memory.
+def test_the_generic_matvec_takes_long_rows(backend, rng, tmp_path, ggml_type, tokens):
+    # Rows of 9-80 super-blocks (2,304-20,480 values): each lane of a row's SIMD group strides
+    # over many elements; a threadgroup's last rows may lie past OUT.
     in_features = 256 * int(rng.integers(9, 81))
     out_features = int(rng.integers(2, 30)) * 4 + int(rng.integers(1, 4))
     path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)
@@ -193,9 +194,10 @@ def test_cpu_pieces_do_not_unpack_later_layers_ahead_of_their_input(rng, tmp_pat
 
 
 def test_path_choice():
-    assert ops.linear_path(GGMLType.Q4_K, 1, "cuda") == "matvec_q4k"
-    assert ops.linear_path(GGMLType.Q6_K, 8, "metal") == "matvec_q6k"
-    assert ops.linear_path(GGMLType.Q8_0, 1, "cuda") == "matvec_q8_0"
+    # A few rows of float x on a GPU: the generic matvec, any format (the fused decode step's
+    # q8x products are ops.Product, chosen by the model at load).
+    assert ops.linear_path(GGMLType.Q4_K, 1, "cuda") == "matvec"
+    assert ops.linear_path(GGMLType.Q6_K, 8, "metal") == "matvec"
     assert ops.linear_path(GGMLType.Q5_K, 1, "cuda") == "matvec"
     assert ops.linear_path(GGMLType.Q6_K, 9, "cuda") == "gpu_dequant_matmul"
     # The compiled products (cpu_ext) where the install built them (make test requires that:
@@ -207,44 +209,30 @@ def test_path_choice():
     assert ops.linear_path(GGMLType.F16, 64, "cpu") == "cpu_dequant_matmul"
 
 
-def test_the_generic_gpu_matvec_is_logged_once_per_format(caplog):
-    ops.products._note_generic_matvec.cache_clear()
-    with caplog.at_level("WARNING", logger="muser_mlx.ops"):
-        for _ in range(3):
-            ops.linear_path(GGMLType.Q5_K, 1, "cuda")
-        ops.linear_path(GGMLType.Q4_K, 1, "cuda")
-    messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 1 and messages[0].startswith("Q5_K weights have no dedicated decode kernel")
-
-
 def test_paced_products_keep_the_queued_temporaries_within_the_budget(monkeypatch):
     """A GPU prefill's products are queued as they are built; before each, the host waits for
     the oldest until the float16 weight temporaries queued at once fit the budget (one product
     is queued whatever its size)."""
-    from muser_mlx.ops import products
-
     waited = []
-    monkeypatch.setattr(products.mx, "eval", lambda *arrays: waited.extend(arrays))
-    monkeypatch.setattr(products.mx, "async_eval", lambda *arrays: None)
+    monkeypatch.setattr(pacer_module.mx, "eval", lambda *arrays: waited.extend(arrays))
+    monkeypatch.setattr(pacer_module.mx, "async_eval", lambda *arrays: None)
     sizes = [300, 500, 100, 100, 900, 50]
     outs = [mx.full((2,), float(i)) for i in range(len(sizes))]
-    with ops.paced_products(budget=800, headroom=None):
-        pacer = products._PACING.pacer
+    with ops.paced_products(Settings(prefill_queued_bytes=800, prefill_headroom=None)):
+        pacer = pacer_module.current()
         for out, nbytes in zip(outs, sizes):
             pacer.make_room(nbytes)
             assert sum(n for _, n in pacer.queued) + nbytes <= 800 or not pacer.queued
             pacer.queue(out, nbytes)
     # 300+500 fit; 100 waits for 300; 100 fits (700); 900 waits for all and is queued alone; 50 waits for it.
     assert [id(a) for a in waited] == [id(outs[i]) for i in (0, 1, 2, 3, 4)]
-    assert getattr(products._PACING, "pacer", None) is None
+    assert pacer_module.current() is None
 
 
 def test_paced_products_wait_while_active_memory_is_past_the_headroom(monkeypatch):
     """Besides the pieces' budget, the host waits for the oldest queued products while MLX's
     active memory, the pacer's slots left out, is more than `headroom` past what it was when the
     block began; with nothing queued it goes on."""
-    from muser_mlx.ops import products
-
     active = [1000]  # MLX's active memory as the pacer sees it; each wait frees 300
     waited = []
 
@@ -252,12 +240,12 @@ def test_paced_products_wait_while_active_memory_is_past_the_headroom(monkeypatc
         waited.extend(arrays)
         active[0] -= 300
 
-    monkeypatch.setattr(products.mx, "get_active_memory", lambda: active[0])
-    monkeypatch.setattr(products.mx, "eval", wait)
-    monkeypatch.setattr(products.mx, "async_eval", lambda *arrays: None)
+    monkeypatch.setattr(pacer_module.mx, "get_active_memory", lambda: active[0])
+    monkeypatch.setattr(pacer_module.mx, "eval", wait)
+    monkeypatch.setattr(pacer_module.mx, "async_eval", lambda *arrays: None)
     outs = [mx.full((2,), float(i)) for i in range(6)]
-    with ops.paced_products(budget=1 << 40, slots=1, headroom=500):
-        pacer = products._PACING.pacer
+    with ops.paced_products(Settings(prefill_queued_bytes=1 << 40, prefill_slots=1, prefill_headroom=500)):
+        pacer = pacer_module.current()
         assert pacer.start == 1000
         pacer.slots[0].values = mx.zeros((100,), dtype=mx.float16)  # 200 bytes, not counted
         steps = []
@@ -284,8 +272,7 @@ def test_gpu_prefill_products_in_pieces_match_the_whole(backend, rng, tmp_path, 
     weight's pieces outgrow the slots."""
     if backend == "cpu":
         pytest.skip("the GPU prefill path")
-    from muser_mlx.ops import products
-
+    products = dequantize_module
     in_features, out_features, tokens = 512, 200, 16
     path, reference = weight_file(tmp_path, rng, ggml_type, in_features, out_features)
     wide_path, wide_reference = weight_file(tmp_path, rng, ggml_type, 2 * in_features, 70, "wide.gguf")
@@ -295,7 +282,6 @@ def test_gpu_prefill_products_in_pieces_match_the_whole(backend, rng, tmp_path, 
         whole = np.array(ops.linear(x, model.tensors["w"]))
         whole2 = np.array(ops.linear(x2, wide.tensors["w"]))
         launches = []
-        monkeypatch.setattr(products, "PREFILL_PIECE_BYTES", 2 * in_features * 64)
         monkeypatch.setattr(products, "dequantize_weight",
                             lambda *args, **kwargs: launches.append(("fresh", args[3])) or ops.dequantize_weight(*args, **kwargs))
         real_into = products.dequantize_into
@@ -303,7 +289,9 @@ def test_gpu_prefill_products_in_pieces_match_the_whole(backend, rng, tmp_path, 
                             lambda *args, **kwargs: launches.append(("into", args[3])) or real_into(*args, **kwargs))
         if slots:  # one lazy graph: only the launches' inputs order the in-place writes and the reads
             monkeypatch.setattr(products.mx, "async_eval", lambda *arrays: None)
-        with ops.paced_products(budget=1 << 30 if slots else 2 * in_features * 130, slots=slots):
+        settings = Settings(prefill_piece_bytes=2 * in_features * 64, prefill_slots=slots,
+                            prefill_queued_bytes=1 << 30 if slots else 2 * in_features * 130)
+        with ops.paced_products(settings):
             pieces = ops.linear(x, model.tensors["w"])
             pieces2 = ops.linear(x2, wide.tensors["w"])
             pieces, pieces2 = np.array(pieces), np.array(pieces2)
@@ -325,8 +313,7 @@ def test_gpu_prefill_slots_grow_to_the_largest_piece(backend, rng, tmp_path, mon
     """A piece larger than its slot is decoded fresh and becomes the slot."""
     if backend == "cpu":
         pytest.skip("the GPU prefill path")
-    from muser_mlx.ops import products
-
+    products = dequantize_module
     small_path, small_ref = weight_file(tmp_path, rng, GGMLType.Q8_0, 256, 24)
     big_path, big_ref = weight_file(tmp_path, rng, GGMLType.Q8_0, 256, 40, "big.gguf")
     x = rng.standard_normal((1, 9, 256)).astype(np.float32)
@@ -337,7 +324,7 @@ def test_gpu_prefill_slots_grow_to_the_largest_piece(backend, rng, tmp_path, mon
     monkeypatch.setattr(products, "dequantize_into",
                         lambda *args, **kwargs: kinds.append("into") or real_into(*args, **kwargs))
     with gguf.read(small_path) as small, gguf.read(big_path) as big, kernels.poisoned_outputs():
-        with ops.paced_products(slots=1):
+        with ops.paced_products(Settings(prefill_slots=1)):
             outs = [ops.linear(mx.array(x), w.tensors["w"]) for w in (small, big, small, big)]
             outs = [np.array(o) for o in outs]
     assert kinds == ["fresh", "fresh", "into", "into"]

@@ -13,6 +13,7 @@ from muser_mlx import gguf, kernels, ops
 from muser_mlx.models import build_model, config_for, transformer
 from muser_mlx.models.config import MissingKeyError, MissingTensorError, ModelConfigError, TensorShapeError
 from muser_mlx.reference import Reference
+from muser_mlx.settings import DEFAULT
 from muser_mlx.testing import tiny_model
 
 from tests.conftest import random_ids, relative_error, tiny_models
@@ -125,31 +126,6 @@ def test_prefill_chunks_within_a_wide_window_match_the_reference(tmp_path, rng, 
     assert relative_error(logits, expected) <= TOLERANCE[backend]
 
 
-# PREFILL_FUSED against the conversions first: the same float16 products' outputs, widened to
-# float32 before any arithmetic either way. What may differ: float32 rounding in the compiled
-# activation, and on a GPU each float16 output's last bit where cuBLAS sums a per-part product
-# (the fused FFN's gate and up) in another order than the stack of both (2^-11 of a value);
-# carried through two layers and the head, well under the reference's 5e-3.
-FUSED_TOLERANCE = 1e-3
-
-
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_a_fused_prefill_gives_the_logits_of_the_unfused_one(tiny, rng, backend, monkeypatch, architecture):
-    if backend == "cpu":
-        pytest.skip("a GPU prefill path (the CPU's products return float32)")
-    _, model = tiny(architecture, "Q4_K_M")
-    ids = random_ids(rng, model, 3 * WINDOW + 5)
-
-    def run(fused):
-        monkeypatch.setattr(transformer, "PREFILL_FUSED", fused)
-        cache = model.make_cache()  # a chunk within the window, then one past it
-        return np.array(mx.concatenate([model(ids[None, :20], cache), model(ids[None, 20:], cache)], axis=1))
-
-    fused, unfused = run(True), run(False)
-    assert np.isfinite(fused).all()
-    assert relative_error(fused, unfused) <= FUSED_TOLERANCE
-
-
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 @pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
 def test_a_chunk_past_the_window_builds_one_mask_in_the_form_attention_takes(tiny, rng, monkeypatch,
@@ -188,8 +164,8 @@ def test_a_chunk_past_the_window_builds_one_mask_in_the_form_attention_takes(tin
     assert window_masks[0].dtype == (mx.float16 if dtype == mx.float16 else mx.bool_)
     rows, keys = ids.size - WINDOW, WINDOW + ids.size - WINDOW
     if dtype == mx.float16:  # a GPU prefill chunk's shapes, padded (transformer.bucketed)
-        rows, keys = (-(-n // step) * step for n, step in ((rows, transformer.ATTENTION_ROW_BUCKET),
-                                                          (keys, transformer.ATTENTION_KEY_BUCKET)))
+        rows, keys = (-(-n // step) * step for n, step in ((rows, DEFAULT.attention_row_bucket),
+                                                          (keys, DEFAULT.attention_key_bucket)))
     assert window_masks[0].shape == (rows, keys)
     expected = Reference(model.config, file.tensors).forward(ids)[WINDOW:]
     on_cpu = mx.default_device() == mx.cpu and dtype == mx.float32
@@ -216,6 +192,7 @@ def test_bucketed_attention_keeps_each_row_of_the_chunk(rng, causal):
     padding rows of keys and values are filled with large values first: a real query that saw
     one would be off by far more than the tolerance (float16 inputs and output: 2e-3)."""
     heads, kv_heads, head_dim, window, scale = 4, 2, 16, 300, 0.25
+    key_bucket, row_bucket = DEFAULT.attention_key_bucket, DEFAULT.attention_row_bucket
     for _ in range(3):
         start, tokens = int(rng.integers(0, 700)), int(rng.integers(9, 600))
         if causal:
@@ -231,10 +208,10 @@ def test_bucketed_attention_keeps_each_row_of_the_chunk(rng, causal):
                            for h, n in ((heads, tokens), (kv_heads, seen), (kv_heads, seen)))
         expected = attention_reference(q, keys, values, scale, visible)
         padded_q, padded_keys, padded_values, padded_positions, front = transformer.bucketed(
-            mx.array(q), mx.array(keys), mx.array(values), mx.array(positions), causal)
+            mx.array(q), mx.array(keys), mx.array(values), mx.array(positions), causal, key_bucket, row_bucket)
         rows, count = padded_q.shape[2], padded_keys.shape[2]
-        assert count % transformer.ATTENTION_KEY_BUCKET == 0 and count - seen < transformer.ATTENTION_KEY_BUCKET
-        assert rows % transformer.ATTENTION_ROW_BUCKET == 0 or (causal and rows == count)
+        assert count % key_bucket == 0 and count - seen < key_bucket
+        assert rows % row_bucket == 0 or (causal and rows == count)
         assert rows <= count and 0 <= front and front + tokens <= rows
         # Poison the padding keys and values: the mask must hide them from every real query.
         poison = mx.full((1, kv_heads, count - seen, head_dim), 60.0, dtype=mx.float16)
@@ -258,7 +235,7 @@ def test_bucketed_chunks_of_a_prompt_take_few_attention_shapes():
     def shapes(start, tokens, causal=True):
         q = mx.zeros((1, 2, tokens, 8), dtype=mx.float16)
         keys = mx.zeros((1, 1, start + tokens, 8), dtype=mx.float16)
-        padded_q, padded_keys, *_ = transformer.bucketed(q, keys, keys, mx.arange(start + tokens), causal)
+        padded_q, padded_keys, *_ = transformer.bucketed(q, keys, keys, mx.arange(start + tokens), causal, 256, 128)
         return padded_q.shape[2], padded_keys.shape[2]
 
     for start in (0, 512, 3072):
@@ -552,16 +529,13 @@ def test_fused_decode_follows_a_prefill_chunk_and_a_trimmed_step(tiny, rng, arch
 
 
 def test_decode_steps_take_the_position_the_last_step_computed(tiny, rng, monkeypatch):
-    # Only the first step's position comes from the host (transformer.DEVICE_POSITION); the
-    # trimmed-cache case is the test above.
+    # Only the first step's position comes from the host; the trimmed-cache case is the test above.
     from muser_mlx import kernels
-    from muser_mlx.models import transformer
 
     file, model = tiny("muse-glimmer", "Q4_K_M")
     made, real = [], kernels.padded_array
     monkeypatch.setattr(kernels, "padded_array", lambda values, dtype: (
         made.append(list(values)) if dtype == mx.int32 else None) or real(values, dtype))
-    assert transformer.DEVICE_POSITION
     ids = random_ids(rng, model, WINDOW + 3)
     logits, _ = decode_one_by_one(model, ids, model.make_cache(mx.float16))
     assert made == [[0]]

@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "arch.h"
 #include "decode.h"
 #include "vector_math.h"
 #include "thread_pool.h"
@@ -40,33 +41,6 @@ constexpr int64_t ROWS_PER_TASK = 16;
 // Tasks of fewer query rows score one key at a time (attend_row): transposing a block of 16
 // keys costs about as much as scoring it for 4 rows.
 constexpr int64_t BLOCK_MIN_ROWS = 4;
-
-// The sum of v's 8 lanes (a tree of shuffles and adds where AVX has them).
-inline float hsum(f32x8 v) {
-#if defined(__AVX__)
-  __m128 four = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
-#else
-  float sum = 0;
-  for (int lane = 0; lane < 8; ++lane) {
-    sum += v[lane];
-  }
-  return sum;
-#endif
-}
-
-inline float hsum(f32x16 v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)v);  // a tree of shuffles and adds (a decode step's
-                                           // scores at 3,000 positions: 52 -> 57 tokens/s)
-#else
-  // Two 8-lane halves, added (on AVX2 a loop of 16 scalar adds was ~8 % of a decode).
-  f32x8 halves[2];
-  std::memcpy(halves, &v, 64);
-  return hsum(halves[0] + halves[1]);
-#endif
-}
 
 // out_row [16 D] = the sum over keys of weights[key] * v[key] / total, v's rows `stride` floats
 // apart. Key by key, each value row read once (a pass per 16 channels re-read every row
@@ -306,11 +280,7 @@ constexpr int64_t PART_MIN_KEYS = 64;
 
 // The decode attention's float vectors: 16 floats where a register holds 16, else 8 (AVX2: GCC
 // builds 16-float vectors through the stack there, group_values).
-#if defined(__AVX512F__)
-constexpr int VECTOR_FLOATS = 16;
-#else
-constexpr int VECTOR_FLOATS = 8;
-#endif
+constexpr int VECTOR_FLOATS = REGISTER_FLOATS;
 using FloatVector = std::conditional_t<VECTOR_FLOATS == 8, f32x8, f32x16>;
 
 // Scores of G heads (q [G, head_dim]) against keys [n, head_dim]: scores [G, n], each head's

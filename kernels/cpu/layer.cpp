@@ -1,7 +1,7 @@
 // One decoder layer of a one-token decode step (decode.h): the functions the layer's separate
 // graph nodes run (products.cpp, attention.cpp, norm.cpp, activation.cpp), called back to back
 // in the same order on the same values, so the result is the separate nodes' bit for bit.
-// MLX evaluates one node instead of ~10 (~14 us each on this path, RESULTS.md session 35), and
+// MLX evaluates one node instead of ~10 (~14 us each on this path), and
 // the thread pool's workers, spinning after each job, are still awake for the next phase.
 // Grid: each product and the attention split over `threads` (ThreadPool); the seams and the
 // activation on the calling thread.

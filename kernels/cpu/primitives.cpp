@@ -654,7 +654,7 @@ void LayerDecode::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   }
   // Each output of a multi-output primitive holds its own copy of the inputs
   // (array::make_arrays), so MLX would count the caches as held four times and never donate
-  // them (a copy of every cache each step, RESULTS.md session 36): the other outputs' copies
+  // them (a copy of every cache each step): the other outputs' copies
   // are dropped while the caches are taken, then made again.
   for (auto& output : outputs) {
     if (&output.inputs() != &inputs) {

@@ -1,5 +1,5 @@
-// x @ W.T for W kept as raw GGUF blocks, on the CPU. No MLX types here: linear.cpp wraps this
-// in an MLX primitive.
+// x @ W.T for W kept as raw GGUF blocks, on the CPU (products.cpp). No MLX types here:
+// primitives.cpp wraps this in an MLX primitive.
 
 #pragma once
 

@@ -7,8 +7,8 @@
 // after each job (SPIN_ROUNDS pauses, ~10-30 us) and then sleep on a condition variable. Not
 // longer: between products the thread that builds the next step needs a core, and on two
 // cores a worker spinning for 0.1-0.3 ms after every job took it (perf: 19 % of SmolLM2's
-// decode samples in that loop; 2^9 rounds instead of 2^14 decoded ~6-25 % faster, RESULTS.md
-// session 21). A caller never waits for a sleeping worker to wake: it claims the tasks itself.
+// decode samples in that loop; 2^9 rounds instead of 2^14 decoded ~6-25 % faster). A caller
+// never waits for a sleeping worker to wake: it claims the tasks itself.
 // Tasks are claimed one at a time from the job word (generation | tasks | next task), so a
 // worker that the OS has not scheduled (the machine busy with other processes) holds nothing
 // up: the caller claims the tasks it has not, and waits only for tasks already claimed.

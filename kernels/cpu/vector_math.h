@@ -4,11 +4,7 @@
 
 #include <cstring>
 
-#if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#endif
-
-#include "vectors.h"
+#include "arch.h"
 
 namespace muser::cpu {
 
@@ -33,21 +29,5 @@ inline f32x16 exp16(f32x16 x) {
   std::memcpy(&scale, &exponent, 64);
   return p * scale;
 }
-
-// Inside its scope, this thread's float arithmetic flushes subnormal results and inputs to 0
-// (x86: MXCSR's FTZ and DAZ bits; restored on exit; elsewhere nothing). Attention's weighted
-// sums multiply probabilities near e^-87 by values: subnormal products, which x86 computes
-// ~100x slower, took ~2 of Gemma 3's 10 ms a layer of a 128-token prefill. A flushed value is
-// below 2^-126 (1.2e-38), invisible beside the probabilities' total, which is at least 1.
-class FlushSubnormals {
- public:
-#if defined(__SSE__) || defined(__x86_64__)
-  FlushSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
-  ~FlushSubnormals() { _mm_setcsr(saved_); }
-
- private:
-  unsigned saved_;
-#endif
-};
 
 } // namespace muser::cpu

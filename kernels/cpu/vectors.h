@@ -5,10 +5,6 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
-
 namespace muser::cpu {
 
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -18,6 +14,7 @@ typedef float f32x4 __attribute__((vector_size(16)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef int16_t i16x32 __attribute__((vector_size(64)));
 typedef uint16_t u16x32 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef int16_t i16x16 __attribute__((vector_size(32)));
 typedef uint8_t u8x64 __attribute__((vector_size(64)));
 typedef int8_t i8x64 __attribute__((vector_size(64)));
@@ -42,7 +39,8 @@ inline void store(T* p, V v) {
 }
 
 // A decode cache may hold IEEE half floats (where the compiler has _Float16): half the bytes
-// a long context's attention reads. load16 reads 16 floats, or 16 halves widened to floats.
+// a long context's attention reads. load16 reads 16 floats; arch.h's load16 16 halves widened
+// to floats (and load_values either).
 #if defined(__FLT16_MAX__)
 #define MUSER_HALF_CACHE 1
 using half = _Float16;
@@ -55,41 +53,6 @@ inline f32x16 load16(const float* p) {
 
 inline f32x8 load8(const float* p) {
   return load<f32x8>(p);
-}
-
-#ifdef MUSER_HALF_CACHE
-inline f32x8 load8(const half* p) {
-#if defined(__F16C__)
-  return (f32x8)_mm256_cvtph_ps(load<__m128i>(p));
-#else
-  typedef half f16x8 __attribute__((vector_size(16)));
-  return __builtin_convertvector(load<f16x8>(p), f32x8);
-#endif
-}
-
-inline f32x16 load16(const half* p) {
-#if defined(__AVX512F__)
-  return (f32x16)_mm512_cvtph_ps(load<__m256i>(p));  // one instruction (GCC's generic widening was scalar)
-#elif defined(__F16C__) && defined(__AVX__)
-  // Two instructions (generic widening: 16 scalar conversions, ~10 % of an AVX2 decode).
-  __m256 parts[2] = {_mm256_cvtph_ps(load<__m128i>(p)), _mm256_cvtph_ps(load<__m128i>(p + 8))};
-  f32x16 out;
-  std::memcpy(&out, parts, 64);
-  return out;
-#else
-  return __builtin_convertvector(load<f16x16>(p), f32x16);
-#endif
-}
-#endif
-
-// load8 or load16, by the vector type V.
-template <class V, class T>
-inline V load_values(const T* p) {
-  if constexpr (sizeof(V) == 32) {
-    return load8(p);
-  } else {
-    return load16(p);
-  }
 }
 
 }  // namespace muser::cpu

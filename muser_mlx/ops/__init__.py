@@ -2,8 +2,8 @@
 math on the CPU (a compiled primitive, cpu_ext; else MLX array ops, muser_mlx/dequant.py), on
 the same raw GGUF bytes.
 
-One module per operation family: embedding; activations (x as int8 blocks, q8x); linear (the
-choice of path and `linear`, with the generic GPU matvec); gpu_products (the fused decode
+One module per operation family: embedding; activations (x as int8 blocks, q8x); products
+(`linear`, the one place a product's path is chosen, and the generic GPU matvec); gpu_products (the fused decode
 step's q8x products); dequantize (the GPU prefill's weight decode and matmul); pacer (the GPU
 prefill's pacing); cpu_products (the CPU's products); norm; attention.
 """
@@ -17,7 +17,7 @@ from muser_mlx.ops.dequantize import dequantize_into, dequantize_weight
 from muser_mlx.ops.embedding import check_token_ids, embedding, embedding_unchecked, make_resident
 from muser_mlx.ops.gpu_products import (PRODUCT_FORMATS, GatedProduct, NoProductKernelError, Product, gelu_tanh,
                                         greedy, product, product_glu)
-from muser_mlx.ops.linear import linear, linear_path, rounded_products
+from muser_mlx.ops.products import linear, linear_path, rounded_products
 from muser_mlx.ops.norm import residual_norm, residual_norm_quant
 from muser_mlx.ops.pacer import paced_products
 from muser_mlx.settings import ProductConfig

@@ -20,19 +20,28 @@ PIECE_ROWS = 64
 
 def dequantize_weight(weight_bytes: mx.array, ggml_type, in_features: int, out_features: int,
                       dtype=mx.float32) -> mx.array:
-    """Every row of a GGUF matrix decoded: [out, in] in `dtype` (kernel dequant_rows on a GPU,
-    dequant.dequantize_rows on the CPU)."""
+    """Every row of a GGUF matrix decoded: [out, in] in `dtype` (kernel dequant_spans, or
+    dequant_rows for rows that are not whole 32-value blocks, on a GPU; dequant.dequantize_rows
+    on the CPU)."""
     fmt = block_format(ggml_type)
     if kernels.backend() == "cpu":
         return dequantize_rows(weight_bytes.reshape(out_features, -1), fmt.ggml_type).astype(dtype)
-    threads = out_features * -(-in_features // 256) * 32  # a SIMD group per 256 values
-    if threads > MAX_GRID:
-        raise ValueError(f"{out_features} rows of {in_features} values exceed one launch")
     # dequant_spans stores 8 values at a time (16-byte stores): rows of whole 32-value blocks;
     # dequant_rows (a lane's values 32 apart, 2-byte stores) takes any row.
-    name = "dequant_spans" if in_features % 32 == 0 else "dequant_rows"
+    kernel = "dequant_spans" if in_features % 32 == 0 else "dequant_rows"
+    return launch_dequant(kernel, weight_bytes, ggml_type, in_features, out_features, dtype)
+
+
+def launch_dequant(kernel: str, weight_bytes: mx.array, ggml_type, in_features: int, out_features: int,
+                   dtype) -> mx.array:
+    """Kernel `kernel` ("dequant_spans" or "dequant_rows": the same values) over a whole matrix:
+    [out, in] in `dtype`. A SIMD group per 256 values of a row."""
+    fmt = block_format(ggml_type)
+    threads = out_features * -(-in_features // 256) * 32
+    if threads > MAX_GRID:
+        raise ValueError(f"{out_features} rows of {in_features} values exceed one launch")
     (values,) = kernels.launch(
-        name,
+        kernel,
         inputs=[weight_bytes],
         template=[("FORMAT", int(fmt.ggml_type)), ("IN", in_features),
                   ("ROW_BYTES", fmt.row_bytes(in_features)), ("OUT", out_features)],

@@ -12,7 +12,7 @@ from muser_mlx import kernels
 from muser_mlx.formats import GGMLType, block_format
 from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, WovenQ8X, q8x_shapes, quantize_rows_mlx
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
-from muser_mlx.ops.linear import linear
+from muser_mlx.ops.products import linear
 from muser_mlx.settings import DEFAULT, ProductConfig, Settings
 
 # Formats the q8x product kernels read (blocks.metal: muser_load_x_unit / muser_unit_dot).
