@@ -18,6 +18,7 @@
 // WOVEN 1: oq and os in q8x's woven layout (formats.woven_positions) for a product that reads
 // it (kernel product's WOVEN); HEADS * HEAD_DIM is a multiple of 64 (HEAD_DIM is).
 // Template constants: HEADS, HEAD_DIM, GATE, G_OFF, WOVEN.
+#include "lib/q8x.metal"
 const int MAX_SPLITS = 128;
 const uint SPLITS = uint(partial_shape[0]) / uint(HEADS * (HEAD_DIM + 2));
 const device float* partial_o = partial;

@@ -49,6 +49,8 @@
 // A block's value rows are loaded with its keys (216 registers a thread at HEAD_GROUP 2: 2
 // threadgroups an SM, but one wait on memory a block); blocks of 32 stored slots without w take
 // a path without per-slot clamps and tests.
+#include "lib/base.metal"
+#include "lib/attention.metal"
 const int GROUP = HEADS / KV_HEADS;
 const int HEAD_GROUPS = GROUP / HEAD_GROUP;
 const int CHANNELS = HEAD_DIM / 32;  // value channels per lane

@@ -22,6 +22,8 @@
 // values lie past IN in a row's last span (IN a multiple of 32 but not of 256) decode nothing.
 // The host checks target's size and dtype and x's (ops.products.dequantize_into).
 // Template constants: FORMAT (ggml type id), IN, ROW_BYTES, OUT.
+#include "lib/base.metal"
+#include "lib/formats.metal"
 const uint SPANS = (uint(IN) + 255u) / 256u;
 uint index = thread_position_in_grid.x;
 uint XV = 1u;

@@ -16,6 +16,8 @@
 // Bounds: threads past OUT * SPANS * 32 (CUDA's surplus) return at once; values past IN in a
 // row's last span (rows that are no multiple of 256) are skipped.
 // Template constants: FORMAT (ggml type id), IN, ROW_BYTES, OUT.
+#include "lib/base.metal"
+#include "lib/formats.metal"
 const uint SPANS = (uint(IN) + 255u) / 256u;
 uint index = thread_position_in_grid.x;
 uint lane = index % 32u;

@@ -15,6 +15,8 @@
 // Bounds: threads past OUT * SPANS * 32 (CUDA's surplus) return at once; lanes whose values lie
 // past IN in a row's last span (IN a multiple of 32 but not of 256) store nothing.
 // Template constants: FORMAT (ggml type id), IN, ROW_BYTES, OUT.
+#include "lib/base.metal"
+#include "lib/formats.metal"
 const uint SPANS = (uint(IN) + 255u) / 256u;
 uint index = thread_position_in_grid.x;
 uint lane = index % 32u;

@@ -9,6 +9,7 @@
 // Bounds: threads past T * HIDDEN (CUDA's surplus in the last block) return at once; an id
 // outside 0..VOCAB-1 reads row VOCAB-1 (the host validates ids first; this is the second line).
 // Template constants: FORMAT (ggml type id), HIDDEN, ROW_BYTES, VOCAB.
+#include "lib/formats.metal"
 uint index = thread_position_in_grid.x;
 uint tokens = uint(token_ids_shape[0]);
 if (index >= tokens * uint(HIDDEN)) {

@@ -9,6 +9,7 @@
 // Bytes per call: OUT * ROW_BYTES + TOKENS * IN * 4 read, TOKENS * OUT * 4 written.
 // Bounds: a SIMD group past OUT returns whole (CUDA's surplus threads), before any shuffle.
 // Template constants: FORMAT, IN, ROW_BYTES, OUT, TOKENS (1..8).
+#include "lib/formats.metal"
 uint row = thread_position_in_grid.x / 32;
 uint lane = thread_index_in_simdgroup;
 if (row >= uint(OUT)) {

@@ -2,7 +2,7 @@
 // inputs: weight_a weight_b xq xd xs params
 // outputs: y
 //
-// y = x W.T for activations given as int8 blocks (q8x: xq, xd, xs; see blocks.metal) and up
+// y = x W.T for activations given as int8 blocks (q8x: xq, xd, xs; see lib/q8x.metal) and up
 // to two weights of their own formats (Q4_K, Q6_K or Q8_0), a few tokens at a time (decode):
 //   EPILOGUE 0: y [TOKENS, OUT_A + OUT_B] = [x A.T | x B.T] (no B when OUT_B is 0: q/gate and
 //               k/v of one layer are one launch even when their formats differ).
@@ -33,20 +33,21 @@
 // lanes' wide units are contiguous), as attention_combine writes them for the o-projection;
 // IN a multiple of 64 (the host checks). Results equal the plain layout's bit for bit.
 // INT_FLOATS 1: the integer dots and scales become floats by adding into a float's mantissa
-// (blocks.metal's muser_int_float) instead of conversion instructions (16 a clock on an SM):
+// (lib/base.metal's muser_int_float) instead of conversion instructions (16 a clock on an SM):
 // the same values bit for bit, more instructions, fewer of the slow kind; Q6_K x's code sums
 // too.
 // LEAN 1: wide Q4_K units scale each integer dot by its 6-bit scale as integers, with no
-// float scale products (blocks.metal's muser_unit_dot), and ROWS 2 without the head's
+// float scale products (lib/q8x.metal's muser_unit_dot), and ROWS 2 without the head's
 // epilogue reduces both rows in one butterfly: 5 shuffles, not 10 (lanes 0-15 end with row
 // 0's total, 16-31 with row 1's; CUDA's simd_sum adds in that order). Another rounding order
 // than LEAN 0's within the same bound. Other formats ignore it.
 // Q6_K weights take LEAN too: the -32 offset and the 6-bit codes' int8 scales applied as
-// integers (blocks.metal's muser_unit_dot), one float product by x's scale a quarter.
+// integers (lib/q8x.metal's muser_unit_dot), one float product by x's scale a quarter.
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
 // ROWS, UNROLL (units per lane at a time), WIDE (1: Q4_K weights in 64-value units,
-// blocks.metal's muser_x_unit64; other formats ignore it), STAGE, WOVEN, EPILOGUE, INT_FLOATS,
+// lib/q8x.metal's muser_x_unit64; other formats ignore it), STAGE, WOVEN, EPILOGUE, INT_FLOATS,
 // LEAN.
+#include "lib/q8x.metal"
 threadgroup float best_rows[8 * TOKENS * 2];
 const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
 const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);

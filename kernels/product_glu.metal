@@ -17,6 +17,7 @@
 // row exists.
 // Template constants: FORMAT_G, ROW_BYTES_G, FORMAT_U, ROW_BYTES_U, OUT, IN, TOKENS, ROWS,
 // UNROLL (units per lane at a time, as kernel product), WIDE (as kernel product), ACTIVATION.
+#include "lib/q8x.metal"
 threadgroup float tile[TOKENS * 32];
 uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;

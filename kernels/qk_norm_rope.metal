@@ -23,6 +23,7 @@
 // Bounds: SIMD groups past the last head (CUDA's surplus threads) return whole.
 // Template constants: HEADS, KV_HEADS, HEAD_DIM, ROTARY, TRADITIONAL (0 or 1), Q_STRIDE,
 // K_STRIDE (values from one row of q or k to the next), Q_OFF, K_OFF (the heads' first column).
+#include "lib/base.metal"
 uint batch = uint(q_shape[0]);
 uint tokens = uint(q_shape[1]);
 uint group = thread_position_in_grid.x / 32u;

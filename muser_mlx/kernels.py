@@ -1,16 +1,20 @@
 """Kernel sources: load them, render them for the backend in use, build each once, launch.
 
 Every kernel is written once, in Metal, as the body of an `mx.fast.metal_kernel` (the file
-`kernels/<name>.metal`), plus the shared helpers of `kernels/blocks.metal`. A kernel file
-starts with `// kernel:`, `// inputs:` and `// outputs:` lines naming its parameters.
+`kernels/<name>.metal`), plus the shared helpers of `kernels/lib/` that it includes. A kernel
+file starts with `// kernel:`, `// inputs:` and `// outputs:` lines naming its parameters, and
+names the lib files it uses with `#include "lib/<file>.metal"` lines (paths from kernels/); a lib
+file includes the lib files it builds on the same way. The include lines never reach MLX, which
+takes a body and a header: `kernel_source` resolves them into the header, keeping only the
+definitions the kernel uses.
 
 For NVIDIA GPUs the same text becomes an `mx.fast.cuda_kernel` through `CUDA_TRANSLATION`, a
 short table of textual rewrites plus `CUDA_PRELUDE` (the few Metal builtins CUDA lacks). The
 kernel dialect is kept small enough for that table: one-dimensional threadgroups, no vector
 types beyond uint2, uint4 and float4, scalars passed as template constants or read from input shapes.
 What the two languages spell differently (a packed int8 dot product and a funnel shift, which
-Metal lacks; device atomics and the device fence) are the helpers' only `#if defined(__CUDACC__)`
-branches.
+Metal lacks; device atomics and the device fence) are lib/base.metal's only
+`#if defined(__CUDACC__)` branches.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-HELPERS = "blocks"
+LIB = "lib"  # kernels/lib/: the helpers kernels include (not kernels themselves)
 MAX_GRID = 2**31 - 1  # threads in one launch, at most
 
 
@@ -66,29 +70,106 @@ def source(name: str) -> KernelSource:
 
 
 def kernel_source(name: str, inputs: tuple, outputs: tuple, text: str) -> KernelSource:
-    """A kernel's Metal text (a file's, or a test's probe) with the helpers of blocks.metal it
-    uses, comments dropped."""
-    header = _used_helpers((kernel_dir() / f"{HELPERS}.metal").read_text(), text)
-    return KernelSource(name, inputs, outputs, _code_only(text), _code_only(header))
+    """A kernel's Metal text (a file's, or a test's probe), comments dropped, its #include
+    lines resolved: the header holds the definitions of the included lib files that the body
+    uses, directly or through each other (_used_definitions)."""
+    files = _included_files(text, f"kernel {name}")
+    helpers = "".join(_without_includes(_lib_text(path)) for path in files)
+    body = _code_only(_without_includes(text))
+    return KernelSource(name, inputs, outputs, body, _used_definitions(_code_only(helpers), body))
 
 
-def _used_helpers(helpers: str, body: str) -> str:
-    """The paragraphs of blocks.metal (blank-line separated) that define a `muser_*` or
-    `MUSER_*` name the kernel uses, directly or through another helper, in file order."""
-    paragraphs = [p for p in re.split(r"\n\s*\n", helpers) if p.strip()]
-    code = [_code_only(p) for p in paragraphs]
-    defined = [set(re.findall(r"#define\s+(MUSER_\w+)", c)) | set(re.findall(r"^struct\s+(muser_\w+)", c, re.M)) |
-               set(re.findall(r"^(?:template\b.*\n)?(?:inline|constant)\b[^(\[]*?\b(muser_\w+)\s*[(\[]", c, re.M))
-               for c in code]
-    wanted, used = set(re.findall(r"\b(?:muser|MUSER)_\w+", _code_only(body))), set()
+_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include\b(.*)$", re.M)
+
+
+def _includes(text: str, where: str) -> list[str]:
+    """The paths of `text`'s #include lines, in order; each must be `#include "lib/<file>.metal"`."""
+    paths = []
+    for match in _INCLUDE.finditer(text):
+        path = re.fullmatch(r'\s*"([^"]+)"\s*(//.*)?', match.group(1))
+        if path is None or not path.group(1).startswith(f"{LIB}/") or ".." in path.group(1).split("/"):
+            raise KernelSourceError(f'{where}: {match.group(0).strip()!r}: kernels include lib files only, as '
+                                    f'#include "{LIB}/<file>.metal"')
+        paths.append(path.group(1))
+    return paths
+
+
+def _without_includes(text: str) -> str:
+    return _INCLUDE.sub("", text)
+
+
+def _lib_text(path: str) -> str:
+    file = kernel_dir() / path
+    if not file.is_file():
+        raise KernelSourceError(f"#include \"{path}\": no file {path} in {kernel_dir()}")
+    return file.read_text()
+
+
+def _included_files(text: str, where: str) -> list[str]:
+    """The lib files `text` includes, directly or through other lib files, each once and after
+    every file it includes (the order a C preprocessor with include guards would give)."""
+    files: list[str] = []
+
+    def visit(path: str, chain: list[str]) -> None:
+        if path in chain:
+            raise KernelSourceError(f"include cycle: {' -> '.join([*chain, path])}")
+        if path in files:
+            return
+        try:
+            inner = _includes(_lib_text(path), path)
+        except KernelSourceError as error:
+            raise KernelSourceError(f"{chain[-1]}: {error}") from None
+        for included in inner:
+            visit(included, [*chain, path])
+        files.append(path)
+
+    for path in _includes(text, where):
+        visit(path, [where])
+    return files
+
+
+def _definitions(code: str) -> list[str]:
+    """The top-level definitions of helper code (comments and blank lines already dropped), each
+    whole, in order: a `#define` line; an `#if` .. `#endif` block (its branches define the same
+    names); or a declaration from its first line (`template <...>` included) to the line that
+    closes its last brace at depth 0 or ends it with `;`. Blank lines split nothing."""
+    definitions, lines, depth, nesting = [], [], 0, 0
+    for line in filter(None, code.splitlines()):
+        lines.append(line)
+        if re.match(r"#\s*if", line):
+            nesting += 1
+        elif re.match(r"#\s*endif", line):
+            nesting -= 1
+        elif not line.startswith("#"):
+            depth += line.count("{") - line.count("}")
+        if nesting == 0 and depth == 0 and (line.startswith("#") or line.endswith(("}", ";"))):
+            definitions.append("\n".join(lines) + "\n")
+            lines = []
+        if depth < 0 or nesting < 0:
+            raise KernelSourceError(f"unbalanced helper code at {line!r}")
+    if lines:
+        raise KernelSourceError(f"helper code ends inside a definition: {lines[0]!r}")
+    return definitions
+
+
+def _used_definitions(helpers: str, body: str) -> str:
+    """The definitions of `helpers` (_definitions) that define a `muser_*` or `MUSER_*` name the
+    body uses, directly or through another definition, in their order. MLX hashes a kernel's
+    whole source at every launch (_code_only), so each kernel carries only its own helpers:
+    whole lib files would make attention_combine's header 27 KB, for the 1 KB it uses."""
+    definitions = _definitions(helpers)
+    defined = [set(re.findall(r"#define\s+(MUSER_\w+)", d)) | set(re.findall(r"^struct\s+(muser_\w+)", d, re.M)) |
+               set(re.findall(r"^(?:inline|constant)\b[^(\[]*?\b(muser_\w+)\s*[(\[]", d, re.M))
+               for d in definitions]
+    wanted, used = set(re.findall(r"\b(?:muser|MUSER)_\w+", body)), set()
     while True:
         new = {i for i, names in enumerate(defined) if names & wanted} - used
         if not new:
             break
         used |= new
         for i in new:
-            wanted |= set(re.findall(r"\b(?:muser|MUSER)_\w+", code[i]))
-    return "\n\n".join(paragraphs[i] for i in sorted(used)) + "\n"
+            wanted |= set(re.findall(r"\b(?:muser|MUSER)_\w+", definitions[i]))
+    return "".join(definitions[i] for i in sorted(used))
 
 
 def _code_only(text: str) -> str:
@@ -125,7 +206,8 @@ def _squeezed(line: str) -> str:
 
 
 def kernel_names() -> list[str]:
-    return sorted(p.stem for p in kernel_dir().glob("*.metal") if p.stem != HELPERS)
+    """The kernels: kernels/*.metal (the lib files sit in kernels/lib/)."""
+    return sorted(p.stem for p in kernel_dir().glob("*.metal"))
 
 
 # ---------------------------------------------------------------------------------------------

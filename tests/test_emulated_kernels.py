@@ -434,11 +434,12 @@ def probe(body, inputs=("x",)):
     return KernelSource("probe", inputs, ("out",), body, "")
 
 
-# A last-threadgroup-done sum (device atomics: blocks.metal's muser_atomic_add, muser_atomic_store,
+# A last-threadgroup-done sum (device atomics: lib/base.metal's muser_atomic_add, muser_atomic_store,
 # muser_device_fence): every threadgroup (one SIMD group) writes its partial sum and counts
 # itself in; the one that counts last adds the partials in threadgroup order and resets the
 # counter for the next launch. Also compiled as Metal and CUDA (tests/test_kernels.py).
 LAST_DONE_BODY = """\
+#include "lib/base.metal"
 threadgroup uint last[1];
 uint lane = thread_index_in_simdgroup;
 uint group = threadgroup_position_in_grid.x;
@@ -545,6 +546,7 @@ def test_device_atomics_a_last_threadgroup_done_sum(rng):
 
 
 INT_FLOAT = kernels.kernel_source("int_float", ("v", "c"), ("out",), """\
+#include "lib/base.metal"
 uint i = thread_position_in_grid.x;
 out[2u * i] = muser_int_float(v[i]);
 out[2u * i + 1u] = muser_uint_float(c[i]);
@@ -552,7 +554,7 @@ out[2u * i + 1u] = muser_uint_float(c[i]);
 
 
 def test_integers_become_floats_exactly_without_a_conversion(rng):
-    """blocks.metal's muser_int_float (|v| < 2^22) and muser_uint_float (c < 2^23), which the
+    """lib/base.metal's muser_int_float (|v| < 2^22) and muser_uint_float (c < 2^23), which the
     product kernels use for their dots and 6-bit scales: float(v) exactly, over both ranges'
     ends and random values between."""
     ends = np.array([0, 1, -1, 2, -2, 127, -128, 975360, -975360, (1 << 22) - 1, -(1 << 22) + 1], np.int64)

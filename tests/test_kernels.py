@@ -234,7 +234,7 @@ def test_the_checks_catch_a_typo(tmp_path):
 
 def test_device_atomics_render_for_metal_and_cuda(tmp_path):
     # The emulator's last-threadgroup-done probe (tests/test_emulated_kernels.py) through both
-    # compile checks: blocks.metal's atomics as Metal (atomic_fetch_add_explicit, ...) and as
+    # compile checks: lib/base.metal's atomics as Metal (atomic_fetch_add_explicit, ...) and as
     # CUDA (atomicAdd, atomicExch, __threadfence).
     from tests.test_emulated_kernels import LAST_DONE, LAST_DONE_LAUNCH
 

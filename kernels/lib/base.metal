@@ -1,0 +1,157 @@
+// lib/base.metal — what the other lib files and the kernels build on: bytes and halves of
+// 32-bit words, integers as floats without a conversion instruction, stores in the output's
+// type, and the portable shims. What Metal and CUDA spell differently (a packed int8 dot
+// product and a funnel shift, which Metal lacks; device atomics and the device fence) are
+// this file's `#if defined(__CUDACC__)` branches, the only ones in the kernels.
+// Includes no other lib file.
+
+// Byte k (0..3) of a little-endian word.
+inline uint muser_byte(uint word, uint k) {
+  return (word >> (8u * k)) & 255u;
+}
+
+// The f16 in the low or high half of a word.
+inline float muser_half_low(uint word) {
+  return float(as_type<half>(ushort(word & 65535u)));
+}
+
+inline float muser_half_high(uint word) {
+  return float(as_type<half>(ushort(word >> 16)));
+}
+
+// Bits of `word` moved from bit position FROM to TO (both compile-time constants in unrolled
+// loops, so one shift instruction).
+inline uint muser_move(uint word, int from, int to) {
+  return from <= to ? (word << uint(to - from)) : (word >> uint(from - to));
+}
+
+// A small unsigned code c of b bits, already placed at bits 23-b .. 22 (the top of the
+// mantissa), becomes the float 1 + c / 2^b exactly: OR in the bits of 1.0f. This replaces an
+// integer-to-float conversion, which runs at a quarter of the FMA rate or less on NVIDIA
+// GPUs, with one logic instruction. A dot product then needs only FMAs:
+//   sum_i c_i x_i = 2^b * (sum_i (1 + c_i / 2^b) x_i - sum_i x_i).
+inline float muser_unit_float(uint placed) {
+  return as_type<float>(placed | 0x3F800000u);
+}
+
+// Integers as floats without a conversion instruction (which runs at 16 a clock on an SM,
+// an eighth of the FMA rate): the integer added into the mantissa of 2^23 (c, 0 <= c < 2^23)
+// or of 1.5 * 2^23 (v, |v| < 2^22: negative ones borrow from the 0.5), and that float
+// subtracted again, exactly. The same values as float(c) and float(v), bit for bit.
+inline float muser_uint_float(uint c) {
+  return as_type<float>(c | 0x4B000000u) - 8388608.0f;
+}
+
+inline float muser_int_float(int v) {
+  return as_type<float>(uint(v + 0x4B400000)) - 12582912.0f;
+}
+
+// float(v) by either route: INT_FLOATS 1, muser_int_float / muser_uint_float; 0, a conversion
+// instruction (the products choose per launch: kernel product's INT_FLOATS).
+template <int INT_FLOATS>
+inline float muser_float_of(int v) {
+  return INT_FLOATS != 0 ? muser_int_float(v) : float(v);
+}
+
+template <int INT_FLOATS>
+inline float muser_float_of(uint c) {
+  return INT_FLOATS != 0 ? muser_uint_float(c) : float(c);
+}
+
+// Two floats as float16, packed into one word (the first in the low half).
+inline uint muser_pack_halves(float a, float b) {
+  return uint(as_type<ushort>(half(a))) | (uint(as_type<ushort>(half(b))) << 16u);
+}
+
+// Eight consecutive values stored with 16-byte stores (out 16-byte aligned): as float16 or
+// float32, the type of the output.
+inline void muser_store8(device half* out, thread const float* v) {
+  *((device uint4*)out) = uint4(muser_pack_halves(v[0], v[1]), muser_pack_halves(v[2], v[3]),
+                                muser_pack_halves(v[4], v[5]), muser_pack_halves(v[6], v[7]));
+}
+
+inline void muser_store8(device float* out, thread const float* v) {
+  *((device float4*)out) = float4(v[0], v[1], v[2], v[3]);
+  *((device float4*)(out + 4)) = float4(v[4], v[5], v[6], v[7]);
+}
+
+// One value stored in the output's type (float16: rounded to nearest even).
+inline void muser_store1(device half* out, float v) {
+  *out = half(v);
+}
+
+inline void muser_store1(device float* out, float v) {
+  *out = v;
+}
+
+// acc plus the four signed bytes of a times those of b (a packed int8 dot product: one dp4a
+// instruction on NVIDIA GPUs, its accumulator included, so a chain of them needs no adds).
+// muser_dot4u: a's four bytes unsigned (0..255), b's signed.
+#if defined(__CUDACC__)
+inline int muser_dot4(uint a, uint b, int acc) {
+  return __dp4a(int(a), int(b), acc);
+}
+inline int muser_dot4u(uint a, uint b, int acc) {
+  int sum;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(sum) : "r"(a), "r"(b), "r"(acc));
+  return sum;
+}
+#else
+inline int muser_dot4(uint a, uint b, int acc) {
+  return acc + (int(a << 24) >> 24) * (int(b << 24) >> 24) + (int(a << 16) >> 24) * (int(b << 16) >> 24) +
+         (int(a << 8) >> 24) * (int(b << 8) >> 24) + (int(a) >> 24) * (int(b) >> 24);
+}
+inline int muser_dot4u(uint a, uint b, int acc) {
+  return acc + int(a & 255u) * (int(b << 24) >> 24) + int((a >> 8) & 255u) * (int(b << 16) >> 24) +
+         int((a >> 16) & 255u) * (int(b << 8) >> 24) + int(a >> 24) * (int(b) >> 24);
+}
+#endif
+
+// The low 32 bits of (high:low) >> shift, shift 0 or 16: a word at a 2-byte offset from two
+// aligned words (one funnel-shift instruction on NVIDIA GPUs).
+#if defined(__CUDACC__)
+inline uint muser_funnel(uint low, uint high, uint shift) {
+  return __funnelshift_r(low, high, shift);
+}
+#else
+inline uint muser_funnel(uint low, uint high, uint shift) {
+  return uint(((ulong(high) << 32) | ulong(low)) >> shift);
+}
+#endif
+
+// Device atomics on 32-bit counters, and the device-scope fence, for a count of the
+// threadgroups (or SIMD groups) done: a writer fences its results, then adds 1; the one that
+// sees the count reach its total fences again and reads every result; it stores 0 back for
+// the next launch. `counter` is an input the kernel writes in place.
+#if defined(__CUDACC__)
+inline uint muser_atomic_add(device uint* counter, uint value) {
+  return atomicAdd(counter, value);
+}
+inline void muser_atomic_store(device uint* counter, uint value) {
+  atomicExch(counter, value);
+}
+inline void muser_device_fence() {
+  __threadfence();
+}
+#else
+inline uint muser_atomic_add(device uint* counter, uint value) {
+  return atomic_fetch_add_explicit((device atomic_uint*)counter, value, memory_order_relaxed);
+}
+inline void muser_atomic_store(device uint* counter, uint value) {
+  atomic_store_explicit((device atomic_uint*)counter, value, memory_order_relaxed);
+}
+inline void muser_device_fence() {
+  atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+}
+#endif
+
+// The 8 bytes at byte `offset` of `base` (base 4-byte aligned, offset even) as two words, from
+// aligned word loads. The third word is read only when the bytes straddle it.
+inline uint2 muser_words2(const device uint8_t* base, size_t offset) {
+  const device uint* words = (const device uint*)(base + (offset & ~size_t(3)));
+  uint shift = uint(offset & 2u) * 8u;
+  uint w0 = words[0];
+  uint w1 = words[1];
+  uint w2 = shift != 0u ? words[2] : 0u;
+  return uint2(muser_funnel(w0, w1, shift), muser_funnel(w1, w2, shift));
+}
