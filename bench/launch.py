@@ -4,7 +4,7 @@ A decode step is ~1,000 small ops, so what one op costs apart from its bytes mat
 as the kernels' bandwidth. Each case chains N ops (each one's output the next one's input,
 as in a model), times building the graph in Python and evaluating it, and prints both per op:
 - ops.linear of one row on a 256 x 256 Q4_K weight (on a GPU our generic matvec kernel, the
-  blocks.metal header included);
+  lib headers included);
 - a bare copy kernel with no header (the same launch path, a short source), and the same
   kernel with a 12 KB header of comment lines (MLX builds and hashes a kernel's whole source
   at every launch: the cost of source size alone);

@@ -128,7 +128,7 @@ def test_products_that_take_several_units_a_lane_at_a_time_match_numpy(backend, 
 def test_products_whose_rows_are_one_pass_of_the_lanes_match_numpy(backend, rng, formats_ab, tokens,
                                                                    unroll, wide):
     """Rows of exactly 32 * unroll units (the o-projection's: 64 wide units, 2 a lane) take
-    blocks.metal's one-pass form (no loop, no clamp); against numpy, and against the same
+    lib/q8x.metal's one-pass form (no loop, no clamp); against numpy, and against the same
     launch on rows one unit longer, which loop and clamp."""
     first, _ = formats_ab
     unit = 64 if wide and first == GGMLType.Q4_K else 32
@@ -167,7 +167,7 @@ def _reference_product(x_values, a_values, b_values):
 def test_products_that_make_floats_without_conversions_equal_those_that_convert_bit_for_bit(
         backend, rng, formats_ab, tokens, wide):
     """ProductConfig.int_floats (kernel product's INT_FLOATS): the integer dots and scales
-    become floats through a float's mantissa (blocks.metal's muser_int_float) instead of
+    become floats through a float's mantissa (lib/base.metal's muser_int_float) instead of
     conversion instructions: the same values, so the same result bit for bit; and numpy's."""
     first, second = formats_ab
     in_features = 256 * int(rng.integers(2, 6))

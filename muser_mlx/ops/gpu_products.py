@@ -15,7 +15,7 @@ from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.products import linear
 from muser_mlx.settings import DEFAULT, ProductConfig, Settings
 
-# Formats the q8x product kernels read (blocks.metal: muser_load_x_unit / muser_unit_dot).
+# Formats the q8x product kernels read (kernels/lib/q8x.metal: muser_load_x_unit / muser_unit_dot).
 PRODUCT_FORMATS = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
