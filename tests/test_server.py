@@ -19,10 +19,12 @@ import numpy as np
 import pytest
 
 from muser_mlx import cli
-from muser_mlx import server as server_module
-from muser_mlx.generate import GenerationResponse, continue_cache, generate, load, stream_generate
-from muser_mlx.models import cpu_decode
-from muser_mlx.testing import tiny_model
+
+pytest.importorskip("starlette")  # the server's web stack ([serve] extra): absent on the GPU machine
+from muser_mlx import server as server_module  # noqa: E402
+from muser_mlx.generate import GenerationResponse, continue_cache, generate, load, stream_generate  # noqa: E402
+from muser_mlx.models import cpu_decode  # noqa: E402
+from muser_mlx.testing import tiny_model  # noqa: E402
 
 openai = pytest.importorskip("openai")
 
