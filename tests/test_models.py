@@ -18,7 +18,7 @@ from muser_mlx.testing import tiny_model
 
 from tests.conftest import random_ids, relative_error, tiny_models
 
-ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2"]
+ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite"]
 WEIGHTS = ["F32", "F16", "Q8_0", "Q4_K", "Q4_K_M"]
 WINDOW = 8
 # CPU: the graph is float32 and the reference float64 over the same decoded weights, so only
@@ -363,6 +363,69 @@ def test_both_forms_of_the_window_pattern_give_the_same_layers(tiny):
     _, periodic = tiny("muse-glimmer", pattern="period", layers=8)
     assert listed.config.swa_layers == periodic.config.swa_layers
     assert listed.config.swa_layers == (True, True, True, False) * 2
+
+
+# --- scaled RoPE (llama.cpp's rope_freqs and rope.scaling.*) --------------------------------------
+
+def scaled_rope(kind: str, rng) -> dict:
+    """tiny_model keywords of a llama whose RoPE is scaled: Llama 3's frequency factors (fresh
+    random ones), linear or YaRN scaling of its frequencies."""
+    if kind == "rope_freqs":
+        return dict(extra_tensors={"rope_freqs.weight": rng.uniform(1.0, 8.0, 32)})
+    return dict(extra_metadata={"llama.rope.scaling.type": kind, "llama.rope.scaling.factor": 4.0,
+                                "llama.rope.scaling.original_context_length": ("u32", 16)})
+
+
+@pytest.mark.parametrize("kind", ["rope_freqs", "linear", "yarn"])
+def test_scaled_rope_logits_match_the_reference_and_differ_from_plain_rope(tiny, rng, backend, kind):
+    file, model = tiny("llama", "Q8_0", **scaled_rope(kind, rng))
+    assert model.config.rope_freqs is not None
+    ids = random_ids(rng, model, 3 * WINDOW)
+    logits = np.array(model(ids[None]))[0]
+    expected = Reference(model.config, file.tensors).forward(ids)
+    assert relative_error(logits, expected) <= TOLERANCE[backend]
+    plain = dataclasses.replace(model.config, rope_freqs=None, attention_scale=model.config.head_dim**-0.5)
+    assert relative_error(logits, Reference(plain, file.tensors).forward(ids)) > 10 * TOLERANCE["gpu"]
+
+
+@pytest.mark.parametrize("kind", ["rope_freqs", "yarn"])
+def test_fused_decode_steps_follow_scaled_rope(tiny, rng, kind):
+    file, model = tiny("llama", "Q4_K_M", **scaled_rope(kind, rng))
+    ids = random_ids(rng, model, 3 * WINDOW + 2)
+    logits, greedy = decode_one_by_one(model, ids, model.make_cache(mx.float16))
+    assert relative_error(logits, Reference(model.config, file.tensors).forward(ids)) <= FUSED_BOUND
+    rounded = Reference(model.config, file.tensors, decode_numerics=True).forward(ids)
+    assert relative_error(logits, rounded) <= FUSED_NUMERICS_BOUND
+    np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))
+
+
+def test_yarn_frequencies_are_llama_cpps_ramp(tiny, rng):
+    """YaRN as llama.cpp computes it (ggml_rope_yarn_corr_dims, rope_yarn_ramp) for a 64-dim
+    head, base 10000, original context 16, factor 4: pair 0 keeps base^(-2i/64) (the ramp's low
+    end is 0, the floor of a negative), pairs from 4 on are divided by 4 (its high end: the ceil
+    of 64 ln(16 / 2π) / (2 ln 10000) = 3.25), pairs 1 .. 3 between, falling; YaRN's mscale
+    1 + 0.1 ln 4 scales both q and k."""
+    _, model = tiny("llama", "Q8_0", **scaled_rope("yarn", rng))
+    plain = 10000.0 ** (-np.arange(32) / 32)
+    ratio = np.array(model.config.rope_freqs) / plain
+    high = np.ceil(64 * np.log(16 / (2 * np.pi)) / (2 * np.log(10000.0)))
+    np.testing.assert_allclose(ratio[:1], 1.0)
+    assert high == 4
+    np.testing.assert_allclose(ratio[int(high) :], 0.25)
+    assert np.all(ratio[1 : int(high)] < 1) and np.all(ratio[1 : int(high)] > 0.25)
+    assert np.all(np.diff(ratio) <= 0)
+    np.testing.assert_allclose(model.config.attention_scale, 64**-0.5 * (1 + 0.1 * np.log(4.0)) ** 2)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(extra_metadata={"llama.rope.scaling.type": "dynamic"}), r"llama\.rope\.scaling\.type.*'dynamic'"),
+    (dict(extra_tensors={"rope_freqs.weight": np.ones(31)}), r"rope_freqs\.weight.*\[31\].*\[32\]"),
+    (dict(extra_tensors={"rope_freqs.weight": -np.ones(32)}), r"rope_freqs\.weight.*positive"),
+])
+def test_rope_scaling_we_cannot_apply_is_refused_by_name(tmp_path, rng, bad, message):
+    path = tiny_model(tmp_path / "m.gguf", "llama", rng, **bad)
+    with pytest.raises(ModelConfigError, match=message):
+        load(path)
 
 
 # --- refusals at load -------------------------------------------------------------------------

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from muser_mlx.models import gemma3, llama, muse_glimmer, qwen2
+from muser_mlx.models import gemma3, granite, llama, muse_glimmer, qwen2, qwen3, smollm3
 from muser_mlx.models.config import ModelConfig, ModelConfigError, UnsupportedArchitectureError
 from muser_mlx.models.transformer import Transformer
 from muser_mlx.settings import DEFAULT, Settings
 
-ARCHITECTURES = {module.ARCHITECTURE: module for module in (muse_glimmer, llama, gemma3, qwen2)}
+ARCHITECTURES = {module.ARCHITECTURE: module for module in (muse_glimmer, llama, gemma3, qwen2, qwen3, smollm3, granite)}
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "ModelConfigError", "Transformer", "config_for",
            "build_model"]

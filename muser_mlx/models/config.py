@@ -7,6 +7,7 @@ is a `ModelConfigError` subclass naming the key or tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -64,6 +65,11 @@ class ModelConfig:
     tied_embeddings: bool = False
     logit_scale: float = 1.0
     softcap: float | None = None
+    # The full-attention layers' RoPE inverse frequencies where they are not rope_base^(-2i /
+    # rotary_dim): scaled (linear, YaRN) or divided by per-pair factors (Llama 3's rope_freqs,
+    # Phi-3's rope_factors), as `scaled_rope` reads them. None: the plain ones.
+    rope_freqs: tuple[float, ...] | None = None
+    nope_layers: tuple[int, ...] = ()  # layers that rotate nothing (SmolLM3's every fourth)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the graph reads, with its GGUF shape ([in, out] for matrices)."""
@@ -110,13 +116,15 @@ class ModelConfig:
         return self.eps if self.post_norm_eps is None else self.post_norm_eps
 
     def rope(self, layer: int) -> dict | None:
-        """Layer `layer`'s rotation as the attention ops take it: dict(dims, traditional, base),
-        or None where it rotates nothing (a full-attention layer of a NoPE model)."""
+        """Layer `layer`'s rotation as the attention ops take it: dict(dims, traditional, base,
+        freqs: the pairs' inverse frequencies or None for base^(-2i / dims)), or None where it
+        rotates nothing (a full-attention layer of a NoPE model, a layer in nope_layers)."""
         sliding = self.swa_layers[layer]
-        if not (sliding or self.rope_full_layers):
+        if not (sliding or self.rope_full_layers) or layer in self.nope_layers:
             return None
         return dict(dims=self.rotary_dim, traditional=self.rope_traditional,
-                    base=self.rope_base_swa if sliding else self.rope_base)
+                    base=self.rope_base_swa if sliding else self.rope_base,
+                    freqs=None if sliding else self.rope_freqs)
 
     def check_context(self, end: int) -> None:
         """Refuse a step that would hold `end` positions, past the model's context."""
@@ -243,3 +251,82 @@ def common_config(meta: Metadata, tensors: dict, **overrides) -> ModelConfig:
                               f"some layers use a sliding window")
     config.check_tensors(tensors)
     return config
+
+
+# YaRN's correction range, llama.cpp's defaults (its llama-family models read no key for them).
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")
+
+
+@dataclass(frozen=True)
+class ScaledRope:
+    """What `scaled_rope` reads: the pairs' inverse frequencies (None: the plain ones) and
+    `mscale`, which multiplies the rotated q and k (so their scores by mscale²)."""
+    freqs: tuple[float, ...] | None
+    mscale: float
+
+
+def scaled_rope(meta: Metadata, tensors: dict, rotary_dim: int, base: float, context: int,
+                factors: str = "rope_freqs.weight") -> ScaledRope:
+    """RoPE as llama.cpp applies `rope.scaling.*` and a frequency-factor tensor: pair i turns by
+    p * base^(-2i / rotary_dim) / factor[i] * s_i, where s_i is `1 / rope.scaling.factor`
+    (linear; also llama.cpp's reading of a factor without a type), blended towards 1 over
+    YaRN's ramp of pairs (yarn), or 1 (none); cos and sin times `mscale`
+    (`rope.scaling.attn_factor`, and YaRN's 1 + 0.1 ln(factor)). factors: the tensor
+    [rotary_dim / 2] that divides the frequencies (Llama 3's `rope_freqs.weight`); "longrope"
+    (Phi-3) takes `rope_factors_long.weight` when the model's context exceeds
+    `rope.scaling.original_context_length`, else `rope_factors_short.weight`, as llama.cpp
+    does for a context of that size."""
+    from muser_mlx.formats import dequantize  # models import formats; config's dataclasses stay light
+
+    key = meta.key("rope.scaling.type")
+    scaling = meta.metadata.get(key, "linear")
+    if scaling not in ROPE_SCALINGS:
+        raise ModelConfigError(f"metadata key {key!r} is {scaling!r}; supported: {list(ROPE_SCALINGS)}")
+    factor = meta.float("rope.scaling.factor", default=0.0) if meta.has("rope.scaling.factor") \
+        else meta.float("rope.scale_linear", default=0.0) if meta.has("rope.scale_linear") else 0.0
+    factor = 1.0 if factor == 0.0 or scaling == "none" else factor
+    original = meta.int("rope.scaling.original_context_length", default=context)
+    half = rotary_dim // 2
+    inverse = base ** (-2.0 * np.arange(half) / rotary_dim)
+    if scaling == "longrope":
+        factors = "rope_factors_long.weight" if context > original else "rope_factors_short.weight"
+        if factors not in tensors:
+            raise MissingTensorError(f"{key} is 'longrope', but the file has no {factors!r}")
+    if factors in tensors:
+        t = tensors[factors]
+        if tuple(t.shape) != (half,):
+            raise TensorShapeError(f"tensor {factors!r} has GGUF shape {list(t.shape)}; RoPE's "
+                                   f"{rotary_dim} rotated channels need [{half}]")
+        divisors = dequantize(t.numpy(), t.ggml_type, t.shape).astype(np.float64).reshape(-1)
+        if not np.all(np.isfinite(divisors) & (divisors > 0)):
+            raise ModelConfigError(f"tensor {factors!r} must hold positive finite frequency factors")
+        inverse = inverse / divisors
+    mscale = meta.float("rope.scaling.attn_factor", default=1.0)
+    if scaling == "yarn":
+        # llama.cpp's ggml_rope_yarn_corr_dims and rope_yarn_ramp: pairs below `low` keep their
+        # own frequency (extrapolated), pairs above `high` are scaled (interpolated).
+        def corr_dim(rotations):
+            return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        low = max(0.0, math.floor(corr_dim(YARN_BETA_FAST)))
+        high = min(rotary_dim - 1.0, math.ceil(corr_dim(YARN_BETA_SLOW)))
+        ramp = 1.0 - np.clip((np.arange(half) - low) / max(0.001, high - low), 0.0, 1.0)
+        inverse = inverse * (ramp + (1.0 - ramp) / factor)
+        if factor > 1.0:
+            mscale *= 1.0 + 0.1 * math.log(factor)
+    else:
+        inverse = inverse / factor
+    plain = factor == 1.0 and factors not in tensors
+    return ScaledRope(None if plain else tuple(float(v) for v in inverse), mscale)
+
+
+def with_scaled_rope(meta: Metadata, tensors: dict, config: ModelConfig, factors: str = "rope_freqs.weight") -> ModelConfig:
+    """`config` with its full-attention layers' RoPE as `scaled_rope` reads it from the file,
+    and RoPE's mscale folded into the attention scale (q and k each times mscale: scores times
+    mscale²), which is exact only where RoPE rotates whole heads."""
+    rope = scaled_rope(meta, tensors, config.rotary_dim, config.rope_base, config.context, factors)
+    if rope.mscale != 1.0 and config.rotary_dim != config.head_dim:
+        raise ModelConfigError(f"{meta.key('rope.scaling')}.*: a magnitude scale {rope.mscale:g} on "
+                               f"{config.rotary_dim} of {config.head_dim} channels is not supported")
+    return dataclasses.replace(config, rope_freqs=rope.freqs,
+                               attention_scale=config.attention_scale * rope.mscale**2)

@@ -17,7 +17,8 @@ def split_heads(y: mx.array, heads: int, head_dim: int, weight: mx.array | None 
                 eps: float = 0.0, rope: dict | None = None, start: int = 0) -> mx.array:
     """A projection's output [B, T, heads * head_dim] as heads [B, heads, T, head_dim], each
     RMS-normed by `weight` if given, then rotated by RoPE if `rope` (dict(dims, base,
-    traditional)) is given, from position `start`. On the CPU the compiled primitive
+    traditional, freqs): freqs the pairs' inverse frequencies where they are not
+    base^(-2i / dims), else None) is given, from position `start`. On the CPU the compiled primitive
     (cpu_ext.norm_rope_heads: MLX's ops took ~1.5 ms a Gemma 3 layer of a 128-token prompt),
     elsewhere MLX's own ops."""
     batch, tokens, _ = y.shape
@@ -28,8 +29,12 @@ def split_heads(y: mx.array, heads: int, head_dim: int, weight: mx.array | None 
     if weight is not None:
         y = mx.fast.rms_norm(y, weight, eps)
     if rope is not None:
-        y = mx.fast.rope(y, rope["dims"], traditional=rope["traditional"], base=rope["base"],
-                         scale=1.0, offset=start)
+        if rope.get("freqs") is None:
+            y = mx.fast.rope(y, rope["dims"], traditional=rope["traditional"], base=rope["base"],
+                             scale=1.0, offset=start)
+        else:  # MLX takes the periods, 1 / inverse frequency
+            y = mx.fast.rope(y, rope["dims"], traditional=rope["traditional"], base=None, scale=1.0,
+                             offset=start, freqs=_periods(rope["freqs"]))
     return y
 
 
@@ -64,7 +69,7 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
     dims = rope["dims"] if rope is not None else 0
     q_out, k_out = kernels.launch(
         "qk_norm_rope",
-        inputs=[q, k, q_weight, k_weight, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
+        inputs=[q, k, q_weight, k_weight, rope_inverse_frequencies(rope),
                 _start_array(start), kernels.parameters(eps)],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("Q_STRIDE", q.shape[-1]),
@@ -106,6 +111,27 @@ def _inverse_frequencies(dims: int, base: float) -> mx.array:
 def _frequencies(dims: int, base: float, _padding: int) -> mx.array:
     values = (base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)).astype(np.float32) if dims else []
     return kernels.padded_array([float(v) for v in values], mx.float32)
+
+
+def rope_inverse_frequencies(rope: dict | None) -> mx.array:
+    """The kernels' inv_freq input for `rope` (a rope dict or None): its own `freqs` where it
+    has them (scaled or factored RoPE), else _inverse_frequencies(dims, base)."""
+    if rope is None:
+        return _inverse_frequencies(0, 0.0)
+    if rope.get("freqs") is None:
+        return _inverse_frequencies(rope["dims"], rope["base"])
+    return _given_frequencies(tuple(rope["freqs"]), kernels.MIN_ARRAY_VALUES)
+
+
+@functools.lru_cache(maxsize=None)
+def _given_frequencies(freqs: tuple, _padding: int) -> mx.array:
+    return kernels.padded_array([float(np.float32(v)) for v in freqs], mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _periods(freqs: tuple) -> mx.array:
+    """mx.fast.rope's `freqs` (periods: 1 / inverse frequency), float32 [dims / 2], made once."""
+    return mx.array(1.0 / np.asarray(freqs, dtype=np.float64), dtype=mx.float32)
 
 
 def attention_dtype(tokens: int, head_dim: int, backend: str | None = None):
@@ -196,7 +222,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     (partial,) = kernels.launch(
         "attention_decode",
         inputs=[y, q_weight if q_weight is not None else unused, k_weight if k_weight is not None else unused,
-                bias if bias is not None else unused, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
+                bias if bias is not None else unused, rope_inverse_frequencies(rope),
                 position, keys, values, kernels.parameters(eps, scale), after],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
