@@ -11,7 +11,7 @@ import numpy as np
 
 from muser_mlx.formats import (GGMLType, dequantize, dequantize_activations, quantize_activations,
                                quantize_activations_super)
-from muser_mlx.models.config import ModelConfig
+from muser_mlx.models.config import ModelConfig, unfused
 
 
 K_QUANTS = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
@@ -64,7 +64,8 @@ class Reference:
     def __init__(self, config: ModelConfig, tensors: dict, decode_numerics: bool = False,
                  float16_cache: bool = True, q8_k: bool = False):
         self.config = config
-        self.tensors = tensors
+        # Fused projections (Phi-3's attn_qkv, gate|up) read as the separate ones they hold.
+        self.tensors = unfused(tensors, config.heads * config.head_dim, config.kv_heads * config.head_dim, config.ff)
         self.decode_numerics = decode_numerics
         self.float16_cache = float16_cache
         self.q8_k = q8_k

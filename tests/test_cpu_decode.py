@@ -38,7 +38,7 @@ from tests.test_cpu_ext import random_byte_blocks
 if not cpu_ext.available() and os.environ.get("MUSER_REQUIRE_CPU_EXT") != "1":
     pytest.skip(f"the CPU extension is not built here: {cpu_ext.unavailable()}", allow_module_level=True)
 
-ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite"]
+ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite", "phi3"]
 WINDOW = 8
 STEP_BOUND = 2e-5
 # Float16 caches: the two steps' float32 keys may differ in their last bit (RoPE angles, norms

@@ -18,7 +18,7 @@ from muser_mlx.testing import tiny_model
 
 from tests.conftest import random_ids, relative_error, tiny_models
 
-ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite"]
+ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite", "phi3"]
 WEIGHTS = ["F32", "F16", "Q8_0", "Q4_K", "Q4_K_M"]
 WINDOW = 8
 # CPU: the graph is float32 and the reference float64 over the same decoded weights, so only
@@ -425,6 +425,25 @@ def test_yarn_frequencies_are_llama_cpps_ramp(tiny, rng):
 def test_rope_scaling_we_cannot_apply_is_refused_by_name(tmp_path, rng, bad, message):
     path = tiny_model(tmp_path / "m.gguf", "llama", rng, **bad)
     with pytest.raises(ModelConfigError, match=message):
+        load(path)
+
+
+@pytest.mark.parametrize("original, chosen", [(128, "long"), (512, "short")])
+def test_phi3_takes_the_long_factors_past_its_original_context(tmp_path, rng, original, chosen):
+    """As llama.cpp does for a context of the model's size (512 here): long factors when it
+    exceeds rope.scaling.original_context_length, else short."""
+    factors = {"long": rng.uniform(2.0, 6.0, 32), "short": rng.uniform(1.0, 1.5, 32)}
+    path = tiny_model(tmp_path / "m.gguf", "phi3", rng, extra_metadata={
+        "phi3.rope.scaling.type": "longrope", "phi3.rope.scaling.original_context_length": ("u32", original)},
+        extra_tensors={f"rope_factors_{kind}.weight": values for kind, values in factors.items()})
+    config = load(path)
+    plain = 10000.0 ** (-np.arange(32) / 32)
+    np.testing.assert_allclose(plain / np.array(config.rope_freqs), factors[chosen].astype(np.float32), rtol=1e-6)
+
+
+def test_a_fused_projection_of_the_wrong_size_is_refused_by_name(tmp_path, rng):
+    path = tiny_model(tmp_path / "m.gguf", "phi3", rng, ff=384, extra_metadata={"phi3.feed_forward_length": ("u32", 512)})
+    with pytest.raises(TensorShapeError, match=r"blk\.0\.ffn_up\.weight.*1024 rows"):
         load(path)
 
 

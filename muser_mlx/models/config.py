@@ -255,7 +255,7 @@ def common_config(meta: Metadata, tensors: dict, **overrides) -> ModelConfig:
 
 # YaRN's correction range, llama.cpp's defaults (its llama-family models read no key for them).
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
-ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")
+ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")  # longrope: Phi-3's factor tensors alone
 
 
 @dataclass(frozen=True)
@@ -273,26 +273,20 @@ def scaled_rope(meta: Metadata, tensors: dict, rotary_dim: int, base: float, con
     (linear; also llama.cpp's reading of a factor without a type), blended towards 1 over
     YaRN's ramp of pairs (yarn), or 1 (none); cos and sin times `mscale`
     (`rope.scaling.attn_factor`, and YaRN's 1 + 0.1 ln(factor)). factors: the tensor
-    [rotary_dim / 2] that divides the frequencies (Llama 3's `rope_freqs.weight`); "longrope"
-    (Phi-3) takes `rope_factors_long.weight` when the model's context exceeds
-    `rope.scaling.original_context_length`, else `rope_factors_short.weight`, as llama.cpp
-    does for a context of that size."""
+    [rotary_dim / 2] that divides the frequencies where the file has it (Llama 3's
+    `rope_freqs.weight`, Phi-3's long or short factors)."""
     from muser_mlx.formats import dequantize  # models import formats; config's dataclasses stay light
 
     key = meta.key("rope.scaling.type")
     scaling = meta.metadata.get(key, "linear")
     if scaling not in ROPE_SCALINGS:
         raise ModelConfigError(f"metadata key {key!r} is {scaling!r}; supported: {list(ROPE_SCALINGS)}")
-    factor = meta.float("rope.scaling.factor", default=0.0) if meta.has("rope.scaling.factor") \
-        else meta.float("rope.scale_linear", default=0.0) if meta.has("rope.scale_linear") else 0.0
+    factor = meta.float("rope.scaling.factor" if meta.has("rope.scaling.factor") else "rope.scale_linear",
+                        default=0.0)  # the older key's name
     factor = 1.0 if factor == 0.0 or scaling == "none" else factor
     original = meta.int("rope.scaling.original_context_length", default=context)
     half = rotary_dim // 2
     inverse = base ** (-2.0 * np.arange(half) / rotary_dim)
-    if scaling == "longrope":
-        factors = "rope_factors_long.weight" if context > original else "rope_factors_short.weight"
-        if factors not in tensors:
-            raise MissingTensorError(f"{key} is 'longrope', but the file has no {factors!r}")
     if factors in tensors:
         t = tensors[factors]
         if tuple(t.shape) != (half,):
@@ -330,3 +324,39 @@ def with_scaled_rope(meta: Metadata, tensors: dict, config: ModelConfig, factors
                                f"{config.rotary_dim} of {config.head_dim} channels is not supported")
     return dataclasses.replace(config, rope_freqs=rope.freqs,
                                attention_scale=config.attention_scale * rope.mscale**2)
+
+
+def unfused(tensors: dict, q_rows: int, kv_rows: int, ff: int) -> dict:
+    """`tensors` with each layer's fused projections (Phi-3's) also as the separate ones the
+    graph reads: `attn_qkv` [hidden, q + 2 kv] as attn_q, attn_k, attn_v, and a gate|up
+    `ffn_up` [hidden, 2 ff] as ffn_gate (its first ff rows) and ffn_up (the rest), as llama.cpp
+    splits their outputs. Each is a view of its rows' raw blocks in the file (a GGUF matrix is
+    row-major), so nothing is copied or decoded; stacked again for one product, they are the
+    fused tensor. A file without fused tensors comes back as it is."""
+    from muser_mlx.gguf import GGUFTensor  # models/config stays free of file access otherwise
+
+    def rows(tensor, name, first, count):
+        row_bytes = tensor.nbytes // tensor.rows
+        return GGUFTensor(name, tensor.ggml_type, (tensor.shape[0], count),
+                          tensor.offset + first * row_bytes, count * row_bytes, tensor._file)
+
+    out = dict(tensors)
+    layer = 0
+    while f"blk.{layer}.attn_output.weight" in tensors:
+        prefix = f"blk.{layer}."
+        qkv = tensors.get(prefix + "attn_qkv.weight")
+        if qkv is not None:
+            if tuple(qkv.shape[1:]) != (q_rows + 2 * kv_rows,):
+                raise TensorShapeError(f"tensor '{prefix}attn_qkv.weight' has GGUF shape {list(qkv.shape)}; "
+                                       f"q, k and v need {q_rows} + 2 x {kv_rows} rows")
+            for name, first, count in (("q", 0, q_rows), ("k", q_rows, kv_rows), ("v", q_rows + kv_rows, kv_rows)):
+                out[f"{prefix}attn_{name}.weight"] = rows(qkv, f"{prefix}attn_{name}.weight", first, count)
+        up = tensors.get(prefix + "ffn_up.weight")
+        if up is not None and prefix + "ffn_gate.weight" not in tensors:
+            if tuple(up.shape[1:]) != (2 * ff,):
+                raise TensorShapeError(f"tensor '{prefix}ffn_up.weight' has GGUF shape {list(up.shape)}; "
+                                       f"a fused gate|up of feed_forward_length {ff} needs {2 * ff} rows")
+            out[prefix + "ffn_gate.weight"] = rows(up, prefix + "ffn_gate.weight", 0, ff)
+            out[prefix + "ffn_up.weight"] = rows(up, prefix + "ffn_up.weight", ff, ff)
+        layer += 1
+    return out
