@@ -159,6 +159,8 @@ class Reference:
         for head in range(c.heads):
             kv = head // group
             scores = q[:, head] @ k[:, kv].T * c.attention_scale  # [T, T]
+            if c.attn_softcap is not None:
+                scores = c.attn_softcap * np.tanh(scores / c.attn_softcap)
             scores = np.where(visible, scores, -np.inf)
             probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs /= probs.sum(axis=-1, keepdims=True)

@@ -18,7 +18,9 @@ from muser_mlx.testing import tiny_model
 
 from tests.conftest import random_ids, relative_error, tiny_models
 
-ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite", "phi3"]
+ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite", "phi3", "gemma2"]
+# Those with a fused decode step: Gemma 2's softcapped attention has none (every step is the general one).
+FUSED_ARCHITECTURES = [a for a in ARCHITECTURES if a != "gemma2"]
 WEIGHTS = ["F32", "F16", "Q8_0", "Q4_K", "Q4_K_M"]
 WINDOW = 8
 # CPU: the graph is float32 and the reference float64 over the same decoded weights, so only
@@ -85,7 +87,7 @@ def test_greedy_tokens_match_the_reference_for_32_steps(tiny, rng, architecture)
 
 
 @pytest.mark.parametrize("step", [None, 3])  # 3: window caches grow (3, 6, then 8 slots) before they wrap
-@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3", "gemma2"])
 def test_sliding_window_layers_see_exactly_window_keys(tiny, rng, monkeypatch, architecture, step):
     """The model must match a reference with the file's window and clearly differ from
     references whose window is one key wider or narrower."""
@@ -537,7 +539,7 @@ def decode_one_by_one(model, ids, cache):
 
 
 @pytest.mark.parametrize("weights", ["Q4_K_M", "Q8_0"])
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", FUSED_ARCHITECTURES)
 def test_fused_decode_steps_match_the_reference(tiny, rng, architecture, weights):
     file, model = tiny(architecture, weights)
     assert model.decodes_fused()
@@ -550,7 +552,7 @@ def test_fused_decode_steps_match_the_reference(tiny, rng, architecture, weights
     np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", FUSED_ARCHITECTURES)
 def test_fused_greedy_decoding_stays_within_the_bound_for_32_steps(tiny, rng, architecture):
     # The reference is fed the fused path's own tokens, so one near-tie (two logits closer than
     # the bound; common in these tiny random models) does not derail the comparison of the rest.
@@ -628,6 +630,25 @@ def test_decode_step_refuses_a_float32_cache(tiny):
     _, model = tiny("llama", "Q8_0")
     with pytest.raises(ValueError, match="float16"):
         model.decode_step(mx.array([[1]], dtype=mx.int32), model.make_cache(mx.float32))
+
+
+def test_softcapped_attention_is_the_general_steps_alone(tiny, rng):
+    """Gemma 2: its scores are softcapped (the reference without the cap is far off), which
+    neither the fused GPU step nor the CPU decode step computes: they refuse rather than
+    compute without it, and generate() takes the general step."""
+    from muser_mlx.models import cpu_decode
+
+    file, model = tiny("gemma2", "Q8_0", extra_metadata={"gemma2.attn_logit_softcapping": 1.0})  # it bites
+    assert model.config.attn_softcap == 1.0 and not model.decodes_fused() and not cpu_decode.serves(model)
+    with pytest.raises(ValueError, match="softcap"):
+        model.cpu_step(mx.array([[1]], dtype=mx.int32), model.make_cache())
+    with pytest.raises(ValueError, match="softcap"):
+        model.decode_step(mx.array([[1]], dtype=mx.int32), model.make_cache(mx.float16))
+    ids = random_ids(rng, model, 2 * WINDOW)
+    logits = np.array(model(ids[None]))[0]
+    uncapped = dataclasses.replace(model.config, attn_softcap=None)
+    assert relative_error(logits, Reference(model.config, file.tensors).forward(ids)) <= TOLERANCE["cpu" if mx.default_device() == mx.cpu else "gpu"]
+    assert relative_error(logits, Reference(uncapped, file.tensors).forward(ids)) > 1e-2
 
 
 def test_models_without_q8x_kernels_for_their_formats_do_not_decode_fused(tiny):

@@ -70,6 +70,7 @@ class ModelConfig:
     # Phi-3's rope_factors), as `scaled_rope` reads them. None: the plain ones.
     rope_freqs: tuple[float, ...] | None = None
     nope_layers: tuple[int, ...] = ()  # layers that rotate nothing (SmolLM3's every fourth)
+    attn_softcap: float | None = None  # attention scores softcap * tanh(score / softcap) (Gemma 2)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the graph reads, with its GGUF shape ([in, out] for matrices)."""

@@ -149,14 +149,17 @@ def attention_dtype(tokens: int, head_dim: int, backend: str | None = None):
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
-              mask: mx.array | None = None, keep_float16: bool = False) -> mx.array:
+              mask: mx.array | None = None, keep_float16: bool = False, softcap: float | None = None) -> mx.array:
     """softmax(q keysᵀ · scale, where mask) values: q [B, heads, T, head_dim], keys/values
     [B, kv_heads, S, head_dim], mask bool [T, S], "causal" (query i of T sees keys up to
     S - T + i) or None; returns float32 [B, heads, T, head_dim] (keep_float16: float16 where
     the attention ran in float16, for a caller that converts it within its own next launch).
     On the CPU the compiled primitive (cpu_ext.attention: MLX's CPU attention runs its matmuls
     on reference BLAS, 5-8x slower); elsewhere MLX's fused attention, in float16 when keys and
-    values come in float16 (attention_dtype)."""
+    values come in float16 (attention_dtype). softcap (Gemma 2's): each score s becomes
+    softcap * tanh(s / softcap) before the mask, in float32 MLX ops (no fused attention takes it)."""
+    if softcap is not None:
+        return _softcapped_attention(q, keys, values, scale, mask, softcap)
     if kernels.backend() == "cpu":
         if isinstance(mask, str) and mask == "causal":
             tokens, keys_seen = q.shape[2], keys.shape[2]
@@ -170,6 +173,22 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                                                  scale=scale, mask=mask)
         return o if keep_float16 else o.astype(mx.float32)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def _softcapped_attention(q, keys, values, scale, mask, softcap):
+    """attention() with softcapped scores, float32: q [B, heads, T, d], keys/values [B,
+    kv_heads, S, d]; mask as attention's (bool, additive float, "causal" or None)."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (mx.repeat(a.astype(mx.float32), group, axis=1) if group > 1 else a.astype(mx.float32)
+                    for a in (keys, values))
+    scores = (q.astype(mx.float32) @ keys.swapaxes(-1, -2)) * scale  # [B, heads, T, S]
+    scores = softcap * mx.tanh(scores / softcap)
+    if isinstance(mask, str):
+        tokens, seen = q.shape[2], keys.shape[2]
+        mask = mx.arange(seen)[None, :] <= mx.arange(seen - tokens, seen)[:, None]
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask.astype(mx.float32)
+    return mx.softmax(scores, axis=-1, precise=True) @ values
 
 
 def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, after: mx.array,
