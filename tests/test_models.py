@@ -143,7 +143,7 @@ def test_a_chunk_past_the_window_builds_one_mask_in_the_form_attention_takes(tin
     original = ops.attention
     masks = []
 
-    def recording(q, keys, values, scale, mask=None, keep_float16=False):
+    def recording(q, keys, values, scale, mask=None, keep_float16=False, softcap=None):
         masks.append(mask)
         if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
             assert mask.dtype == mx.float16
@@ -151,7 +151,7 @@ def test_a_chunk_past_the_window_builds_one_mask_in_the_form_attention_takes(tin
             assert bool(mx.all(visible | (mask == -np.inf)))  # 0 or -inf, nothing else
             mask = visible
         return original(q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32), scale, mask,
-                        keep_float16=keep_float16)
+                        keep_float16=keep_float16, softcap=softcap)
 
     monkeypatch.setattr(ops, "attention", recording)
     monkeypatch.setattr(ops, "attention_dtype", lambda tokens, head_dim, backend=None: dtype)
