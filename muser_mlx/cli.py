@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -71,7 +72,29 @@ def inspect(path) -> str:
             lines.append("")
             lines.append("embedding lookup (per token):")
             lines.extend(embedding_accounting(model.tensors["token_embd.weight"]))
+        lines.append("")
+        lines.extend(architecture_fields(model))
     return "\n".join(lines)
+
+
+def architecture_fields(model) -> list[str]:
+    """What the file's architecture reads from it (models.config_for's ModelConfig, field by
+    field), or why it cannot run (the ModelConfigError naming the key, tensor or architecture)."""
+    from muser_mlx.models import ModelConfigError, config_for
+
+    try:
+        config = config_for(model.metadata, model.tensors)
+    except ModelConfigError as error:
+        return [f"not supported: {error}"]
+    lines = [f"{config.architecture} model:"]
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.name == "rope_freqs" and value is not None:
+            value = f"{len(value)} pairs, {value[0]:.4g} .. {value[-1]:.4g} (scaled or factored)"
+        elif field.name == "swa_layers":
+            value = "".join("S" if sliding else "F" for sliding in value) + " (S: sliding window, F: full)"
+        lines.append(f"  {field.name} = {value}")
+    return lines
 
 
 def perplexity(model, tokenizer, text: str, context: int, prefill_step: int):

@@ -140,9 +140,15 @@ def norm_rope_heads(y: mx.array, heads: int, head_dim: int, norm: mx.array | Non
                     rope: dict | None, start: int) -> mx.array:
     """ops.split_heads as one primitive: y float [B, T, heads * head_dim] -> [B, heads, T,
     head_dim], each head RMS-normed by `norm` (None: not), then rotated by RoPE (rope:
-    dict(dims, base, traditional), or None) from position `start`; angles in double."""
+    dict(dims, base, traditional, freqs), or None) from position `start`; angles in double."""
     return _cpu_kernels.norm_rope_heads(y, norm, heads, head_dim, 0, eps, start, rope["dims"] if rope else 0,
-                                        rope["base"] if rope else 0.0, bool(rope and rope["traditional"]))
+                                        rope["base"] if rope else 0.0, bool(rope and rope["traditional"]),
+                                        _inverse_frequencies(rope))
+
+
+def _inverse_frequencies(rope: dict | None) -> list:
+    """The rope's own inverse frequencies (scaled or factored RoPE), or [] for base^(-2i / dims)."""
+    return list(rope["freqs"]) if rope and rope.get("freqs") is not None else []
 
 
 def gated_activation(gate: mx.array, up: mx.array, activation: str) -> mx.array:
@@ -175,7 +181,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     shape = _cpu_kernels.DecodeHeads(
         heads, kv_heads, head_dim, *offsets, -1 if gate is None else gate,
         rope["dims"] if rope else 0, bool(rope and rope["traditional"]),
-        float(rope["base"]) if rope else 0.0, eps, scale)
+        float(rope["base"]) if rope else 0.0, eps, scale, _inverse_frequencies(rope))
     keys = _cpu_kernels.write_cache(y, keys, position, bias, k_norm, shape, True)
     values = _cpu_kernels.write_cache(y, values, position, bias, None, shape, False)
     o = _cpu_kernels.attention_decode(y, keys, values, position, bias, q_norm, shape, threads)
@@ -204,7 +210,7 @@ def decode_layer(x: mx.array, h: mx.array, keys: mx.array, values: mx.array, pos
     shape = _cpu_kernels.DecodeHeads(
         heads, kv_heads, head_dim, *offsets, -1 if gate is None else gate,
         rope["dims"] if rope else 0, bool(rope and rope["traditional"]),
-        float(rope["base"]) if rope else 0.0, eps, scale)
+        float(rope["base"]) if rope else 0.0, eps, scale, _inverse_frequencies(rope))
     x, h, keys, values = _cpu_kernels.decode_layer(
         x, h, position, keys, values, [(w, int(t)) for w, t in attention_in],
         (attention_out[0], int(attention_out[1])), [(w, int(t)) for w, t in ffn_in],

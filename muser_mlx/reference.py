@@ -11,7 +11,7 @@ import numpy as np
 
 from muser_mlx.formats import (GGMLType, dequantize, dequantize_activations, quantize_activations,
                                quantize_activations_super)
-from muser_mlx.models.config import ModelConfig
+from muser_mlx.models.config import ModelConfig, unfused
 
 
 K_QUANTS = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
@@ -21,11 +21,14 @@ def rms(x: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, base: float, consecutive: bool):
-    """Rotate the first rotary_dim channels of x [T, heads, head_dim] by angle p·base^(-2i/rotary).
+def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, base: float, consecutive: bool,
+         freqs=None):
+    """Rotate the first rotary_dim channels of x [T, heads, head_dim] by angle p·base^(-2i/rotary)
+    (or p·freqs[i] where the model gives its pairs' inverse frequencies: scaled or factored RoPE).
     consecutive: channels (2i, 2i+1) form pair i; otherwise (i, i + rotary/2) do."""
     half = rotary_dim // 2
-    angles = positions[:, None] * base ** (-2.0 * np.arange(half) / rotary_dim)  # [T, half]
+    inverse = base ** (-2.0 * np.arange(half) / rotary_dim) if freqs is None else np.asarray(freqs, np.float64)
+    angles = positions[:, None] * inverse  # [T, half]
     cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
     out = x.copy()
     if consecutive:
@@ -61,7 +64,8 @@ class Reference:
     def __init__(self, config: ModelConfig, tensors: dict, decode_numerics: bool = False,
                  float16_cache: bool = True, q8_k: bool = False):
         self.config = config
-        self.tensors = tensors
+        # Fused projections (Phi-3's attn_qkv, gate|up) read as the separate ones they hold.
+        self.tensors = unfused(tensors, config.heads * config.head_dim, config.kv_heads * config.head_dim, config.ff)
         self.decode_numerics = decode_numerics
         self.float16_cache = float16_cache
         self.q8_k = q8_k
@@ -141,10 +145,10 @@ class Reference:
             q = rms(q, c.eps) * w("attn_q_norm.weight")
             k = rms(k, c.eps) * w("attn_k_norm.weight")
         sliding = c.swa_layers[layer]
-        if sliding or c.rope_full_layers:
-            base = c.rope_base_swa if sliding else c.rope_base
-            q = rope(q, positions, c.rotary_dim, base, c.rope_traditional)
-            k = rope(k, positions, c.rotary_dim, base, c.rope_traditional)
+        turn = c.rope(layer)
+        if turn is not None:
+            q = rope(q, positions, turn["dims"], turn["base"], turn["traditional"], turn["freqs"])
+            k = rope(k, positions, turn["dims"], turn["base"], turn["traditional"], turn["freqs"])
         k, v = self.cached(k), self.cached(v)
         query_pos, key_pos = positions[:, None], positions[None, :]
         visible = key_pos <= query_pos
@@ -155,6 +159,8 @@ class Reference:
         for head in range(c.heads):
             kv = head // group
             scores = q[:, head] @ k[:, kv].T * c.attention_scale  # [T, T]
+            if c.attn_softcap is not None:
+                scores = c.attn_softcap * np.tanh(scores / c.attn_softcap)
             scores = np.where(visible, scores, -np.inf)
             probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs /= probs.sum(axis=-1, keepdims=True)

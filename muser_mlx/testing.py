@@ -253,23 +253,48 @@ def _weight_type(name: str, weights) -> GGMLType:
     return block_format(weights).ggml_type
 
 
+# What each architecture's tiny model holds beyond a llama's tensors and keys, as llama.cpp's
+# converter names them: "window" sliding-window layers (a period or a list of bools),
+# "qk_norm" per-head q/k norms ("qk_norm_full": over the whole projection, OLMo 2),
+# "sandwich" post-branch norms ("post_only": and no pre-branch norms), "gate" the attention
+# gate, "bias" q/k/v biases, "output" an untied LM head, "fused" one attn_qkv and a gate|up
+# ffn_up (Phi-3), "spm" a SentencePiece vocabulary, "pre" the BPE pre-tokenizer.
+TINY_ARCHITECTURES = {
+    "muse-glimmer": dict(window=4, qk_norm=True, sandwich=True, gate=True, output=True, pre="llama4"),
+    "llama": dict(pre="smollm"),
+    "gemma3": dict(window=4, qk_norm=True, sandwich=True, spm=True),
+    "qwen2": dict(bias=True, output=True, pre="qwen2"),
+    "qwen3": dict(qk_norm=True, output=True, pre="qwen2"),
+    "smollm3": dict(pre="smollm"),
+    "granite": dict(output=True, pre="smollm"),
+    "phi3": dict(fused=True, output=True, pre="smollm"),
+    "gemma2": dict(window=2, sandwich=True, spm=True),
+    "olmo2": dict(qk_norm_full=True, sandwich=True, post_only=True, output=True, pre="smollm"),
+}
+# Keys an architecture's tiny model sets beyond the shared ones (llama.cpp's names).
+TINY_METADATA = {
+    "muse-glimmer": {"logit_scale": float(1 / np.sqrt(26)), "final_logit_softcapping": 20.0},
+    "granite": {"logit_scale": 2.5, "residual_scale": 0.22, "embedding_scale": 12.0,
+                "attention.scale": 0.0078125},
+    "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+}
+
+
 def tiny_model(path, architecture: str, rng: np.random.Generator, weights="F32", layers: int = 4,
                hidden: int = 256, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
                ff: int = 512, window: int = 8, pattern="list", context: int = 512,
-               extra_metadata: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+               extra_metadata: dict | None = None, drop: tuple[str, ...] = (),
+               extra_tensors: dict | None = None) -> Path:
     """Write a small random model of `architecture` whose weights are valid `weights` blocks
     (a format name, or "Q4_K_M" for a mix). pattern: "list" (a bool per layer) or "period"
-    (a scalar) for the sliding-window layers. `drop` leaves out metadata keys or tensors."""
-    from muser_mlx.models import ARCHITECTURES  # models import formats; testing stays below them
-
-    if architecture not in ARCHITECTURES:
-        raise ValueError(f"no tiny model for architecture {architecture!r}; known: {sorted(ARCHITECTURES)}")
+    (a scalar) for the sliding-window layers. `drop` leaves out metadata keys or tensors;
+    `extra_tensors` adds float32 ones (name -> values, e.g. Llama 3's "rope_freqs.weight")."""
+    if architecture not in TINY_ARCHITECTURES:
+        raise ValueError(f"no tiny model for architecture {architecture!r}; known: {sorted(TINY_ARCHITECTURES)}")
     arch = architecture
-    spm = arch == "gemma3"
-    tokenizer = spm_tokenizer_metadata() if spm else bpe_tokenizer_metadata(
-        pre={"muse-glimmer": "llama4", "llama": "smollm", "qwen2": "qwen2"}.get(arch, "llama4"))
+    kind = TINY_ARCHITECTURES[arch]
+    tokenizer = spm_tokenizer_metadata() if kind.get("spm") else bpe_tokenizer_metadata(pre=kind["pre"])
     vocab = len(tokenizer["tokenizer.ggml.tokens"])
-    period = 4
     metadata = {
         "general.architecture": arch,
         f"{arch}.block_count": ("u32", layers),
@@ -283,20 +308,21 @@ def tiny_model(path, architecture: str, rng: np.random.Generator, weights="F32",
         f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
         f"{arch}.rope.freq_base": 10000.0,
     }
-    if arch in ("muse-glimmer", "gemma3"):
+    if "window" in kind:
+        period = kind["window"]
         metadata[f"{arch}.attention.sliding_window"] = ("u32", window)
         metadata[f"{arch}.attention.sliding_window_pattern"] = (
             [layer % period < period - 1 for layer in range(layers)] if pattern == "list"
             else ("u32", period))
-    if arch == "muse-glimmer":
-        metadata[f"{arch}.logit_scale"] = float(1 / np.sqrt(26))
-        metadata[f"{arch}.final_logit_softcapping"] = 20.0
-    metadata.update(tokenizer)
+    metadata.update({f"{arch}.{key}": value for key, value in TINY_METADATA.get(arch, {}).items()})
+    # Token ids as llama.cpp's converter stores them (u32: llama.cpp refuses an i32).
+    metadata.update({key: ("u32", value) if key.endswith("_token_id") else value
+                     for key, value in tokenizer.items()})
     metadata.update(extra_metadata or {})
 
     q, kv = heads * head_dim, kv_heads * head_dim
     shapes = {"token_embd.weight": (hidden, vocab), "output_norm.weight": (hidden,)}
-    if arch in ("muse-glimmer", "qwen2"):
+    if kind.get("output"):
         shapes["output.weight"] = (hidden, vocab)
     for i in range(layers):
         layer = {"attn_norm.weight": (hidden,), "attn_q.weight": (hidden, q),
@@ -304,12 +330,20 @@ def tiny_model(path, architecture: str, rng: np.random.Generator, weights="F32",
                  "attn_output.weight": (q, hidden), "ffn_norm.weight": (hidden,),
                  "ffn_gate.weight": (hidden, ff), "ffn_up.weight": (hidden, ff),
                  "ffn_down.weight": (ff, hidden)}
-        if arch in ("muse-glimmer", "gemma3"):
-            layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,),
-                          "post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)})
-        if arch == "muse-glimmer":
+        if kind.get("fused"):
+            del layer["attn_q.weight"], layer["attn_k.weight"], layer["attn_v.weight"], layer["ffn_gate.weight"]
+            layer = {"attn_qkv.weight": (hidden, q + 2 * kv), **layer, "ffn_up.weight": (hidden, 2 * ff)}
+        if kind.get("post_only"):
+            del layer["attn_norm.weight"], layer["ffn_norm.weight"]
+        if kind.get("qk_norm"):
+            layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
+        if kind.get("qk_norm_full"):
+            layer.update({"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)})
+        if kind.get("sandwich"):
+            layer.update({"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)})
+        if kind.get("gate"):
             layer["attn_gate.weight"] = (hidden, q)
-        if arch == "qwen2":
+        if kind.get("bias"):
             layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
         shapes.update({f"blk.{i}.{name}": shape for name, shape in layer.items()})
 
@@ -330,8 +364,54 @@ def tiny_model(path, architecture: str, rng: np.random.Generator, weights="F32",
         if name == "token_embd.weight":
             values *= np.sqrt(fan_in)  # embedding rows of unit scale, as trained tables are
         tensors[name] = (ggml_type, shape, quantize(values, ggml_type))
+    for name, values in (extra_tensors or {}).items():
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        tensors[name] = (GGMLType.F32, values.shape[::-1], values.view(np.uint8))
     metadata = {k: v for k, v in metadata.items() if k not in drop}
     return write_gguf(path, metadata, tensors)
+
+
+# The tiny models llama.cpp's logits were recorded for (tests/data/record_llama_cpp_logits.py,
+# tests/test_llama_cpp_logits.py): name -> (architecture, seed, tiny_model keywords, extra
+# float32 tensors as functions of a generator seeded seed + 1). Changing a case changes its
+# file: re-record.
+LLAMA_CPP_PROMPT, LLAMA_CPP_STEPS = 16, 16
+
+
+def _llama3_factors(rng):
+    """Llama 3.1's shape of rope_freqs: 1 for the fast pairs, 8 for the slow, a ramp between."""
+    ramp = np.clip((np.arange(32) - 8) / 16, 0.0, 1.0)
+    return 1.0 + 7.0 * ramp + rng.uniform(0.0, 0.1, 32)
+
+
+LLAMA_CPP_CASES = {
+    "llama3": ("llama", 1, {}, {"rope_freqs.weight": _llama3_factors}),
+    "llama-linear": ("llama", 2, {"extra_metadata": {"llama.rope.scaling.type": "linear",
+                                                     "llama.rope.scaling.factor": 2.0}}, {}),
+    "llama-yarn": ("llama", 3, {"extra_metadata": {"llama.rope.scaling.type": "yarn",
+                                                   "llama.rope.scaling.factor": 4.0,
+                                                   "llama.rope.scaling.original_context_length": ("u32", 64)}}, {}),
+    "qwen3": ("qwen3", 4, {}, {}),
+    "smollm3": ("smollm3", 5, {}, {}),
+    "granite": ("granite", 6, {}, {}),
+    "phi3": ("phi3", 7, {"extra_metadata": {"phi3.rope.scaling.type": "longrope",
+                                            "phi3.rope.scaling.attn_factor": 1.19,
+                                            "phi3.rope.scaling.original_context_length": ("u32", 128)}},
+             {"rope_factors_long.weight": lambda rng: rng.uniform(1.0, 6.0, 32),
+              "rope_factors_short.weight": lambda rng: rng.uniform(1.0, 1.5, 32)}),
+    # Caps small enough to bite these scores and logits (Gemma 2's own are 50 and 30).
+    "gemma2": ("gemma2", 8, {"window": 8, "extra_metadata": {"gemma2.attn_logit_softcapping": 1.0,
+                                                            "gemma2.final_logit_softcapping": 8.0}}, {}),
+}
+
+
+def llama_cpp_case(path, name: str, weights="F32") -> Path:
+    """Write case `name` of LLAMA_CPP_CASES (its weights as `weights`: F32 is the recorded one)."""
+    architecture, seed, keywords, extra = LLAMA_CPP_CASES[name]
+    extra_rng = np.random.default_rng(seed + 1)
+    tensors = {tensor: make(extra_rng) for tensor, make in extra.items()}
+    return tiny_model(path, architecture, np.random.default_rng(seed), weights=weights,
+                      extra_tensors=tensors, **keywords)
 
 
 @contextlib.contextmanager

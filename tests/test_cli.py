@@ -187,3 +187,14 @@ def test_loading_and_perplexity_stay_quiet_when_not_on_a_terminal(scoring_run, c
     assert cli.main(scoring_run) == 0
     out, err = capsys.readouterr()
     assert out.startswith("perplexity ") and err == ""
+
+
+def test_inspect_shows_the_architectures_fields_or_why_it_cannot_run(tmp_path, rng):
+    from muser_mlx.cli import inspect
+    from muser_mlx.testing import tiny_model
+
+    phi3 = tiny_model(tmp_path / "phi3.gguf", "phi3", rng, extra_tensors={"rope_factors_short.weight": rng.uniform(1, 2, 32)})
+    shown = inspect(phi3)
+    assert "phi3 model:" in shown and "rope_traditional = False" in shown and "rope_freqs = 32 pairs" in shown
+    olmo2 = tiny_model(tmp_path / "olmo2.gguf", "olmo2", rng)  # written as llama.cpp names it; not run here
+    assert "not supported: general.architecture is 'olmo2'" in inspect(olmo2)

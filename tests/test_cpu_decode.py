@@ -38,7 +38,7 @@ from tests.test_cpu_ext import random_byte_blocks
 if not cpu_ext.available() and os.environ.get("MUSER_REQUIRE_CPU_EXT") != "1":
     pytest.skip(f"the CPU extension is not built here: {cpu_ext.unavailable()}", allow_module_level=True)
 
-ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2"]
+ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite", "phi3"]
 WINDOW = 8
 STEP_BOUND = 2e-5
 # Float16 caches: the two steps' float32 keys may differ in their last bit (RoPE angles, norms
@@ -153,6 +153,20 @@ def test_each_layer_is_one_node(tiny, rng, architecture, tmp_path):
     assert nodes.count("LayerDecode") == model.config.layers
     assert nodes.count("GGUFLinear") <= 1 and nodes.count("ResidualNorm") == 1  # the LM head, the first norm
     assert not {"CacheWrite", "AttentionDecode", "GatedActivation", "Split"} & set(nodes), nodes
+
+
+@pytest.mark.parametrize("layer_primitive", [True, False], ids=["one node", "separate nodes"])
+def test_unrounded_steps_follow_scaled_rope(tiny, rng, layer_primitive):
+    """Llama 3's frequency factors and YaRN (the inverse frequencies DecodeHeads carries): the
+    exact step against the float64 reference."""
+    from tests.test_models import scaled_rope
+
+    for kind in ("rope_freqs", "yarn"):
+        file, model = tiny("llama", "Q8_0", **scaled_rope(kind, rng))
+        ids = random_ids(rng, model, 2 * WINDOW)
+        logits = run_steps(CPUDecodeStep(model, rounded=False, layer_primitive=layer_primitive), ids,
+                           model.make_cache())
+        assert relative_error(logits, Reference(model.config, file.tensors).forward(ids)) <= STEP_BOUND
 
 
 @pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])

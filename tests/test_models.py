@@ -18,7 +18,9 @@ from muser_mlx.testing import tiny_model
 
 from tests.conftest import random_ids, relative_error, tiny_models
 
-ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2"]
+ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite", "phi3", "gemma2"]
+# Those with a fused decode step: Gemma 2's softcapped attention has none (every step is the general one).
+FUSED_ARCHITECTURES = [a for a in ARCHITECTURES if a != "gemma2"]
 WEIGHTS = ["F32", "F16", "Q8_0", "Q4_K", "Q4_K_M"]
 WINDOW = 8
 # CPU: the graph is float32 and the reference float64 over the same decoded weights, so only
@@ -85,7 +87,7 @@ def test_greedy_tokens_match_the_reference_for_32_steps(tiny, rng, architecture)
 
 
 @pytest.mark.parametrize("step", [None, 3])  # 3: window caches grow (3, 6, then 8 slots) before they wrap
-@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3", "gemma2"])
 def test_sliding_window_layers_see_exactly_window_keys(tiny, rng, monkeypatch, architecture, step):
     """The model must match a reference with the file's window and clearly differ from
     references whose window is one key wider or narrower."""
@@ -141,7 +143,7 @@ def test_a_chunk_past_the_window_builds_one_mask_in_the_form_attention_takes(tin
     original = ops.attention
     masks = []
 
-    def recording(q, keys, values, scale, mask=None, keep_float16=False):
+    def recording(q, keys, values, scale, mask=None, keep_float16=False, softcap=None):
         masks.append(mask)
         if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
             assert mask.dtype == mx.float16
@@ -149,7 +151,7 @@ def test_a_chunk_past_the_window_builds_one_mask_in_the_form_attention_takes(tin
             assert bool(mx.all(visible | (mask == -np.inf)))  # 0 or -inf, nothing else
             mask = visible
         return original(q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32), scale, mask,
-                        keep_float16=keep_float16)
+                        keep_float16=keep_float16, softcap=softcap)
 
     monkeypatch.setattr(ops, "attention", recording)
     monkeypatch.setattr(ops, "attention_dtype", lambda tokens, head_dim, backend=None: dtype)
@@ -365,6 +367,88 @@ def test_both_forms_of_the_window_pattern_give_the_same_layers(tiny):
     assert listed.config.swa_layers == (True, True, True, False) * 2
 
 
+# --- scaled RoPE (llama.cpp's rope_freqs and rope.scaling.*) --------------------------------------
+
+def scaled_rope(kind: str, rng) -> dict:
+    """tiny_model keywords of a llama whose RoPE is scaled: Llama 3's frequency factors (fresh
+    random ones), linear or YaRN scaling of its frequencies."""
+    if kind == "rope_freqs":
+        return dict(extra_tensors={"rope_freqs.weight": rng.uniform(1.0, 8.0, 32)})
+    return dict(extra_metadata={"llama.rope.scaling.type": kind, "llama.rope.scaling.factor": 4.0,
+                                "llama.rope.scaling.original_context_length": ("u32", 16)})
+
+
+@pytest.mark.parametrize("kind", ["rope_freqs", "linear", "yarn"])
+def test_scaled_rope_logits_match_the_reference_and_differ_from_plain_rope(tiny, rng, backend, kind):
+    file, model = tiny("llama", "Q8_0", **scaled_rope(kind, rng))
+    assert model.config.rope_freqs is not None
+    ids = random_ids(rng, model, 3 * WINDOW)
+    logits = np.array(model(ids[None]))[0]
+    expected = Reference(model.config, file.tensors).forward(ids)
+    assert relative_error(logits, expected) <= TOLERANCE[backend]
+    plain = dataclasses.replace(model.config, rope_freqs=None, attention_scale=model.config.head_dim**-0.5)
+    assert relative_error(logits, Reference(plain, file.tensors).forward(ids)) > 10 * TOLERANCE["gpu"]
+
+
+@pytest.mark.parametrize("kind", ["rope_freqs", "yarn"])
+def test_fused_decode_steps_follow_scaled_rope(tiny, rng, kind):
+    file, model = tiny("llama", "Q4_K_M", **scaled_rope(kind, rng))
+    ids = random_ids(rng, model, 3 * WINDOW + 2)
+    logits, greedy = decode_one_by_one(model, ids, model.make_cache(mx.float16))
+    assert relative_error(logits, Reference(model.config, file.tensors).forward(ids)) <= FUSED_BOUND
+    rounded = Reference(model.config, file.tensors, decode_numerics=True).forward(ids)
+    assert relative_error(logits, rounded) <= FUSED_NUMERICS_BOUND
+    np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))
+
+
+def test_yarn_frequencies_are_llama_cpps_ramp(tiny, rng):
+    """YaRN as llama.cpp computes it (ggml_rope_yarn_corr_dims, rope_yarn_ramp) for a 64-dim
+    head, base 10000, original context 16, factor 4: pair 0 keeps base^(-2i/64) (the ramp's low
+    end is 0, the floor of a negative), pairs from 4 on are divided by 4 (its high end: the ceil
+    of 64 ln(16 / 2π) / (2 ln 10000) = 3.25), pairs 1 .. 3 between, falling; YaRN's mscale
+    1 + 0.1 ln 4 scales both q and k."""
+    _, model = tiny("llama", "Q8_0", **scaled_rope("yarn", rng))
+    plain = 10000.0 ** (-np.arange(32) / 32)
+    ratio = np.array(model.config.rope_freqs) / plain
+    high = np.ceil(64 * np.log(16 / (2 * np.pi)) / (2 * np.log(10000.0)))
+    np.testing.assert_allclose(ratio[:1], 1.0)
+    assert high == 4
+    np.testing.assert_allclose(ratio[int(high) :], 0.25)
+    assert np.all(ratio[1 : int(high)] < 1) and np.all(ratio[1 : int(high)] > 0.25)
+    assert np.all(np.diff(ratio) <= 0)
+    np.testing.assert_allclose(model.config.attention_scale, 64**-0.5 * (1 + 0.1 * np.log(4.0)) ** 2)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(extra_metadata={"llama.rope.scaling.type": "dynamic"}), r"llama\.rope\.scaling\.type.*'dynamic'"),
+    (dict(extra_tensors={"rope_freqs.weight": np.ones(31)}), r"rope_freqs\.weight.*\[31\].*\[32\]"),
+    (dict(extra_tensors={"rope_freqs.weight": -np.ones(32)}), r"rope_freqs\.weight.*positive"),
+])
+def test_rope_scaling_we_cannot_apply_is_refused_by_name(tmp_path, rng, bad, message):
+    path = tiny_model(tmp_path / "m.gguf", "llama", rng, **bad)
+    with pytest.raises(ModelConfigError, match=message):
+        load(path)
+
+
+@pytest.mark.parametrize("original, chosen", [(128, "long"), (512, "short")])
+def test_phi3_takes_the_long_factors_past_its_original_context(tmp_path, rng, original, chosen):
+    """As llama.cpp does for a context of the model's size (512 here): long factors when it
+    exceeds rope.scaling.original_context_length, else short."""
+    factors = {"long": rng.uniform(2.0, 6.0, 32), "short": rng.uniform(1.0, 1.5, 32)}
+    path = tiny_model(tmp_path / "m.gguf", "phi3", rng, extra_metadata={
+        "phi3.rope.scaling.type": "longrope", "phi3.rope.scaling.original_context_length": ("u32", original)},
+        extra_tensors={f"rope_factors_{kind}.weight": values for kind, values in factors.items()})
+    config = load(path)
+    plain = 10000.0 ** (-np.arange(32) / 32)
+    np.testing.assert_allclose(plain / np.array(config.rope_freqs), factors[chosen].astype(np.float32), rtol=1e-6)
+
+
+def test_a_fused_projection_of_the_wrong_size_is_refused_by_name(tmp_path, rng):
+    path = tiny_model(tmp_path / "m.gguf", "phi3", rng, ff=384, extra_metadata={"phi3.feed_forward_length": ("u32", 512)})
+    with pytest.raises(TensorShapeError, match=r"blk\.0\.ffn_up\.weight.*1024 rows"):
+        load(path)
+
+
 # --- refusals at load -------------------------------------------------------------------------
 
 def load(path):
@@ -455,7 +539,7 @@ def decode_one_by_one(model, ids, cache):
 
 
 @pytest.mark.parametrize("weights", ["Q4_K_M", "Q8_0"])
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", FUSED_ARCHITECTURES)
 def test_fused_decode_steps_match_the_reference(tiny, rng, architecture, weights):
     file, model = tiny(architecture, weights)
     assert model.decodes_fused()
@@ -468,7 +552,7 @@ def test_fused_decode_steps_match_the_reference(tiny, rng, architecture, weights
     np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", FUSED_ARCHITECTURES)
 def test_fused_greedy_decoding_stays_within_the_bound_for_32_steps(tiny, rng, architecture):
     # The reference is fed the fused path's own tokens, so one near-tie (two logits closer than
     # the bound; common in these tiny random models) does not derail the comparison of the rest.
@@ -546,6 +630,25 @@ def test_decode_step_refuses_a_float32_cache(tiny):
     _, model = tiny("llama", "Q8_0")
     with pytest.raises(ValueError, match="float16"):
         model.decode_step(mx.array([[1]], dtype=mx.int32), model.make_cache(mx.float32))
+
+
+def test_softcapped_attention_is_the_general_steps_alone(tiny, rng):
+    """Gemma 2: its scores are softcapped (the reference without the cap is far off), which
+    neither the fused GPU step nor the CPU decode step computes: they refuse rather than
+    compute without it, and generate() takes the general step."""
+    from muser_mlx.models import cpu_decode
+
+    file, model = tiny("gemma2", "Q8_0", extra_metadata={"gemma2.attn_logit_softcapping": 1.0})  # it bites
+    assert model.config.attn_softcap == 1.0 and not model.decodes_fused() and not cpu_decode.serves(model)
+    with pytest.raises(ValueError, match="softcap"):
+        model.cpu_step(mx.array([[1]], dtype=mx.int32), model.make_cache())
+    with pytest.raises(ValueError, match="softcap"):
+        model.decode_step(mx.array([[1]], dtype=mx.int32), model.make_cache(mx.float16))
+    ids = random_ids(rng, model, 2 * WINDOW)
+    logits = np.array(model(ids[None]))[0]
+    uncapped = dataclasses.replace(model.config, attn_softcap=None)
+    assert relative_error(logits, Reference(model.config, file.tensors).forward(ids)) <= TOLERANCE["cpu" if mx.default_device() == mx.cpu else "gpu"]
+    assert relative_error(logits, Reference(uncapped, file.tensors).forward(ids)) > 1e-2
 
 
 def test_models_without_q8x_kernels_for_their_formats_do_not_decode_fused(tiny):

@@ -213,16 +213,18 @@ void rotate(float* x, const float* cos, const float* sin, int64_t half, bool tra
 
 namespace {
 
-// cos and sin of the angle p * base^(-2i / rotary_dim) of each pair i, in double as the
-// reference computes it.
+// cos and sin of the angle p * inv_freq[i] (by default base^(-2i / rotary_dim)) of each pair
+// i, in double as the reference computes it.
 void rope_angles(int64_t position, const DecodeHeads& shape, std::vector<float>& cos,
                  std::vector<float>& sin) {
   int64_t half = shape.rotary_dim / 2;
   cos.resize(half);
   sin.resize(half);
   for (int64_t i = 0; i < half; ++i) {
-    double angle = static_cast<double>(position) *
-                   std::pow(static_cast<double>(shape.rope_base), -2.0 * i / shape.rotary_dim);
+    double inverse = shape.inv_freq.empty()
+                         ? std::pow(static_cast<double>(shape.rope_base), -2.0 * i / shape.rotary_dim)
+                         : shape.inv_freq[i];
+    double angle = static_cast<double>(position) * inverse;
     cos[i] = static_cast<float>(std::cos(angle));
     sin[i] = static_cast<float>(std::sin(angle));
   }
@@ -479,11 +481,12 @@ void attention(const float* q, const float* k, const float* v, const bool* mask,
 
 void norm_rope_heads(const float* y, int64_t stride, int64_t offset, const float* norm,
                      float* out, int64_t batch, int64_t tokens, int64_t heads, int64_t head_dim,
-                     float eps, int64_t start, int64_t rotary_dim, float base, bool traditional) {
+                     float eps, int64_t start, int64_t rotary_dim, float base, bool traditional,
+                     const double* inv_freq) {
   const int64_t half = rotary_dim / 2;
   std::vector<float> cos_table(tokens * half), sin_table(tokens * half);
   for (int64_t i = 0; i < half; ++i) {
-    double theta = std::pow(static_cast<double>(base), -2.0 * i / rotary_dim);
+    double theta = inv_freq ? inv_freq[i] : std::pow(static_cast<double>(base), -2.0 * i / rotary_dim);
     double step_cos = std::cos(theta), step_sin = std::sin(theta), c = 0.0, s = 0.0;
     for (int64_t t = 0; t < tokens; ++t) {
       if (t % 32 == 0) {

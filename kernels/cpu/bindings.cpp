@@ -54,13 +54,18 @@ Returns:
       .def("__init__",
            [](muser::cpu::DecodeHeads* self, int64_t heads, int64_t kv_heads, int64_t head_dim,
               int64_t q_off, int64_t k_off, int64_t v_off, int64_t gate_off, int64_t rotary_dim,
-              bool traditional, float rope_base, float eps, float scale) {
+              bool traditional, float rope_base, float eps, float scale,
+              std::vector<double> inv_freq) {
+             if (!inv_freq.empty() && static_cast<int64_t>(inv_freq.size()) != rotary_dim / 2) {
+               throw std::invalid_argument("[DecodeHeads] inv_freq needs rotary_dim / 2 values");
+             }
              new (self) muser::cpu::DecodeHeads{heads, kv_heads, head_dim, 0, q_off, k_off,
                                                 v_off, gate_off, rotary_dim, traditional,
-                                                rope_base, eps, scale};
+                                                rope_base, eps, scale, std::move(inv_freq)};
            },
            "heads"_a, "kv_heads"_a, "head_dim"_a, "q_off"_a, "k_off"_a, "v_off"_a, "gate_off"_a,
-           "rotary_dim"_a, "traditional"_a, "rope_base"_a, "eps"_a, "scale"_a);
+           "rotary_dim"_a, "traditional"_a, "rope_base"_a, "eps"_a, "scale"_a,
+           "inv_freq"_a = std::vector<double>{});
 
   // The ops, not the raw kernels of the same names (decode.h).
   using ResidualNormOp = std::vector<mx::array> (*)(
@@ -125,14 +130,16 @@ or (gelu=True) GELU's tanh form, x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)). gat
 
   using NormRopeHeadsOp = mx::array (*)(const mx::array&, const std::optional<mx::array>&, int,
                                         int, int, float, int, int, float, bool,
-                                        mx::StreamOrDevice);
+                                        const std::vector<double>&, mx::StreamOrDevice);
   m.def("norm_rope_heads", static_cast<NormRopeHeadsOp>(&muser::cpu::norm_rope_heads), "y"_a,
         "norm"_a.none(), "heads"_a, "head_dim"_a, "offset"_a, "eps"_a, "start"_a, "rotary_dim"_a,
-        "base"_a, "traditional"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "base"_a, "traditional"_a, "inv_freq"_a = std::vector<double>{}, nb::kw_only(),
+        "stream"_a = nb::none(),
         R"(A prompt's heads on the CPU, in float32: y [batch, tokens, width] (heads of head_dim
 values from `offset`) as [batch, heads, tokens, head_dim], each head RMS-normed by `norm`
 [head_dim] (None: not normed), then its first rotary_dim channels rotated by RoPE at positions
-start, start + 1, ... (rotary_dim 0: not rotated; angles in double, as the decode step's).)");
+start, start + 1, ... (rotary_dim 0: not rotated; angles in double, as the decode step's), by
+the angle p * inv_freq[i] of pair i (empty: base^(-2i / rotary_dim)).)");
 
   m.def("has_product", &muser::cpu::has_product, "ggml_type"_a,
         "Whether ggml type `ggml_type` has a CPU product here.");

@@ -38,6 +38,9 @@ struct DecodeHeads {
   int64_t rotary_dim;  // leading channels of each head RoPE rotates; 0: no rotation
   bool traditional;  // rotate pairs (2i, 2i+1) rather than (i, i + rotary_dim / 2)
   float rope_base, eps, scale;
+  // RoPE's angle per position of pair i: inv_freq[i] (rotary_dim / 2 values: scaled or
+  // factored frequencies, Llama 3's and others'); empty: rope_base^(-2i / rotary_dim).
+  std::vector<double> inv_freq;
 };
 
 // y: float32 [width], the q/k/v (and gate) projections of the token at `position`;
@@ -99,10 +102,11 @@ void decode_layer(const float* x, const float* h, int64_t position, C* keys, C* 
 // y + r * stride, head h at offset + h * head_dim) into out [batch, heads, tokens, head_dim],
 // each head normed by `norm` [head_dim] unless null, then its first rotary_dim channels rotated
 // (pairs as DecodeHeads.traditional) by position start + t (t = r % tokens). The angles are
-// write_cache's, p * base^(-2i / rotary_dim) in double; cos and sin are computed directly every
+// write_cache's, p * inv_freq[i] (null: base^(-2i / rotary_dim)) in double; cos and sin are computed directly every
 // 32 positions and by rotation in between.
 void norm_rope_heads(const float* y, int64_t stride, int64_t offset, const float* norm,
                      float* out, int64_t batch, int64_t tokens, int64_t heads, int64_t head_dim,
-                     float eps, int64_t start, int64_t rotary_dim, float base, bool traditional);
+                     float eps, int64_t start, int64_t rotary_dim, float base, bool traditional,
+                     const double* inv_freq);
 
 } // namespace muser::cpu

@@ -462,7 +462,7 @@ static bool same_heads(const DecodeHeads& a, const DecodeHeads& b) {
          a.capacity == b.capacity && a.q_off == b.q_off && a.k_off == b.k_off &&
          a.v_off == b.v_off && a.gate_off == b.gate_off && a.rotary_dim == b.rotary_dim &&
          a.traditional == b.traditional && a.rope_base == b.rope_base && a.eps == b.eps &&
-         a.scale == b.scale;
+         a.scale == b.scale && a.inv_freq == b.inv_freq;
 }
 
 bool CacheWrite::is_equivalent(const mx::Primitive& other) const {
@@ -738,10 +738,12 @@ bool LayerDecode::is_equivalent(const mx::Primitive& other) const {
 
 mx::array norm_rope_heads(const mx::array& y, const std::optional<mx::array>& norm, int heads,
                           int head_dim, int offset, float eps, int start, int rotary_dim,
-                          float base, bool traditional, mx::StreamOrDevice s) {
+                          float base, bool traditional, const std::vector<double>& inv_freq,
+                          mx::StreamOrDevice s) {
   if (y.ndim() != 3 || heads < 1 || head_dim < 1 || offset < 0 ||
       offset + static_cast<int64_t>(heads) * head_dim > y.shape(2) || rotary_dim < 0 ||
       rotary_dim > head_dim || rotary_dim % 2 || start < 0 ||
+      (!inv_freq.empty() && static_cast<int64_t>(inv_freq.size()) != rotary_dim / 2) ||
       (norm && (norm->ndim() != 1 || norm->shape(0) != head_dim))) {
     std::ostringstream message;
     message << "[norm_rope_heads] expected y [batch, tokens, width] holding " << heads
@@ -760,7 +762,8 @@ mx::array norm_rope_heads(const mx::array& y, const std::optional<mx::array>& no
   }
   return mx::array({y.shape(0), heads, y.shape(1), head_dim}, mx::float32,
                    std::make_shared<NormRopeHeads>(stream, heads, head_dim, offset, eps, start,
-                                                   rotary_dim, base, traditional, norm.has_value()),
+                                                   rotary_dim, base, traditional, norm.has_value(),
+                                                   inv_freq),
                    inputs);
 }
 
@@ -777,9 +780,9 @@ void NormRopeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
   encoder.dispatch([=, out_data = out.data<float>(), batch = inputs[0].shape(0),
                     tokens = inputs[0].shape(1), heads = heads_, head_dim = head_dim_,
                     offset = offset_, eps = eps_, start = start_, rotary_dim = rotary_dim_,
-                    base = base_, traditional = traditional_]() {
+                    base = base_, traditional = traditional_, inv_freq = inv_freq_]() {
     norm_rope_heads(y, stride, offset, norm, out_data, batch, tokens, heads, head_dim, eps, start,
-                    rotary_dim, base, traditional);
+                    rotary_dim, base, traditional, inv_freq.empty() ? nullptr : inv_freq.data());
   });
 }
 
@@ -791,7 +794,8 @@ bool NormRopeHeads::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const NormRopeHeads&>(other);
   return heads_ == o.heads_ && head_dim_ == o.head_dim_ && offset_ == o.offset_ &&
          eps_ == o.eps_ && start_ == o.start_ && rotary_dim_ == o.rotary_dim_ &&
-         base_ == o.base_ && traditional_ == o.traditional_ && norm_ == o.norm_;
+         base_ == o.base_ && traditional_ == o.traditional_ && norm_ == o.norm_ &&
+         inv_freq_ == o.inv_freq_;
 }
 
 } // namespace muser::cpu

@@ -218,15 +218,16 @@ class LayerDecode : public mx::Primitive {
 // [head_dim] or none; rotary_dim 0: no rotation. Returns float32 [batch, heads, tokens, head_dim].
 mx::array norm_rope_heads(const mx::array& y, const std::optional<mx::array>& norm, int heads,
                           int head_dim, int offset, float eps, int start, int rotary_dim,
-                          float base, bool traditional, mx::StreamOrDevice s = {});
+                          float base, bool traditional, const std::vector<double>& inv_freq = {},
+                          mx::StreamOrDevice s = {});
 
 class NormRopeHeads : public mx::Primitive {
  public:
   NormRopeHeads(mx::Stream stream, int heads, int head_dim, int offset, float eps, int start,
-                int rotary_dim, float base, bool traditional, bool norm)
+                int rotary_dim, float base, bool traditional, bool norm, std::vector<double> inv_freq)
       : mx::Primitive(stream), heads_(heads), head_dim_(head_dim), offset_(offset), eps_(eps),
         start_(start), rotary_dim_(rotary_dim), base_(base), traditional_(traditional),
-        norm_(norm) {}
+        norm_(norm), inv_freq_(std::move(inv_freq)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -240,6 +241,7 @@ class NormRopeHeads : public mx::Primitive {
   int start_, rotary_dim_;
   float base_;
   bool traditional_, norm_;
+  std::vector<double> inv_freq_;  // empty: base_^(-2i / rotary_dim)
 };
 
 } // namespace muser::cpu

@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
-from muser_mlx.models import gemma3, llama, muse_glimmer, qwen2
+from muser_mlx.models import gemma2, gemma3, granite, llama, muse_glimmer, phi3, qwen2, qwen3, smollm3
 from muser_mlx.models.config import ModelConfig, ModelConfigError, UnsupportedArchitectureError
 from muser_mlx.models.transformer import Transformer
 from muser_mlx.settings import DEFAULT, Settings
 
-ARCHITECTURES = {module.ARCHITECTURE: module for module in (muse_glimmer, llama, gemma3, qwen2)}
+ARCHITECTURES = {module.ARCHITECTURE: module for module in (muse_glimmer, llama, gemma3, qwen2, qwen3, smollm3, granite, phi3,
+                                                            gemma2)}
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "ModelConfigError", "Transformer", "config_for",
-           "build_model"]
+           "build_model", "graph_tensors"]
 
 
 def config_for(metadata: dict, tensors: dict) -> ModelConfig:
@@ -24,8 +25,15 @@ def config_for(metadata: dict, tensors: dict) -> ModelConfig:
     return ARCHITECTURES[architecture].config(metadata, tensors)
 
 
+def graph_tensors(metadata: dict, tensors: dict) -> dict:
+    """The tensors the graph reads by name: the file's, or views of them where the
+    architecture fuses what the graph keeps apart (Phi-3's attn_qkv, gate|up)."""
+    split = getattr(ARCHITECTURES.get(metadata.get("general.architecture")), "tensors", None)
+    return split(metadata, tensors) if split else tensors
+
+
 def build_model(gguf_file, settings: Settings = DEFAULT) -> Transformer:
     """The model graph over an open `GGUFFile`'s tensors (their bytes are read lazily), with
     `settings` fixed for it."""
     config = config_for(gguf_file.metadata, gguf_file.tensors)
-    return Transformer(config, gguf_file.tensors, settings)
+    return Transformer(config, graph_tensors(gguf_file.metadata, gguf_file.tensors), settings)

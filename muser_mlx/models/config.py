@@ -7,6 +7,7 @@ is a `ModelConfigError` subclass naming the key or tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -64,6 +65,12 @@ class ModelConfig:
     tied_embeddings: bool = False
     logit_scale: float = 1.0
     softcap: float | None = None
+    # The full-attention layers' RoPE inverse frequencies where they are not rope_base^(-2i /
+    # rotary_dim): scaled (linear, YaRN) or divided by per-pair factors (Llama 3's rope_freqs,
+    # Phi-3's rope_factors), as `scaled_rope` reads them. None: the plain ones.
+    rope_freqs: tuple[float, ...] | None = None
+    nope_layers: tuple[int, ...] = ()  # layers that rotate nothing (SmolLM3's every fourth)
+    attn_softcap: float | None = None  # attention scores softcap * tanh(score / softcap) (Gemma 2)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the graph reads, with its GGUF shape ([in, out] for matrices)."""
@@ -110,13 +117,15 @@ class ModelConfig:
         return self.eps if self.post_norm_eps is None else self.post_norm_eps
 
     def rope(self, layer: int) -> dict | None:
-        """Layer `layer`'s rotation as the attention ops take it: dict(dims, traditional, base),
-        or None where it rotates nothing (a full-attention layer of a NoPE model)."""
+        """Layer `layer`'s rotation as the attention ops take it: dict(dims, traditional, base,
+        freqs: the pairs' inverse frequencies or None for base^(-2i / dims)), or None where it
+        rotates nothing (a full-attention layer of a NoPE model, a layer in nope_layers)."""
         sliding = self.swa_layers[layer]
-        if not (sliding or self.rope_full_layers):
+        if not (sliding or self.rope_full_layers) or layer in self.nope_layers:
             return None
         return dict(dims=self.rotary_dim, traditional=self.rope_traditional,
-                    base=self.rope_base_swa if sliding else self.rope_base)
+                    base=self.rope_base_swa if sliding else self.rope_base,
+                    freqs=None if sliding else self.rope_freqs)
 
     def check_context(self, end: int) -> None:
         """Refuse a step that would hold `end` positions, past the model's context."""
@@ -243,3 +252,112 @@ def common_config(meta: Metadata, tensors: dict, **overrides) -> ModelConfig:
                               f"some layers use a sliding window")
     config.check_tensors(tensors)
     return config
+
+
+# YaRN's correction range, llama.cpp's defaults (its llama-family models read no key for them).
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")  # longrope: Phi-3's factor tensors alone
+
+
+@dataclass(frozen=True)
+class ScaledRope:
+    """What `scaled_rope` reads: the pairs' inverse frequencies (None: the plain ones) and
+    `mscale`, which multiplies the rotated q and k (so their scores by mscale²)."""
+    freqs: tuple[float, ...] | None
+    mscale: float
+
+
+def scaled_rope(meta: Metadata, tensors: dict, rotary_dim: int, base: float, context: int,
+                factors: str = "rope_freqs.weight") -> ScaledRope:
+    """RoPE as llama.cpp applies `rope.scaling.*` and a frequency-factor tensor: pair i turns by
+    p * base^(-2i / rotary_dim) / factor[i] * s_i, where s_i is `1 / rope.scaling.factor`
+    (linear; also llama.cpp's reading of a factor without a type), blended towards 1 over
+    YaRN's ramp of pairs (yarn), or 1 (none); cos and sin times `mscale`
+    (`rope.scaling.attn_factor`, and YaRN's 1 + 0.1 ln(factor)). factors: the tensor
+    [rotary_dim / 2] that divides the frequencies where the file has it (Llama 3's
+    `rope_freqs.weight`, Phi-3's long or short factors)."""
+    from muser_mlx.formats import dequantize  # models import formats; config's dataclasses stay light
+
+    key = meta.key("rope.scaling.type")
+    scaling = meta.metadata.get(key, "linear")
+    if scaling not in ROPE_SCALINGS:
+        raise ModelConfigError(f"metadata key {key!r} is {scaling!r}; supported: {list(ROPE_SCALINGS)}")
+    factor = meta.float("rope.scaling.factor" if meta.has("rope.scaling.factor") else "rope.scale_linear",
+                        default=0.0)  # the older key's name
+    factor = 1.0 if factor == 0.0 or scaling == "none" else factor
+    original = meta.int("rope.scaling.original_context_length", default=context)
+    half = rotary_dim // 2
+    inverse = base ** (-2.0 * np.arange(half) / rotary_dim)
+    if factors in tensors:
+        t = tensors[factors]
+        if tuple(t.shape) != (half,):
+            raise TensorShapeError(f"tensor {factors!r} has GGUF shape {list(t.shape)}; RoPE's "
+                                   f"{rotary_dim} rotated channels need [{half}]")
+        divisors = dequantize(t.numpy(), t.ggml_type, t.shape).astype(np.float64).reshape(-1)
+        if not np.all(np.isfinite(divisors) & (divisors > 0)):
+            raise ModelConfigError(f"tensor {factors!r} must hold positive finite frequency factors")
+        inverse = inverse / divisors
+    mscale = meta.float("rope.scaling.attn_factor", default=1.0)
+    if scaling == "yarn":
+        # llama.cpp's ggml_rope_yarn_corr_dims and rope_yarn_ramp: pairs below `low` keep their
+        # own frequency (extrapolated), pairs above `high` are scaled (interpolated).
+        def corr_dim(rotations):
+            return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        low = max(0.0, math.floor(corr_dim(YARN_BETA_FAST)))
+        high = min(rotary_dim - 1.0, math.ceil(corr_dim(YARN_BETA_SLOW)))
+        ramp = 1.0 - np.clip((np.arange(half) - low) / max(0.001, high - low), 0.0, 1.0)
+        inverse = inverse * (ramp + (1.0 - ramp) / factor)
+        if factor > 1.0:
+            mscale *= 1.0 + 0.1 * math.log(factor)
+    else:
+        inverse = inverse / factor
+    plain = factor == 1.0 and factors not in tensors
+    return ScaledRope(None if plain else tuple(float(v) for v in inverse), mscale)
+
+
+def with_scaled_rope(meta: Metadata, tensors: dict, config: ModelConfig, factors: str = "rope_freqs.weight") -> ModelConfig:
+    """`config` with its full-attention layers' RoPE as `scaled_rope` reads it from the file,
+    and RoPE's mscale folded into the attention scale (q and k each times mscale: scores times
+    mscale²), which is exact only where RoPE rotates whole heads."""
+    rope = scaled_rope(meta, tensors, config.rotary_dim, config.rope_base, config.context, factors)
+    if rope.mscale != 1.0 and config.rotary_dim != config.head_dim:
+        raise ModelConfigError(f"{meta.key('rope.scaling')}.*: a magnitude scale {rope.mscale:g} on "
+                               f"{config.rotary_dim} of {config.head_dim} channels is not supported")
+    return dataclasses.replace(config, rope_freqs=rope.freqs,
+                               attention_scale=config.attention_scale * rope.mscale**2)
+
+
+def unfused(tensors: dict, q_rows: int, kv_rows: int, ff: int) -> dict:
+    """`tensors` with each layer's fused projections (Phi-3's) also as the separate ones the
+    graph reads: `attn_qkv` [hidden, q + 2 kv] as attn_q, attn_k, attn_v, and a gate|up
+    `ffn_up` [hidden, 2 ff] as ffn_gate (its first ff rows) and ffn_up (the rest), as llama.cpp
+    splits their outputs. Each is a view of its rows' raw blocks in the file (a GGUF matrix is
+    row-major), so nothing is copied or decoded; stacked again for one product, they are the
+    fused tensor. A file without fused tensors comes back as it is."""
+    from muser_mlx.gguf import GGUFTensor  # models/config stays free of file access otherwise
+
+    def rows(tensor, name, first, count):
+        row_bytes = tensor.nbytes // tensor.rows
+        return GGUFTensor(name, tensor.ggml_type, (tensor.shape[0], count),
+                          tensor.offset + first * row_bytes, count * row_bytes, tensor._file)
+
+    out = dict(tensors)
+    layer = 0
+    while f"blk.{layer}.attn_output.weight" in tensors:
+        prefix = f"blk.{layer}."
+        qkv = tensors.get(prefix + "attn_qkv.weight")
+        if qkv is not None:
+            if tuple(qkv.shape[1:]) != (q_rows + 2 * kv_rows,):
+                raise TensorShapeError(f"tensor '{prefix}attn_qkv.weight' has GGUF shape {list(qkv.shape)}; "
+                                       f"q, k and v need {q_rows} + 2 x {kv_rows} rows")
+            for name, first, count in (("q", 0, q_rows), ("k", q_rows, kv_rows), ("v", q_rows + kv_rows, kv_rows)):
+                out[f"{prefix}attn_{name}.weight"] = rows(qkv, f"{prefix}attn_{name}.weight", first, count)
+        up = tensors.get(prefix + "ffn_up.weight")
+        if up is not None and prefix + "ffn_gate.weight" not in tensors:
+            if tuple(up.shape[1:]) != (2 * ff,):
+                raise TensorShapeError(f"tensor '{prefix}ffn_up.weight' has GGUF shape {list(up.shape)}; "
+                                       f"a fused gate|up of feed_forward_length {ff} needs {2 * ff} rows")
+            out[prefix + "ffn_gate.weight"] = rows(up, prefix + "ffn_gate.weight", 0, ff)
+            out[prefix + "ffn_up.weight"] = rows(up, prefix + "ffn_up.weight", ff, ff)
+        layer += 1
+    return out

@@ -56,6 +56,9 @@ class CPUDecodeStep:
         generation_cache(model) (float16).
         Returns float32 logits [vocab]; the caches hold the token afterwards."""
         c = self.model.config
+        if c.attn_softcap is not None:
+            raise ValueError(f"this {c.architecture} model has no CPU decode step: its attention is "
+                             f"softcapped (the general step serves it)")
         position = cache[0].offset
         c.check_context(position + 1)
         if len(cache) != c.layers:
@@ -180,5 +183,7 @@ def rounds(model) -> bool:
 
 def serves(model) -> bool:
     """Whether generate()'s one-token steps of `model` run CPUDecodeStep: on the CPU, with
-    the extension available and head_dim a multiple of 16 (its attention's vectors)."""
-    return kernels.backend() == "cpu" and cpu_ext.available() and model.config.head_dim % 16 == 0
+    the extension available and head_dim a multiple of 16 (its attention's vectors), for
+    attention without a softcap (Gemma 2's runs the general step)."""
+    return (kernels.backend() == "cpu" and cpu_ext.available() and model.config.head_dim % 16 == 0
+            and model.config.attn_softcap is None)

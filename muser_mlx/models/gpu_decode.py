@@ -38,7 +38,7 @@ class GPUDecodeStep:
         self._compiled = {}  # thread id -> the traced graph (it runs on the tracing thread's streams)
         self._next_position = {}  # id(cache[0]) -> (offset, the position array the last step computed)
         self.layers = None
-        if c.head_dim % 64 or c.hidden % 32:
+        if c.head_dim % 64 or c.hidden % 32 or c.attn_softcap is not None:  # no softcap in attention_decode
             return
         try:
             self.layers = [self._launches(block, settings) for block in model.layers]
@@ -70,7 +70,7 @@ class GPUDecodeStep:
         c = self.model.config
         if not self.available:
             raise ValueError(f"this {c.architecture} model has no fused decode step (a format without a q8x "
-                             f"kernel, or head_dim {c.head_dim} not a multiple of 64)")
+                             f"kernel, head_dim {c.head_dim} not a multiple of 64, or attention softcapping)")
         position = cache[0].offset
         c.check_context(position + 1)
         if len(cache) != c.layers or any(layer_cache.dtype != mx.float16 for layer_cache in cache):

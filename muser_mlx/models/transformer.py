@@ -144,7 +144,7 @@ class Attention(nn.Module):
             # float16 (a GPU prefill chunk): the additive form, which MLX's attention takes as it is.
             mask = attention_mask(start, q.shape[2], key_positions, self.window,
                                   additive=mx.float16 if dtype == mx.float16 else None)
-        o = ops.attention(q, keys, values, c.attention_scale, mask, keep_float16=fused)
+        o = ops.attention(q, keys, values, c.attention_scale, mask, keep_float16=fused, softcap=c.attn_softcap)
         if o.shape[2] != tokens:
             o = o[:, :, front : front + tokens]  # the chunk's own rows
         o = o.transpose(0, 2, 1, 3)  # [B, T, heads, head_dim], a view

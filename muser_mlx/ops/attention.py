@@ -17,7 +17,8 @@ def split_heads(y: mx.array, heads: int, head_dim: int, weight: mx.array | None 
                 eps: float = 0.0, rope: dict | None = None, start: int = 0) -> mx.array:
     """A projection's output [B, T, heads * head_dim] as heads [B, heads, T, head_dim], each
     RMS-normed by `weight` if given, then rotated by RoPE if `rope` (dict(dims, base,
-    traditional)) is given, from position `start`. On the CPU the compiled primitive
+    traditional, freqs): freqs the pairs' inverse frequencies where they are not
+    base^(-2i / dims), else None) is given, from position `start`. On the CPU the compiled primitive
     (cpu_ext.norm_rope_heads: MLX's ops took ~1.5 ms a Gemma 3 layer of a 128-token prompt),
     elsewhere MLX's own ops."""
     batch, tokens, _ = y.shape
@@ -28,8 +29,12 @@ def split_heads(y: mx.array, heads: int, head_dim: int, weight: mx.array | None 
     if weight is not None:
         y = mx.fast.rms_norm(y, weight, eps)
     if rope is not None:
-        y = mx.fast.rope(y, rope["dims"], traditional=rope["traditional"], base=rope["base"],
-                         scale=1.0, offset=start)
+        if rope.get("freqs") is None:
+            y = mx.fast.rope(y, rope["dims"], traditional=rope["traditional"], base=rope["base"],
+                             scale=1.0, offset=start)
+        else:  # MLX takes the periods, 1 / inverse frequency
+            y = mx.fast.rope(y, rope["dims"], traditional=rope["traditional"], base=None, scale=1.0,
+                             offset=start, freqs=_periods(rope["freqs"]))
     return y
 
 
@@ -64,7 +69,7 @@ def qk_norm_rope(q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.arra
     dims = rope["dims"] if rope is not None else 0
     q_out, k_out = kernels.launch(
         "qk_norm_rope",
-        inputs=[q, k, q_weight, k_weight, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
+        inputs=[q, k, q_weight, k_weight, rope_inverse_frequencies(rope),
                 _start_array(start), kernels.parameters(eps)],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("Q_STRIDE", q.shape[-1]),
@@ -108,6 +113,27 @@ def _frequencies(dims: int, base: float, _padding: int) -> mx.array:
     return kernels.padded_array([float(v) for v in values], mx.float32)
 
 
+def rope_inverse_frequencies(rope: dict | None) -> mx.array:
+    """The kernels' inv_freq input for `rope` (a rope dict or None): its own `freqs` where it
+    has them (scaled or factored RoPE), else _inverse_frequencies(dims, base)."""
+    if rope is None:
+        return _inverse_frequencies(0, 0.0)
+    if rope.get("freqs") is None:
+        return _inverse_frequencies(rope["dims"], rope["base"])
+    return _given_frequencies(tuple(rope["freqs"]), kernels.MIN_ARRAY_VALUES)
+
+
+@functools.lru_cache(maxsize=None)
+def _given_frequencies(freqs: tuple, _padding: int) -> mx.array:
+    return kernels.padded_array([float(np.float32(v)) for v in freqs], mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _periods(freqs: tuple) -> mx.array:
+    """mx.fast.rope's `freqs` (periods: 1 / inverse frequency), float32 [dims / 2], made once."""
+    return mx.array(1.0 / np.asarray(freqs, dtype=np.float64), dtype=mx.float32)
+
+
 def attention_dtype(tokens: int, head_dim: int, backend: str | None = None):
     """The dtype a chunk of `tokens` queries gives `attention` its keys and values in.
     float16 for a GPU prefill chunk (more than MATVEC_MAX_TOKENS rows) when head_dim is one
@@ -123,14 +149,17 @@ def attention_dtype(tokens: int, head_dim: int, backend: str | None = None):
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
-              mask: mx.array | None = None, keep_float16: bool = False) -> mx.array:
+              mask: mx.array | None = None, keep_float16: bool = False, softcap: float | None = None) -> mx.array:
     """softmax(q keysᵀ · scale, where mask) values: q [B, heads, T, head_dim], keys/values
     [B, kv_heads, S, head_dim], mask bool [T, S], "causal" (query i of T sees keys up to
     S - T + i) or None; returns float32 [B, heads, T, head_dim] (keep_float16: float16 where
     the attention ran in float16, for a caller that converts it within its own next launch).
     On the CPU the compiled primitive (cpu_ext.attention: MLX's CPU attention runs its matmuls
     on reference BLAS, 5-8x slower); elsewhere MLX's fused attention, in float16 when keys and
-    values come in float16 (attention_dtype)."""
+    values come in float16 (attention_dtype). softcap (Gemma 2's): each score s becomes
+    softcap * tanh(s / softcap) before the mask, in float32 MLX ops (no fused attention takes it)."""
+    if softcap is not None:
+        return _softcapped_attention(q, keys, values, scale, mask, softcap)
     if kernels.backend() == "cpu":
         if isinstance(mask, str) and mask == "causal":
             tokens, keys_seen = q.shape[2], keys.shape[2]
@@ -144,6 +173,22 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                                                  scale=scale, mask=mask)
         return o if keep_float16 else o.astype(mx.float32)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def _softcapped_attention(q, keys, values, scale, mask, softcap):
+    """attention() with softcapped scores, float32: q [B, heads, T, d], keys/values [B,
+    kv_heads, S, d]; mask as attention's (bool, additive float, "causal" or None)."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (mx.repeat(a.astype(mx.float32), group, axis=1) if group > 1 else a.astype(mx.float32)
+                    for a in (keys, values))
+    scores = (q.astype(mx.float32) @ keys.swapaxes(-1, -2)) * scale  # [B, heads, T, S]
+    scores = softcap * mx.tanh(scores / softcap)
+    if isinstance(mask, str):
+        tokens, seen = q.shape[2], keys.shape[2]
+        mask = mx.arange(seen)[None, :] <= mx.arange(seen - tokens, seen)[:, None]
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask.astype(mx.float32)
+    return mx.softmax(scores, axis=-1, precise=True) @ values
 
 
 def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx.array, after: mx.array,
@@ -196,7 +241,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     (partial,) = kernels.launch(
         "attention_decode",
         inputs=[y, q_weight if q_weight is not None else unused, k_weight if k_weight is not None else unused,
-                bias if bias is not None else unused, _inverse_frequencies(dims, rope["base"] if rope else 0.0),
+                bias if bias is not None else unused, rope_inverse_frequencies(rope),
                 position, keys, values, kernels.parameters(eps, scale), after],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
