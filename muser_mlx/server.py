@@ -15,6 +15,7 @@ A bad request gets a 4xx with OpenAI's error body, {"error": {"message", "type",
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import queue
@@ -25,7 +26,7 @@ import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -328,38 +329,42 @@ class Limits:
 class PromptCaches:
     """Finished sequences' KV caches, each with the ids it holds (a prompt and its answer but
     the last token), kept within `budget` bytes; the least recently used goes first.
-    take(ids) hands out the one that shares the longest prefix with a new prompt, if that prefix
-    is at least half of what it holds (llama.cpp's slot-prompt-similarity, 0.5): two users'
-    alternating chats each find their own history, and an unrelated prompt that shares only a
-    system message does not cut another user's cache down to it. A cache handed out leaves the
-    store (the sequence extends it in place); put() brings back the finished one. Model thread."""
+    take(ids) hands out, of the entries whose whole prompt a new prompt starts with, the one
+    that shares the longest prefix with it (the answer part may differ: a re-rendered answer
+    that tokenizes otherwise, text cut at a stop string). So each user's next turn finds their
+    own history, and a prompt that shares only a system message with another user's starts
+    afresh rather than cutting that user's cache down to it (a cache cannot be copied here; mlx-lm's
+    LRU prompt cache reuses only prefixes too). A cache handed out leaves the store (the
+    sequence extends it in place); put() brings back the finished one. Model thread only."""
 
     def __init__(self, budget: int):
         self.budget = budget
-        self._entries: OrderedDict[int, tuple[list[int], list, int]] = OrderedDict()  # ids, cache, bytes
+        # ids held, prompt tokens among them, cache, bytes; oldest use first
+        self._entries: OrderedDict[int, tuple[list[int], int, list, int]] = OrderedDict()
         self._next = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(nbytes for _, _, nbytes in self._entries.values())
+        return sum(entry[3] for entry in self._entries.values())
 
     def take(self, ids: list[int]) -> tuple[list | None, list[int]]:
         """(cache, the ids it holds) of the best entry for a prompt `ids`, or (None, [])."""
         best, shared = None, 0
-        for key, (held, _, _) in self._entries.items():
+        for key, (held, prompt_tokens, _, _) in self._entries.items():
             common = common_prefix(held, ids)
-            if common > shared and 2 * common >= len(held):
+            if common >= prompt_tokens and common > shared:
                 best, shared = key, common
         if best is None:
             return None, []
-        held, cache, _ = self._entries.pop(best)
+        held, _, cache, _ = self._entries.pop(best)
         return cache, held
 
-    def put(self, ids: list[int], cache: list) -> None:
+    def put(self, ids: list[int], prompt_tokens: int, cache: list) -> None:
+        """Keep `cache`, which holds `ids`, the first `prompt_tokens` of them its prompt."""
         nbytes = sum(layer_cache.nbytes for layer_cache in cache)
         if not ids or nbytes > self.budget:
             return
-        self._entries[self._next] = (list(ids), cache, nbytes)
+        self._entries[self._next] = (list(ids), prompt_tokens, cache, nbytes)
         self._next += 1
         while self.nbytes > self.budget:
             self._entries.popitem(last=False)
@@ -499,8 +504,7 @@ class ModelService:
             return
         loaded.set_result((model, tokenizer, generator))
         while True:
-            busy = generator.has_work or self._scoring
-            commands = [] if busy else [self._inbox.get()]
+            commands = [] if generator.has_work or self._scoring else [self._inbox.get()]
             while True:
                 try:
                     commands.append(self._inbox.get_nowait())
@@ -510,12 +514,14 @@ class ModelService:
                 if command is None:
                     return
                 command()
+            if not (generator.has_work or self._scoring):
+                continue
             if self._scoring:
                 self._score_chunk()
             if generator.has_work:
                 self._step()
-            elif busy and not self._scoring:
-                mx.clear_cache()  # idle: freed buffers go back to the system
+            if not (generator.has_work or self._scoring):
+                _give_back_memory()
 
     def _insert(self, sequence: Sequence) -> None:
         cache, cached = self._prompt_caches.take(sequence.ids) if sequence.reuse else (None, [])
@@ -552,11 +558,14 @@ class ModelService:
             entry = None
             if sequence.top is not None:
                 entry = token_logprobs(response.logprobs[None], [response.token], sequence.top)[0]
-            sequence.deliver((response, entry))
+            # The event loop gets no MLX arrays: a finished sequence's cache is kept (or freed)
+            # here, not when its request has been answered, after the idle model thread has
+            # given memory back.
+            sequence.deliver((replace(response, logprobs=None, cache=None, cached_ids=None), entry))
             if response.finish_reason is not None:
                 del self._running[response.uid]
                 if response.cache is not None:
-                    self._prompt_caches.put(response.cached_ids, response.cache)
+                    self._prompt_caches.put(response.cached_ids, len(sequence.ids), response.cache)
 
     def _score(self, ids: list[int], top: int, chunk: int = DEFAULT_PREFILL_STEP):
         """prompt_logprobs' pass, a generator: each next() runs one prefill chunk; the last
@@ -608,6 +617,26 @@ class Admission:
         taken = Admission(self._service)
         taken._held, self._held = self._held, False
         return taken
+
+
+def _give_back_memory() -> None:
+    """When the model thread goes idle: the buffers MLX keeps for reuse, and the free pages of
+    the C heap (glibc keeps freed arrays' pages: a tiny model's process stayed at 3x its size
+    after 16 long prompts, and came back with malloc_trim), go back to the system."""
+    mx.clear_cache()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _glibc()
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, items: asyncio.Queue, item) -> None:
@@ -976,6 +1005,10 @@ def serve(path=None, host: str = "127.0.0.1", port: int = 8080, limits: Limits =
 
     service = ModelService(path, limits)
     listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # Accepted connections inherit this: without it a response's second write (its body, an
+    # event of a stream) waits for the client's delayed ACK of the first on a kept-alive
+    # connection, ~40 ms on Linux, every response of an OpenAI client.
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     host, port = listener.getsockname()[:2]
     print(f"muser serve: {service.model_id} at http://{host}:{port}/v1", flush=True)
     config = uvicorn.Config(create_app(service), log_level="info")

@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,43 +37,57 @@ class Server:
     url: str  # http://127.0.0.1:PORT/v1
     log: Path  # the server's stderr: one line per request it ends
     model_path: Path
+    pid: int
 
     def client(self):
         return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=60)
 
-    def post(self, route: str, body: bytes | None, method="POST", root=False) -> tuple[int, dict]:
+    def post(self, route: str, body: bytes | None, method="POST", root=False, headers=None) -> tuple[int, dict]:
         """(status, JSON answer) of a request to /v1 + route (root: to route at the server's root)."""
+        status, answer, _ = self.request(route, body, method, root, headers)
+        return status, answer
+
+    def request(self, route: str, body: bytes | None, method="POST", root=False, headers=None):
+        """(status, JSON answer, response headers) of a request to /v1 + route (root: at the root)."""
         base = self.url.removesuffix("/v1") if root else self.url
         request = urllib.request.Request(base + route, data=body, method=method,
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
-                return response.status, json.loads(response.read())
+                return response.status, json.loads(response.read()), response.headers
         except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read())
+            return error.code, json.loads(error.read()), error.headers
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`muser serve` on a tiny llama model (a real byte-level BPE vocabulary and chat
-    template), listening on a port the OS picks; stopped after the module's tests."""
-    folder = tmp_path_factory.mktemp("serve")
-    model_path = tiny_model(folder / "tiny.gguf", "llama", np.random.default_rng(0), weights="Q8_0",
-                            context=4096)
+@contextmanager
+def serving(model_path: Path, folder: Path, *options: str):
+    """`muser serve` on `model_path` with `options`, listening on a port the OS picks; a
+    Server until the block ends, then stopped."""
     out, log = folder / "stdout.txt", folder / "stderr.txt"
     with open(out, "w") as stdout, open(log, "w") as stderr:
         process = subprocess.Popen([sys.executable, "-m", "muser_mlx.cli", "serve", "--model", str(model_path),
-                                    "--port", "0"], stdout=stdout, stderr=stderr)
+                                    "--port", "0", *options], stdout=stdout, stderr=stderr)
     try:
         deadline = time.monotonic() + 120
         while not (found := re.search(r"at (http://\S+/v1)", out.read_text())):
             assert process.poll() is None, f"muser serve exited: {log.read_text()}"
             assert time.monotonic() < deadline, f"muser serve did not start: {log.read_text()}"
             time.sleep(0.05)
-        yield Server(found.group(1), log, model_path)
+        yield Server(found.group(1), log, model_path, process.pid)
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`muser serve` on a tiny llama model (a real byte-level BPE vocabulary and chat
+    template); stopped after the module's tests."""
+    folder = tmp_path_factory.mktemp("serve")
+    model_path = tiny_model(folder / "tiny.gguf", "llama", np.random.default_rng(0), weights="Q8_0",
+                            context=4096)
+    with serving(model_path, folder) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -468,3 +483,35 @@ def test_a_chat_with_tools_renders_them_and_answers_tool_calls(tmp_path, monkeyp
     assert content == "Let me look. done"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("get_weather", {"city": "Paris"}), ("now", {})]
+
+
+# --- prompt caches --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Layer:
+    nbytes: int
+
+
+def test_prompt_caches_hand_out_the_entry_whose_whole_prompt_a_new_one_starts_with():
+    caches = server_module.PromptCaches(budget=10_000)
+    system = list(range(100))
+    ada, bob = [_Layer(1000)], [_Layer(1000)]
+    caches.put(system + [7, 7, 50, 51], 102, ada)  # prompt: system + [7, 7]; answer [50, 51]
+    caches.put(system + [8, 8, 60], 102, bob)
+    assert caches.take(system + [9, 9]) == (None, [])  # shares only the system part: left alone
+    cache, held = caches.take(system + [7, 7, 50, 52, 3])  # ada's prompt, her answer re-tokenized
+    assert cache is ada and held == system + [7, 7, 50, 51]
+    assert caches.take(system + [7, 7, 50, 52, 3]) == (None, [])  # taken: in use until put back
+    assert caches.take(system + [8, 8, 60, 1])[0] is bob
+
+
+def test_prompt_caches_drop_the_least_recently_used_beyond_the_budget():
+    caches = server_module.PromptCaches(budget=2500)
+    for user in range(3):
+        caches.put([user, 1, 2], 2, [_Layer(1000)])
+    assert caches.nbytes == 2000
+    assert caches.take([0, 1, 2, 3]) == (None, [])  # the oldest went
+    assert caches.take([1, 1, 2, 3])[1] == [1, 1, 2] and caches.take([2, 1, 5])[1] == [2, 1, 2]
+    caches.put([5, 5], 1, [_Layer(3000)])  # larger than the whole budget: not kept
+    assert caches.nbytes == 0
