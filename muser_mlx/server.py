@@ -3,13 +3,15 @@
 GET /v1/models (and /v1/models/{id}), POST /v1/chat/completions and POST /v1/completions, and
 llama.cpp's GET /health, POST /tokenize and /detokenize; `"stream": true` answers
 with server-sent events; logprobs (chat: logprobs/top_logprobs; completions: logprobs, echo);
-a chat's tools through its template, tool calls in the answer as `tool_calls`. One model per process: requests take their turn in arrival order, and
-one thread runs the model (MLX evaluation is not made for concurrent threads). A client that
-goes away stops its generation at the next token, which frees the model for the next request.
-The last request's cache is kept: a request that starts with what it holds runs only the rest
-(`usage.prompt_tokens_details.cached_tokens`; `"cache_prompt": false` reads it all again).
-A bad request gets a 4xx with OpenAI's error body, {"error": {"message", "type", "param",
-"code"}}, and the server goes on serving.
+a chat's tools through its template, tool calls in the answer as `tool_calls`.
+One model per process and one thread that runs it (MLX evaluation is not made for concurrent
+threads): a scheduler loop over the batch generator, up to `Limits.parallel` sequences decoded
+together, the others waiting (`Limits.max_queue` of them; then a 429). A client that goes away
+frees its slot at the next step. Finished requests' caches are kept (`PromptCaches`): a request
+that starts with one's prompt runs only the rest (`usage.prompt_tokens_details.cached_tokens`;
+`"cache_prompt": false` reads it all again). JSON, templates and tokenizing run on text
+threads, never on the event loop. A bad request gets a 4xx with OpenAI's error body,
+{"error": {"message", "type", "param", "code"}}, and the server goes on serving.
 """
 
 from __future__ import annotations
@@ -869,15 +871,27 @@ def create_app(service: ModelService) -> Starlette:
             events = _stream(head, ids, options, reuse, chat, usage, top, echoed, tools)
             return EventStream(events, admission.hand_over(), headers={"Cache-Control": "no-cache"})
         text, last, cached, tokens, entries = "", None, 0, [], []
-        if options["max_tokens"] > 0:
+
+        async def collect():
+            nonlocal text, last, cached
             async with aclosing(service.responses(ids, options, reuse, top)) as responses:
                 async for last, cached, entry in responses:
                     text += last.text
                     tokens.append(last.token)
                     entries.append(entry)
-                    if await request.is_disconnected():
-                        _log(head, len(ids), last, "client gone")
-                        return JSONResponse({})  # nobody to read it
+
+        if options["max_tokens"] > 0:
+            # The client may go away while its request waits for a slot or runs: the request
+            # ends then (its sequence is removed), not at its last token.
+            collector, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+            await asyncio.wait({collector, gone}, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if not collector.done():
+                collector.cancel()
+                await asyncio.gather(collector, return_exceptions=True)
+                _log(head, len(ids), last, "client gone")
+                return JSONResponse({})  # nobody to read it
+            collector.result()
         finish = last.finish_reason if last else "length"
         _log(head, len(ids), last, finish)
         if chat:
@@ -976,6 +990,12 @@ def create_app(service: ModelService) -> Starlette:
               Route("/tokenize", tokenize, methods=["POST"]),  # llama.cpp's
               Route("/detokenize", detokenize, methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={RequestError: refused, HTTPException: http_error})
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client of a request whose body has been read goes away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(prompt_tokens: int, cached: int, last) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -167,6 +168,26 @@ def test_beyond_the_queue_a_request_gets_429_with_retry_after(tight):
         assert time.monotonic() < deadline, "the slots were not given back"
         time.sleep(0.05)
     assert status == 200
+
+
+def test_a_plain_request_whose_client_goes_away_frees_its_slot(tight):
+    """A non-streamed request for 4,000 tokens whose client hangs up at once: its sequence is
+    removed (its log line ends "client gone" with fewer tokens) and the one slot serves the next."""
+    before = tight.log.read_text().count("client gone")
+    host, port = tight.url.removeprefix("http://").removesuffix("/v1").split(":")
+    body = json.dumps({"prompt": "the quick brown fox", "max_tokens": 4000}).encode()
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while tight.log.read_text().count("client gone") == before:
+        assert time.monotonic() < deadline, tight.log.read_text()[-2000:]
+        time.sleep(0.05)
+    ended = re.findall(r"text_completion \S+: (?:no tokens|\d+ prompt \+ (\d+) generated tokens), client gone",
+                       tight.log.read_text())
+    assert ended and int(ended[-1] or 0) < 4000
+    assert tight.post("/completions", b'{"prompt": "the", "max_tokens": 2}')[0] == 200
 
 
 @pytest.mark.parametrize("chunked", [False, True])
