@@ -512,18 +512,22 @@ class ModelService:
                     commands.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            for command in commands:
-                if command is None:
-                    return
-                command()
-            if not (generator.has_work or self._scoring):
-                continue
-            if self._scoring:
-                self._score_chunk()
-            if generator.has_work:
-                self._step()
-            if not (generator.has_work or self._scoring):
-                _give_back_memory()
+            if None in commands:
+                return
+            try:
+                for command in commands:
+                    command()
+                if not (generator.has_work or self._scoring):
+                    continue
+                if self._scoring:
+                    self._score_chunk()
+                if generator.has_work:
+                    self._step()
+                if not (generator.has_work or self._scoring):
+                    _give_back_memory()
+            except Exception as error:  # the running sequences end with it; the thread goes on serving
+                log.exception("the model thread failed a step")
+                self._fail_all(error)
 
     def _insert(self, sequence: Sequence) -> None:
         cache, cached = self._prompt_caches.take(sequence.ids) if sequence.reuse else (None, [])
@@ -534,8 +538,12 @@ class ModelService:
             sequence.uid = self._generator.insert(sequence.ids, cache=cache if kept else None,
                                                   cached_ids=sequence.ids[:kept] if kept else None,
                                                   **sequence.options)
-        except ValueError as error:
+        except ValueError as error:  # a setting the generator refuses
             sequence.deliver(RequestError(str(error)))
+            return
+        except Exception as error:
+            log.exception("inserting a sequence failed")
+            sequence.deliver(error)
             return
         self._running[sequence.uid] = sequence
 
@@ -544,16 +552,7 @@ class ModelService:
             self._generator.remove(sequence.uid)
 
     def _step(self) -> None:
-        try:
-            responses = self._generator.next()
-        except Exception as error:  # every running sequence ends with it; the server goes on
-            log.exception("a generation step failed")
-            for uid, sequence in self._running.items():
-                self._generator.remove(uid)
-                sequence.deliver(error)
-            self._running.clear()
-            return
-        for response in responses:
+        for response in self._generator.next():
             sequence = self._running.get(response.uid)
             if sequence is None:
                 continue
@@ -568,6 +567,18 @@ class ModelService:
                 del self._running[response.uid]
                 if response.cache is not None:
                     self._prompt_caches.put(response.cached_ids, len(sequence.ids), response.cache)
+
+    def _fail_all(self, error: Exception) -> None:
+        """End every running sequence and scoring job with `error`."""
+        running, self._running = self._running, {}
+        for uid, sequence in running.items():
+            try:
+                self._generator.remove(uid)
+            finally:
+                sequence.deliver(error)
+        for _, loop, done in self._scoring:
+            loop.call_soon_threadsafe(lambda done=done: done.cancelled() or done.set_exception(error))
+        self._scoring.clear()
 
     def _score(self, ids: list[int], top: int, chunk: int = DEFAULT_PREFILL_STEP):
         """prompt_logprobs' pass, a generator: each next() runs one prefill chunk; the last

@@ -23,7 +23,7 @@ from muser_mlx import cli
 
 pytest.importorskip("starlette")  # the server's web stack ([serve] extra): absent on the GPU machine
 from muser_mlx import server as server_module  # noqa: E402
-from muser_mlx.generate import GenerationResponse, continue_cache, generate, load, stream_generate  # noqa: E402
+from muser_mlx.generate import continue_cache, generate, load, stream_generate  # noqa: E402
 from muser_mlx.models import cpu_decode  # noqa: E402
 from muser_mlx.testing import tiny_model  # noqa: E402
 
@@ -435,6 +435,21 @@ def test_chat_messages_take_tool_calls_and_tool_results():
         server_module.chat_tools({"tools": [{"type": "function"}]})
 
 
+@dataclass
+class _Response:
+    """The generator's BatchResponse, as the server reads it."""
+    uid: int
+    token: int
+    text: str
+    logprobs: object
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    generation_tokens: int
+    cache: list | None = None
+    cached_ids: list | None = None
+
+
 TOOLS_TEMPLATE = (
     "{% if tools %}<|start|>system<|message|>{% for t in tools %}{{ t.function.name }};{% endfor %}<|eot|>{% endif %}"
     "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}"
@@ -448,25 +463,46 @@ def test_a_chat_with_tools_renders_them_and_answers_tool_calls(tmp_path, monkeyp
     earlier calls reach the template, and a tool call in the answer comes back as tool_calls."""
     from starlette.testclient import TestClient
 
+    prompts = []
+
+    class Answering:
+        """The generator's interface, its one answer made up: CALLS, five characters a token."""
+
+        def __init__(self, model, tokenizer, **settings):
+            self.pieces = {}
+
+        def insert(self, prompt, max_tokens=256, **options):
+            prompts.append(list(prompt))
+            self.pieces[len(prompts)] = [CALLS[i : i + 5] for i in range(0, len(CALLS), 5)]
+            return len(prompts)
+
+        def remove(self, uid):
+            self.pieces.pop(uid, None)
+
+        @property
+        def has_work(self):
+            return bool(self.pieces)
+
+        def next(self):
+            out = []
+            for uid, pieces in list(self.pieces.items()):
+                text = pieces.pop(0)
+                out.append(_Response(uid, 7, text, None, None if pieces else "stop", len(prompts[-1]), 0, 1))
+                if not pieces:
+                    del self.pieces[uid]
+            return out
+
+    monkeypatch.setattr(server_module, "BatchGenerator", Answering)
     path = tiny_model(tmp_path / "t.gguf", "llama", np.random.default_rng(1), weights="Q8_0", context=512)
     service = server_module.ModelService(path)
     service.tokenizer.chat_template = TOOLS_TEMPLATE
-    prompts = []
-
-    def answer(model, tokenizer, prompt, cache=None, cached_ids=None, **options):
-        prompts.append(list(cached_ids) + list(prompt))
-        pieces = [CALLS[i : i + 5] for i in range(0, len(CALLS), 5)]
-        for n, piece in enumerate(pieces, start=1):
-            yield GenerationResponse(piece, 7, None, len(prompt), 1.0, n, 1.0, 0.0,
-                                     "stop" if n == len(pieces) else None)
-
-    monkeypatch.setattr(server_module, "stream_generate", answer)
     messages = [{"role": "user", "content": "weather in paris?"},
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     with TestClient(server_module.create_app(service)) as client:
         reply = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "stream": stream})
+    service.close()
     assert reply.status_code == 200
     text = service.tokenizer.decode(prompts[0])
     assert "get_weather;" in text and '<tool_call>get_weather {"city": "Rome"}</tool_call>' in text and "sunny" in text
@@ -515,3 +551,40 @@ def test_prompt_caches_drop_the_least_recently_used_beyond_the_budget():
     assert caches.take([1, 1, 2, 3])[1] == [1, 1, 2] and caches.take([2, 1, 5])[1] == [2, 1, 2]
     caches.put([5, 5], 1, [_Layer(3000)])  # larger than the whole budget: not kept
     assert caches.nbytes == 0
+
+
+def test_a_failing_step_ends_its_requests_and_the_server_goes_on(tmp_path, monkeypatch):
+    """In process, the generator made up: its first step raises; that request gets a 500, the
+    model thread lives on and the next request is answered."""
+    from starlette.testclient import TestClient
+
+    class FailingOnce:
+        def __init__(self, model, tokenizer, **settings):
+            self.waiting, self.failed = [], False
+
+        def insert(self, prompt, max_tokens=256, **options):
+            self.waiting.append(len(self.waiting) + 1)
+            return self.waiting[-1]
+
+        def remove(self, uid):
+            self.waiting.remove(uid)
+
+        @property
+        def has_work(self):
+            return bool(self.waiting)
+
+        def next(self):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("the step broke")
+            return [_Response(self.waiting.pop(), 7, "seven", None, "stop", 3, 0, 1)]
+
+    monkeypatch.setattr(server_module, "BatchGenerator", FailingOnce)
+    service = server_module.ModelService(tiny_model(tmp_path / "t.gguf", "llama", np.random.default_rng(1),
+                                                    weights="Q8_0", context=512))
+    with TestClient(server_module.create_app(service), raise_server_exceptions=False) as client:
+        failed = client.post("/v1/completions", json={"prompt": "the", "max_tokens": 3})
+        answered = client.post("/v1/completions", json={"prompt": "the", "max_tokens": 3})
+    service.close()
+    assert failed.status_code == 500
+    assert answered.status_code == 200 and answered.json()["choices"][0]["text"] == "seven"
