@@ -391,7 +391,7 @@ class ModelService:
     it takes the event loop's commands (a sequence to insert, one whose client went away), runs
     one generator iteration (at most one prefill chunk of a waiting sequence, then one batched
     decode step of the running ones) and hands each sequence's token to its request. When
-    nothing is left to run, MLX's buffer cache goes back to the system."""
+    nothing is left to run, the memory freed goes back to the system (_give_back_memory)."""
 
     def __init__(self, path=None, limits: Limits = Limits()):
         self.limits = limits
@@ -517,13 +517,11 @@ class ModelService:
             try:
                 for command in commands:
                     command()
-                if not (generator.has_work or self._scoring):
-                    continue
                 if self._scoring:
                     self._score_chunk()
                 if generator.has_work:
                     self._step()
-                if not (generator.has_work or self._scoring):
+                if not (generator.has_work or self._scoring):  # idle until the next command
                     _give_back_memory()
             except Exception as error:  # the running sequences end with it; the thread goes on serving
                 log.exception("the model thread failed a step")
