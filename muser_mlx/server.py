@@ -318,14 +318,11 @@ class Limits:
     prompt_cache_memory: int = 256 * 2**20  # bytes of finished sequences' caches kept for later prompts
 
     def __post_init__(self):
-        for name in ("parallel", "max_tokens_limit", "max_body_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_queue", "prompt_cache_memory"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name.replace('_', '-')} must be at least 0, got {getattr(self, name)}")
-        if self.kv_memory is not None and self.kv_memory < 1:
-            raise ValueError(f"kv-memory must be a positive number of bytes, got {self.kv_memory}")
+        for name, least in (("parallel", 1), ("max_tokens_limit", 1), ("max_body_bytes", 1), ("max_queue", 0),
+                            ("prompt_cache_memory", 0), ("kv_memory", 1)):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
 
 
 class PromptCaches:

@@ -373,6 +373,13 @@ def test_a_client_that_goes_away_mid_stream_frees_the_model(server):
     assert int(ended.group(1)) < 400
 
 
+@pytest.mark.parametrize("option, value", [("--parallel", "0"), ("--max-queue", "-1"), ("--max-tokens-limit", "0"),
+                                           ("--max-body-bytes", "0")])
+def test_serve_refuses_a_limit_out_of_range_without_a_traceback(option, value, capsys):
+    assert cli.main(["serve", option, value, "--port", "0"]) == 1
+    assert f"{option} must be at least" in capsys.readouterr().err
+
+
 def test_serve_reports_a_missing_model_file_without_a_traceback(tmp_path, capsys):
     assert cli.main(["serve", "--model", str(tmp_path / "missing.gguf"), "--port", "0"]) == 1
     assert "missing.gguf" in capsys.readouterr().err
