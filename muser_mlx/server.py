@@ -48,6 +48,7 @@ from muser_mlx.generate import (DEFAULT_PREFILL_STEP, Sampling, continue_cache, 
 from muser_mlx.models import cpu_decode
 from muser_mlx.tokenizer import TokenizerError
 
+IDLE_SECONDS = 0.5  # the model thread gives memory back once idle this long
 DEFAULT_MAX_TOKENS = 512  # mlx-lm's default; a request may ask for more, up to Limits.max_tokens_limit
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -388,7 +389,9 @@ class ModelService:
     it takes the event loop's commands (a sequence to insert, one whose client went away), runs
     one generator iteration (at most one prefill chunk of a waiting sequence, then one batched
     decode step of the running ones) and hands each sequence's token to its request. When
-    nothing is left to run, the memory freed goes back to the system (_give_back_memory)."""
+    nothing has run for IDLE_SECONDS, the memory freed goes back to the system
+    (_give_back_memory): after the requests' last objects are gone, on every thread, and not
+    between one user's back-to-back requests."""
 
     def __init__(self, path=None, limits: Limits = Limits()):
         self.limits = limits
@@ -502,8 +505,16 @@ class ModelService:
             loaded.set_exception(error)
             return
         loaded.set_result((model, tokenizer, generator))
+        worked = False  # since memory was last given back
         while True:
-            commands = [] if generator.has_work or self._scoring else [self._inbox.get()]
+            commands = []
+            if not (generator.has_work or self._scoring):
+                try:
+                    commands.append(self._inbox.get(timeout=IDLE_SECONDS if worked else None))
+                except queue.Empty:
+                    _give_back_memory()
+                    worked = False
+                    continue
             while True:
                 try:
                     commands.append(self._inbox.get_nowait())
@@ -514,12 +525,11 @@ class ModelService:
             try:
                 for command in commands:
                     command()
+                worked = worked or bool(commands)
                 if self._scoring:
                     self._score_chunk()
                 if generator.has_work:
                     self._step()
-                if not (generator.has_work or self._scoring):  # idle until the next command
-                    _give_back_memory()
             except Exception as error:  # the running sequences end with it; the thread goes on serving
                 log.exception("the model thread failed a step")
                 self._fail_all(error)
@@ -628,9 +638,9 @@ class Admission:
 
 
 def _give_back_memory() -> None:
-    """When the model thread goes idle: the buffers MLX keeps for reuse, and the free pages of
-    the C heap (glibc keeps freed arrays' pages: a tiny model's process stayed at 3x its size
-    after 16 long prompts, and came back with malloc_trim), go back to the system."""
+    """Once the model thread has been idle a while: the buffers MLX keeps for reuse, and the
+    free pages of the C heap (glibc keeps freed arrays' pages: a tiny model's process stayed at
+    3x its size after 16 long prompts, and came back with malloc_trim), go back to the system."""
     mx.clear_cache()
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
