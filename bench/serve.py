@@ -1,16 +1,23 @@
-"""`muser serve`'s prompt cache: a chat's next turn with and without it.
+"""`muser serve` under load, and its prompt cache.
 
-Starts `muser serve` on a model (default: the packaged SmolLM2-135M-Instruct) on a free port,
-then runs a conversation whose system message is long (--history tokens of text; plain-text
-turns through /v1/completions where the file has no chat template): turn 1, then
-turn 2 (turn 1's answer and a new question appended) twice in alternation, with
-`"cache_prompt": false` (the whole prompt read again) and with the cache (turn 1's prompt and
-answer read from it); turn 1 is asked again before each so the cache holds what a chat's
-second turn would find. Each request streams 16 tokens; the figures are the best of --runs:
-time to the first token (what a user waits for) and the whole request, with the server's
-usage counts.
+`load` (the default): the server (default model: the packaged SmolLM2-135M-Instruct) on a free
+port; at each concurrency (1, 8, 16, 64) that many clients stream chat answers at once, each
+`--rounds` requests back to back (16 requests in all at least). Per request: time to the
+first token (TTFT) and the gaps between streamed tokens (inter-token latency); per level:
+their p50 / p95, the aggregate generated tokens/s (all requests' tokens over the level's wall
+time) and the server's resident memory before, at peak and after (idle again).
 
-    python bench/serve.py [--model FILE] [--history 1500] [--runs 3]
+    python bench/serve.py load [--model FILE] [--concurrency 1,8,16,64] [--max-tokens 64] [-- SERVE OPTIONS]
+
+`cache`: a chat's next turn with and without the prompt cache. A conversation whose system
+message is long (--history tokens of text; plain-text turns through /v1/completions where the
+file has no chat template): turn 1, then turn 2 (turn 1's answer and a new question appended)
+twice in alternation, with `"cache_prompt": false` (the whole prompt read again) and with the
+cache (turn 1's prompt and answer read from it); turn 1 is asked again before each so the
+cache holds what a chat's second turn would find. Each request streams 16 tokens; the figures
+are the best of --runs: time to the first token and the whole request, with the usage counts.
+
+    python bench/serve.py cache [--model FILE] [--history 1500] [--runs 3]
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,10 +45,10 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
         "from the north and the south met to exchange salt, grain and cloth. ")
 
 
-def start(model: Path, folder: Path):
+def start(model: Path, folder: Path, options=()):
     out, err = open(folder / "stdout.txt", "w"), open(folder / "stderr.txt", "w")
     process = subprocess.Popen([sys.executable, "-m", "muser_mlx.cli", "serve", "--model", str(model),
-                                "--port", "0"], stdout=out, stderr=err)
+                                "--port", "0", *options], stdout=out, stderr=err)
     deadline = time.monotonic() + 300
     while not (found := re.search(r"at (http://\S+/v1)", (folder / "stdout.txt").read_text())):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -73,12 +84,7 @@ def ask(url: str, turn, cache_prompt: bool, max_tokens: int = 16):
     return first, time.perf_counter() - tic, text, usage
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--history", type=int, default=1500, help="about this many tokens of system text")
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
+def cache(args) -> None:
     model = args.model or packaged.model_path()
     words = len(TEXT.split())
     system = TEXT * max(1, args.history * 3 // (4 * words))  # ~0.75 words a token
@@ -116,6 +122,117 @@ def main() -> None:
               f"{usage['prompt_tokens_details']['cached_tokens']} cached: first token {first * 1e3:7.1f} ms, "
               f"request {whole * 1e3:7.1f} ms")
     print(f"  first token {best[False][0] / best[True][0]:.1f}x sooner with the cache")
+
+
+
+# --- load -----------------------------------------------------------------------------------------
+
+QUESTIONS = ["Name three colours.", "What is the capital of France?", "Write a haiku about rain.",
+             "How do plants make food?", "Explain what a prime number is.", "Give me a tip for sleeping well.",
+             "What is the tallest mountain?", "Why is the sky blue?", "Describe a cat in one sentence.",
+             "What does a compiler do?", "Suggest a name for a dog.", "How far away is the moon?",
+             "What is photosynthesis?", "Tell me a fun fact about octopuses.", "What is 17 times 3?",
+             "Translate 'good morning' into Spanish."]
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of a process (Linux)."""
+    return int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text()).group(1)) * 1024
+
+
+def stream_chat(url: str, question: str, max_tokens: int) -> tuple[float, list[float], int]:
+    """(seconds to the first token, seconds between successive tokens' events, tokens generated)
+    of one streamed chat request."""
+    body = json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+                       "stream": True, "temperature": 0, "stream_options": {"include_usage": True},
+                       "cache_prompt": False}).encode()
+    request = urllib.request.Request(url + "/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    tic = time.perf_counter()
+    times, tokens = [], 0
+    with urllib.request.urlopen(request, timeout=900) as response:
+        for line in response:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            elif event["choices"] and event["choices"][0]["delta"].get("content"):
+                times.append(time.perf_counter())
+    return times[0] - tic, list(np.diff(times)), tokens
+
+
+def level(url: str, pid: int, clients: int, rounds: int, max_tokens: int) -> dict:
+    """`clients` clients at once, each `rounds` requests back to back."""
+    peak, done = [rss(pid)], threading.Event()
+
+    def watch():
+        while not done.wait(0.02):
+            peak.append(rss(pid))
+
+    def client(i: int):
+        return [stream_chat(url, QUESTIONS[(i + r * clients) % len(QUESTIONS)], max_tokens) for r in range(rounds)]
+
+    before = rss(pid)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    tic = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [one for many in pool.map(client, range(clients)) for one in many]
+    wall = time.perf_counter() - tic
+    done.set()
+    watcher.join()
+    time.sleep(1.0)  # the model thread gives memory back once idle
+    ttft = [r[0] for r in results]
+    gaps = [g for r in results for g in r[1]]
+    return {"clients": clients, "requests": len(results), "tokens": sum(r[2] for r in results), "wall": wall,
+            "ttft": np.percentile(ttft, [50, 95]), "itl": np.percentile(gaps, [50, 95]),
+            "rss": (before, max(peak), rss(pid))}
+
+
+def load(args, serve_options: list[str]) -> None:
+    model = args.model or packaged.model_path()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory() as folder:
+        process, url = start(model, Path(folder), serve_options)
+        try:
+            stream_chat(url, "Hello!", 8)  # warm-up: the first step builds what later ones reuse
+            rows = [level(url, process.pid, c, max(1, args.requests // c), args.max_tokens) for c in levels]
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+    print(f"{model.name}: streamed chats of up to {args.max_tokens} tokens (greedy), "
+          f"muser serve {' '.join(serve_options) or '(defaults)'}")
+    print("| clients | requests | TTFT p50 / p95 (ms) | inter-token p50 / p95 (ms) | aggregate tokens/s | "
+          "RSS before / peak / after (MB) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        before, peak, after = (value / 1e6 for value in row["rss"])
+        print(f"| {row['clients']} | {row['requests']} | {row['ttft'][0] * 1e3:,.0f} / {row['ttft'][1] * 1e3:,.0f} | "
+              f"{row['itl'][0] * 1e3:.1f} / {row['itl'][1] * 1e3:.1f} | {row['tokens'] / row['wall']:.1f} | "
+              f"{before:.0f} / {peak:.0f} / {after:.0f} |")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    serve_options = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    modes = parser.add_subparsers(dest="mode")
+    load_parser = modes.add_parser("load", help="TTFT, inter-token latency and tokens/s at several concurrencies")
+    load_parser.add_argument("--concurrency", default="1,8,16,64")
+    load_parser.add_argument("--max-tokens", type=int, default=64)
+    load_parser.add_argument("--requests", type=int, default=16, help="requests a level at least")
+    cache_parser = modes.add_parser("cache", help="a chat's second turn with and without the prompt cache")
+    cache_parser.add_argument("--history", type=int, default=1500, help="about this many tokens of system text")
+    cache_parser.add_argument("--runs", type=int, default=3)
+    for mode in (load_parser, cache_parser):
+        mode.add_argument("--model", type=Path, default=None)
+    args = parser.parse_args(argv if argv and argv[0] in ("load", "cache") else ["load", *argv])
+    if args.mode == "cache":
+        cache(args)
+    else:
+        load(args, serve_options)
 
 
 if __name__ == "__main__":

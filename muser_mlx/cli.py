@@ -16,6 +16,7 @@ from muser_mlx import gguf, packaged
 from muser_mlx.formats import block_format
 from muser_mlx.generate import MODEL_LOCK, continue_cache, load, prefill_chunks, stream_generate, summary
 
+LIMITS = ("parallel", "max_queue", "max_body_bytes", "max_tokens_limit", "kv_memory", "prompt_cache_memory")
 # Metadata keys worth a line each; long arrays are summarised by their length.
 _ARRAY_PREVIEW = 8
 
@@ -102,6 +103,9 @@ def perplexity(model, tokenizer, text: str, context: int, prefill_step: int):
     prefill chunks with a fresh cache; every token after a window's first is predicted from
     the ones before it. Returns (perplexity, tokens scored, seconds). A progress bar counts
     the tokens scored on a terminal (stderr), and nothing is shown elsewhere."""
+    if context < 2:
+        raise ValueError(f"--context must be at least 2 tokens (a window scores each token after its "
+                         f"first), got {context}")
     ids = tokenizer.encode(text)
     if len(ids) < 2:
         raise ValueError("the text has fewer than 2 tokens: nothing to score")
@@ -124,6 +128,40 @@ def perplexity(model, tokenizer, text: str, context: int, prefill_step: int):
                 scored += len(targets)
                 bar.update(len(targets))
     return math.exp(nll / scored), scored, time.perf_counter() - tic
+
+
+def byte_count(text: str) -> int:
+    """A size: bytes, or a number with a unit (KB, MB, GB: powers of 1000; KiB, MiB, GiB: of 1024)."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    number = text.strip().lower().rstrip("bgikm ")
+    unit = text.strip().lower()[len(number):].strip()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GB, 512MiB, 1000000)") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    return int(value)
+
+
+def _add_limits(parser):
+    """`muser serve`'s limits: those given become server.Limits's fields (the others keep its
+    defaults, said here; the web stack is not imported to build the parser)."""
+    given = dict(default=argparse.SUPPRESS)
+    parser.add_argument("--parallel", type=int, **given,
+                        help="sequences decoded together in one batched step (default 8)")
+    parser.add_argument("--max-queue", type=int, **given,
+                        help="requests that may wait for a slot; beyond them a 429 with Retry-After (default 64)")
+    parser.add_argument("--max-body-bytes", type=byte_count, **given,
+                        help="a larger request body gets a 413 (default 16MiB)")
+    parser.add_argument("--max-tokens-limit", type=int, **given,
+                        help="the most tokens one request generates: max_tokens is capped to it (default 4096)")
+    parser.add_argument("--kv-memory", type=byte_count, **given,
+                        help="KV cache the running sequences may hold together, e.g. 2GB; a prompt that does "
+                             "not fit waits for others to finish (default: no bound)")
+    parser.add_argument("--prompt-cache-memory", type=byte_count, **given,
+                        help="finished sequences' caches kept for later prompts, the least recently used "
+                             "dropped (default 256MiB)")
 
 
 def _add_sampling(parser):
@@ -233,6 +271,7 @@ def main(argv=None) -> int:
     serve_parser.add_argument("--model", help="a .gguf file (default: the packaged SmolLM2-135M-Instruct)")
     serve_parser.add_argument("--host", default="127.0.0.1")
     serve_parser.add_argument("--port", type=int, default=8080, help="0: any free port (printed)")
+    _add_limits(serve_parser)
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -245,8 +284,9 @@ def main(argv=None) -> int:
         elif args.command == "perplexity":
             run_perplexity(args)
         elif args.command == "serve":
-            from muser_mlx.server import serve  # the web stack loads only for this command
-            serve(args.model, args.host, args.port)
+            from muser_mlx.server import Limits, serve  # the web stack loads only for this command
+            limits = Limits(**{name: value for name, value in vars(args).items() if name in LIMITS})
+            serve(args.model, args.host, args.port, limits)
     except (ValueError, packaged.ModelNotInstalledError, FileNotFoundError) as error:
         print(f"muser: {error}", file=sys.stderr)
         return 1

@@ -3,27 +3,35 @@
 GET /v1/models (and /v1/models/{id}), POST /v1/chat/completions and POST /v1/completions, and
 llama.cpp's GET /health, POST /tokenize and /detokenize; `"stream": true` answers
 with server-sent events; logprobs (chat: logprobs/top_logprobs; completions: logprobs, echo);
-a chat's tools through its template, tool calls in the answer as `tool_calls`. One model per process: requests take their turn in arrival order, and
-one thread runs the model (MLX evaluation is not made for concurrent threads). A client that
-goes away stops its generation at the next token, which frees the model for the next request.
-The last request's cache is kept: a request that starts with what it holds runs only the rest
-(`usage.prompt_tokens_details.cached_tokens`; `"cache_prompt": false` reads it all again).
-A bad request gets a 4xx with OpenAI's error body, {"error": {"message", "type", "param",
-"code"}}, and the server goes on serving.
+a chat's tools through its template, tool calls in the answer as `tool_calls`.
+One model per process and one thread that runs it (MLX evaluation is not made for concurrent
+threads): a scheduler loop over the batch generator, up to `Limits.parallel` sequences decoded
+together, the others waiting (`Limits.max_queue` of them; then a 429). A client that goes away
+frees its slot at the next step. Finished requests' caches are kept (`PromptCaches`): a request
+that starts with one's prompt runs only the rest (`usage.prompt_tokens_details.cached_tokens`;
+`"cache_prompt": false` reads it all again). JSON, templates and tokenizing run on text
+threads, never on the event loop. A bad request gets a 4xx with OpenAI's error body,
+{"error": {"message", "type", "param", "code"}}, and the server goes on serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
+import queue
 import socket
+import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -34,11 +42,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from muser_mlx.generate import (DEFAULT_PREFILL_STEP, MODEL_LOCK, Sampling, continue_cache, load, stop_overlap,
-                                prefill_chunks, stream_generate)
+from muser_mlx.cache import common_prefix
+from muser_mlx.generate import (DEFAULT_PREFILL_STEP, Sampling, continue_cache, load, prefill_chunks, stop_overlap,
+                                stream_generate)
+from muser_mlx.models import cpu_decode
 from muser_mlx.tokenizer import TokenizerError
 
-DEFAULT_MAX_TOKENS = 512  # mlx-lm's default; a request may ask for up to the context
+IDLE_SECONDS = 0.5  # the model thread gives memory back once idle this long
+DEFAULT_MAX_TOKENS = 512  # mlx-lm's default; a request may ask for more, up to Limits.max_tokens_limit
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: one stream, one format
@@ -48,17 +59,17 @@ class RequestError(Exception):
     """A request the server refuses (a 4xx): becomes an OpenAI-style error response."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None):
+                 code: str | None = None, kind: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
-        self.param, self.status, self.code = param, status, code
+        self.param, self.status, self.code, self.kind, self.headers = param, status, code, kind, headers
 
     def response(self) -> JSONResponse:
-        return error_response(str(self), self.status, "invalid_request_error", self.param, self.code)
+        return error_response(str(self), self.status, self.kind, self.param, self.code, self.headers)
 
 
-def error_response(message: str, status: int, kind: str, param=None, code=None) -> JSONResponse:
+def error_response(message: str, status: int, kind: str, param=None, code=None, headers=None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 # --- reading requests ---------------------------------------------------------------------------
@@ -74,12 +85,12 @@ def _typed(body: dict, name: str, kinds: tuple, what: str):
     return value
 
 
-def generation_options(body: dict, context: int, least: int = 1) -> dict:
-    """stream_generate's keywords from a request body: max_tokens (at least `least`), stop, seed
-    and sampling."""
+def generation_options(body: dict, least: int = 1) -> dict:
+    """The generator's keywords from a request body: max_tokens (at least `least`; capped later,
+    ModelService.capped), stop, seed and sampling."""
     max_tokens = _typed(body, "max_completion_tokens", (int,), "an integer")
     max_tokens = _typed(body, "max_tokens", (int,), "an integer") if max_tokens is None else max_tokens
-    max_tokens = min(DEFAULT_MAX_TOKENS, context) if max_tokens is None else max_tokens
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     if max_tokens < least:
         raise RequestError(f"'max_tokens' must be at least {least}{' (0 only with echo)' if least else ''}, "
                            f"got {max_tokens}", "max_tokens")
@@ -297,21 +308,126 @@ def completion_logprobs(tokenizer, tokens: list[int], entries: list, offset: int
     return out
 
 
-class ModelService:
-    """The one model of this process, lent to one request at a time, in arrival order. One
-    thread loads it and runs every step: MLX streams belong to the thread that made them, and
-    a loaded model still holds lazy arrays built on the loading thread's stream."""
+@dataclass(frozen=True)
+class Limits:
+    """What one server takes on: `muser serve`'s options."""
+    parallel: int = 8  # sequences decoded together (the generator's max_batch)
+    max_queue: int = 64  # requests that may wait for a slot; beyond them a 429
+    max_body_bytes: int = 16 * 2**20  # a request body beyond this gets a 413
+    max_tokens_limit: int = 4096  # no request generates more tokens than this
+    kv_memory: int | None = None  # bytes of KV cache the running sequences hold together (None: no bound)
+    prompt_cache_memory: int = 256 * 2**20  # bytes of finished sequences' caches kept for later prompts
 
-    def __init__(self, path=None):
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="muser-model")
-        self.model, self.tokenizer = self._thread.submit(load, path).result()
+    def __post_init__(self):
+        for name, least in (("parallel", 1), ("max_tokens_limit", 1), ("max_body_bytes", 1), ("max_queue", 0),
+                            ("prompt_cache_memory", 0), ("kv_memory", 1)):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+
+
+class PromptCaches:
+    """Finished sequences' KV caches, each with the ids it holds (a prompt and its answer but
+    the last token), kept within `budget` bytes; the least recently used goes first.
+    take(ids) hands out, of the entries whose whole prompt a new prompt starts with, the one
+    that shares the longest prefix with it (the answer part may differ: a re-rendered answer
+    that tokenizes otherwise, text cut at a stop string). So each user's next turn finds their
+    own history, and a prompt that shares only a system message with another user's starts
+    afresh rather than cutting that user's cache down to it (a cache cannot be copied here; mlx-lm's
+    LRU prompt cache reuses only prefixes too). A cache handed out leaves the store (the
+    sequence extends it in place); put() brings back the finished one. Model thread only."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        # ids held, prompt tokens among them, cache, bytes; oldest use first
+        self._entries: OrderedDict[int, tuple[list[int], int, list, int]] = OrderedDict()
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry[3] for entry in self._entries.values())
+
+    def take(self, ids: list[int]) -> tuple[list | None, list[int]]:
+        """(cache, the ids it holds) of the best entry for a prompt `ids`, or (None, [])."""
+        best, shared = None, 0
+        for key, (held, prompt_tokens, _, _) in self._entries.items():
+            common = common_prefix(held, ids)
+            if common >= prompt_tokens and common > shared:
+                best, shared = key, common
+        if best is None:
+            return None, []
+        held, _, cache, _ = self._entries.pop(best)
+        return cache, held
+
+    def put(self, ids: list[int], prompt_tokens: int, cache: list) -> None:
+        """Keep `cache`, which holds `ids`, the first `prompt_tokens` of them its prompt."""
+        nbytes = sum(layer_cache.nbytes for layer_cache in cache)
+        if not ids or nbytes > self.budget:
+            return
+        self._entries[self._next] = (list(ids), prompt_tokens, cache, nbytes)
+        self._next += 1
+        while self.nbytes > self.budget:
+            self._entries.popitem(last=False)
+
+
+@dataclass
+class Sequence:
+    """One request's generation as the event loop and the model thread share it: the model
+    thread inserts it into the generator (uid) and delivers each step's (response, TokenLogprob
+    or None), or the exception that ended it, through `deliver` (thread-safe)."""
+    ids: list[int]
+    options: dict  # max_tokens, stop, seed and sampling
+    reuse: bool  # start from the prompt cache
+    top: int | None  # logprobs with this many alternatives (None: none)
+    deliver: Callable
+    uid: int | None = None
+
+
+class ModelService:
+    """The one model of this process and the thread that runs it. The model thread loads the
+    model (MLX streams belong to the thread that made them) and then runs the scheduler loop:
+    it takes the event loop's commands (a sequence to insert, one whose client went away), runs
+    one generator iteration (at most one prefill chunk of a waiting sequence, then one batched
+    decode step of the running ones) and hands each sequence's token to its request. When
+    nothing has run for IDLE_SECONDS, the memory freed goes back to the system
+    (_give_back_memory): after the requests' last objects are gone, on every thread, and not
+    between one user's back-to-back requests."""
+
+    def __init__(self, path=None, limits: Limits = Limits()):
+        self.limits = limits
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # callables for the model thread; None: stop
+        self._running: dict[int, Sequence] = {}  # by uid, model thread only
+        self._scoring: list = []  # echo scoring jobs (generators, a chunk a step), model thread only
+        self._prompt_caches = PromptCaches(limits.prompt_cache_memory)
+        self.active = 0  # requests admitted and not yet answered (event loop only)
+        loaded = Future()
+        self._thread = threading.Thread(target=self._run, args=(path, loaded), name="muser-model", daemon=True)
+        self._thread.start()
+        self.model, self.tokenizer, self._generator = loaded.result()
         self.model_id = Path(self.model.file.path).stem
         self.created = int(time.time())
-        self._turn = asyncio.Lock()  # fair: waiters are served first come, first served
-        # The prompt cache: the last request's cache and the ids it holds (its prompt and the
-        # tokens it generated but the last). A request that starts with some of them feeds
-        # only the rest (llama.cpp's `cache_prompt`, mlx-lm's prompt cache). Model thread only.
-        self._cache, self._cached = None, []
+        # A token covers at most this many bytes of text: a text longer than context x this
+        # cannot fit and is refused before it is tokenized.
+        self.max_token_bytes = max(4, max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size)))
+        self.text = ThreadPoolExecutor(max_workers=2, thread_name_prefix="muser-text")  # JSON, tokenizing
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+        self.text.shutdown(wait=False)
+
+    # --- the event loop's side
+
+    def admit(self) -> "Admission":
+        """A request's place among those the server takes on (parallel slots + max_queue
+        waiting), or a 429 saying when to try again."""
+        if self.active >= self.limits.parallel + self.limits.max_queue:
+            raise RequestError(f"the server is busy: {self.active} requests are running or waiting "
+                               f"(--parallel {self.limits.parallel}, --max-queue {self.limits.max_queue}); "
+                               f"try again shortly", status=429, code="rate_limit_exceeded",
+                               kind="requests", headers={"Retry-After": "1"})
+        self.active += 1
+        return Admission(self)
 
     def checked_prompt(self, ids: list[int], param: str) -> list[int]:
         context = self.model.config.context
@@ -323,86 +439,314 @@ class ModelService:
                                f"tokens", param, code="context_length_exceeded")
         return ids
 
-    async def responses(self, ids: list[int], options: dict, reuse: bool = True, top: int | None = None):
-        """(response, cached, logprob) triples: stream_generate's responses, one model-thread
-        step each; how many of the prompt's ids came from the prompt cache (reuse=False: none);
-        the token's TokenLogprob with `top` alternatives (None: not asked for).
-        Closing this generator (the client went away) stops the generation: its close is queued
-        behind the step in flight, and the next request's steps behind that."""
+    def check_text(self, text: str, param: str) -> None:
+        """Refuses, before tokenizing, a text too long to fit the context whatever its tokens."""
+        context = self.model.config.context
+        if len(text) > context * self.max_token_bytes:  # characters <= UTF-8 bytes
+            raise RequestError(f"the prompt is {len(text):,} characters: more than the model's context of "
+                               f"{context} tokens can hold ({self.max_token_bytes} bytes a token at most)",
+                               param, code="context_length_exceeded")
+
+    def capped(self, options: dict, prompt_tokens: int) -> dict:
+        """options with max_tokens at most the server's limit and what the context has room for
+        after the prompt (its last position's logits choose the first token)."""
+        room = self.model.config.context - prompt_tokens + 1
+        return {**options, "max_tokens": min(options["max_tokens"], self.limits.max_tokens_limit, room)}
+
+    async def in_text_thread(self, function, *args, **kwargs):
+        """function(*args, **kwargs) on a text thread: JSON, tokenizing and templating stay off
+        the event loop (the tokenizer's own work releases the GIL)."""
         loop = asyncio.get_running_loop()
-        async with self._turn:
-            steps, kept = await loop.run_in_executor(self._thread, self._begin, ids, options, reuse)
-            tokens, failed = [], True
-            try:
-                while (step := await loop.run_in_executor(self._thread, self._next, steps, top)) is not None:
-                    tokens.append(step[0].token)
-                    yield step[0], kept, step[1]
-                failed = False
-            except GeneratorExit:  # closed by its reader: the generation stops cleanly
-                failed = False
-                raise
-            finally:
-                self._thread.submit(self._end, steps, ids + tokens[:-1], failed)
+        return await loop.run_in_executor(self.text, partial(function, *args, **kwargs))
 
-    def _begin(self, ids: list[int], options: dict, reuse: bool):
-        """On the model thread: the generator of a request's steps, fed the part of its prompt
-        the prompt cache does not hold, and the length of the part it does."""
-        cache, kept = continue_cache(self.model, self._cache if reuse else None, self._cached, ids)
-        self._cache, self._cached = cache, ids[:kept]
-        steps = stream_generate(self.model, self.tokenizer, ids[kept:], cache=cache, cached_ids=ids[:kept],
-                                **options)
-        return steps, kept
-
-    def _next(self, steps, top: int | None):
-        """On the model thread: the next response and, if asked for, its token's logprob."""
-        response = next(steps, None)
-        if response is None:
-            return None
-        if top is None:
-            return response, None
-        with MODEL_LOCK:
-            return response, token_logprobs(response.logprobs[None], [response.token], top)[0]
+    async def responses(self, ids: list[int], options: dict, reuse: bool = True, top: int | None = None):
+        """(response, cached, logprob) triples, one per generated token: the generator's
+        BatchResponse, how many of the prompt's ids came from a prompt cache (reuse=False: none)
+        and the token's TokenLogprob with `top` alternatives (None: not asked for).
+        Closing this generator before the last token (the client went away) removes the
+        sequence: its slot is free at the next step."""
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+        sequence = Sequence(ids, options, reuse, top, partial(_deliver, loop, items))
+        self._inbox.put(partial(self._insert, sequence))
+        finished = False
+        try:
+            while True:
+                item = await items.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                response, entry = item
+                finished = response.finish_reason is not None
+                yield response, response.cached_tokens, entry
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(partial(self._remove, sequence))
 
     async def prompt_logprobs(self, ids: list[int], top: int) -> list:
         """Each prompt token's TokenLogprob given the tokens before it (None for the first),
-        from a forward pass of its own (prefill chunks, every row through the LM head)."""
+        from a forward pass of its own (prefill chunks, every row through the LM head; a chunk
+        a scheduler iteration, between the running sequences' steps)."""
         loop = asyncio.get_running_loop()
-        async with self._turn:
-            return await loop.run_in_executor(self._thread, self._score, ids, top)
+        done = loop.create_future()
+        self._inbox.put(partial(self._scoring.append, (self._score(ids, top), loop, done)))
+        return await done
 
-    def _score(self, ids: list[int], top: int, chunk: int = DEFAULT_PREFILL_STEP) -> list:
+    # --- the model thread
+
+    def _run(self, path, loaded: Future) -> None:
+        try:
+            model, tokenizer = load(path)
+            generator = BatchGenerator(model, tokenizer, max_batch=self.limits.parallel,
+                                       kv_memory=self.limits.kv_memory)
+        except BaseException as error:
+            loaded.set_exception(error)
+            return
+        loaded.set_result((model, tokenizer, generator))
+        worked = False  # since memory was last given back
+        while True:
+            commands = []
+            if not (generator.has_work or self._scoring):
+                try:
+                    commands.append(self._inbox.get(timeout=IDLE_SECONDS if worked else None))
+                except queue.Empty:
+                    _give_back_memory()
+                    worked = False
+                    continue
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if None in commands:
+                return
+            try:
+                for command in commands:
+                    command()
+                worked = worked or bool(commands)
+                if self._scoring:
+                    self._score_chunk()
+                if generator.has_work:
+                    self._step()
+            except Exception as error:  # the running sequences end with it; the thread goes on serving
+                log.exception("the model thread failed a step")
+                self._fail_all(error)
+
+    def _insert(self, sequence: Sequence) -> None:
+        cache, cached = self._prompt_caches.take(sequence.ids) if sequence.reuse else (None, [])
+        kept = 0
+        if cache is not None:
+            cache, kept = continue_cache(self.model, cache, cached, sequence.ids)
+        try:
+            sequence.uid = self._generator.insert(sequence.ids, cache=cache if kept else None,
+                                                  cached_ids=sequence.ids[:kept] if kept else None,
+                                                  **sequence.options)
+        except ValueError as error:  # a setting the generator refuses
+            sequence.deliver(RequestError(str(error)))
+            return
+        except Exception as error:
+            log.exception("inserting a sequence failed")
+            sequence.deliver(error)
+            return
+        self._running[sequence.uid] = sequence
+
+    def _remove(self, sequence: Sequence) -> None:
+        if self._running.pop(sequence.uid, None) is not None:
+            self._generator.remove(sequence.uid)
+
+    def _step(self) -> None:
+        for response in self._generator.next():
+            sequence = self._running.get(response.uid)
+            if sequence is None:
+                continue
+            entry = None
+            if sequence.top is not None:
+                entry = token_logprobs(response.logprobs[None], [response.token], sequence.top)[0]
+            # The event loop gets no MLX arrays: a finished sequence's cache is kept (or freed)
+            # here, not when its request has been answered, after the idle model thread has
+            # given memory back.
+            sequence.deliver((replace(response, logprobs=None, cache=None, cached_ids=None), entry))
+            if response.finish_reason is not None:
+                del self._running[response.uid]
+                if response.cache is not None:
+                    self._prompt_caches.put(response.cached_ids, len(sequence.ids), response.cache)
+
+    def _fail_all(self, error: Exception) -> None:
+        """End every running sequence and scoring job with `error`."""
+        running, self._running = self._running, {}
+        for uid, sequence in running.items():
+            try:
+                self._generator.remove(uid)
+            finally:
+                sequence.deliver(error)
+        for _, loop, done in self._scoring:
+            loop.call_soon_threadsafe(lambda done=done: done.cancelled() or done.set_exception(error))
+        self._scoring.clear()
+
+    def _score(self, ids: list[int], top: int, chunk: int = DEFAULT_PREFILL_STEP):
+        """prompt_logprobs' pass, a generator: each next() runs one prefill chunk; the last
+        returns the entries."""
         entries, cache = [None], self.model.make_cache()
-        with MODEL_LOCK:
-            for start, end in prefill_chunks(len(ids) - 1, chunk):
-                piece = ids[start:end]
-                logits = self.model(mx.array([piece], dtype=mx.int32), cache)[0]
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                entries += token_logprobs(logprobs, ids[start + 1 : start + 1 + len(piece)], top)
+        for start, end in prefill_chunks(len(ids) - 1, chunk):
+            piece = ids[start:end]
+            logits = self.model(mx.array([piece], dtype=mx.int32), cache)[0]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            entries += token_logprobs(logprobs, ids[start + 1 : start + 1 + len(piece)], top)
+            yield
         return entries
 
-    def _end(self, steps, fed: list[int], failed: bool) -> None:
-        """On the model thread: close the steps (the one fed ahead of the last token is taken
-        back) and keep the cache for the next request, if it holds exactly `fed`."""
-        steps.close()
-        if failed or any(c.offset != len(fed) for c in self._cache):
-            self._cache, self._cached = None, []
-        else:
-            self._cached = fed
+    def _score_chunk(self) -> None:
+        job, loop, done = self._scoring[0]
+        try:
+            next(job)
+            return
+        except StopIteration as end:
+            result = end.value
+        except Exception as error:
+            log.exception("scoring a prompt failed")
+            result = error
+        self._scoring.pop(0)
+        setter = done.set_exception if isinstance(result, Exception) else done.set_result
+        loop.call_soon_threadsafe(lambda: done.cancelled() or setter(result))
+
+
+class Admission:
+    """A request's place in the server (ModelService.admit): given back once, when its answer
+    ends. A streamed answer outlives its route, so the stream takes it over (hand_over())."""
+
+    def __init__(self, service: ModelService):
+        self._service, self._held = service, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._service.active -= 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def hand_over(self) -> "Admission":
+        """This admission for a stream to release; the route's own exit then leaves it be."""
+        taken = Admission(self._service)
+        taken._held, self._held = self._held, False
+        return taken
+
+
+def _give_back_memory() -> None:
+    """Once the model thread has been idle a while: the buffers MLX keeps for reuse, and the
+    free pages of the C heap (glibc keeps freed arrays' pages: a tiny model's process stayed at
+    3x its size after 16 long prompts, and came back with malloc_trim), go back to the system."""
+    mx.clear_cache()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _glibc()
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, items: asyncio.Queue, item) -> None:
+    """From the model thread: `item` into a request's queue (nothing once the loop is closed)."""
+    try:
+        loop.call_soon_threadsafe(items.put_nowait, item)
+    except RuntimeError:
+        pass
+
+
+# --- until muser_mlx/batch.py: its BatchGenerator's contract over stream_generate ---------------
+
+@dataclass
+class BatchResponse:
+    uid: int
+    token: int
+    text: str
+    logprobs: mx.array
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    generation_tokens: int
+    cache: list | None = None
+    cached_ids: list | None = None
+
+
+class BatchGenerator:
+    """BatchGenerator's interface, each sequence its own stream_generate: next() takes one token
+    from each of up to max_batch running ones (a waiting one's first next() reads its whole prompt)."""
+
+    def __init__(self, model, tokenizer, *, max_batch=8, prefill_step_size=DEFAULT_PREFILL_STEP, kv_memory=None):
+        self.model, self.tokenizer, self.max_batch, self.step = model, tokenizer, max_batch, prefill_step_size
+        self._waiting, self._running, self._uid = {}, {}, 0
+
+    def insert(self, prompt, max_tokens=256, *, stop=None, seed=None, cache=None, cached_ids=None, **sampling):
+        Sampling(**sampling)
+        self._uid += 1
+        self._waiting[self._uid] = (prompt, dict(max_tokens=max_tokens, stop=stop, seed=seed, **sampling),
+                                    cache, list(cached_ids or []))
+        return self._uid
+
+    def remove(self, uid):
+        self._waiting.pop(uid, None)
+        running = self._running.pop(uid, None)
+        if running is not None:
+            running[0].close()
+
+    @property
+    def has_work(self):
+        return bool(self._waiting or self._running)
+
+    def next(self):
+        while self._waiting and len(self._running) < self.max_batch:
+            uid = next(iter(self._waiting))
+            prompt, options, cache, cached = self._waiting.pop(uid)
+            cache = cache if cache is not None else cpu_decode.generation_cache(self.model)
+            steps = stream_generate(self.model, self.tokenizer, prompt[len(cached):], cache=cache,
+                                    cached_ids=cached, prefill_step_size=self.step, **options)
+            self._running[uid] = (steps, cache, prompt, len(cached), [])
+        out = []
+        for uid, (steps, cache, prompt, kept, tokens) in list(self._running.items()):
+            response = next(steps)
+            tokens.append(response.token)
+            out.append(BatchResponse(uid, response.token, response.text, response.logprobs,
+                                     response.finish_reason, len(prompt), kept, response.generation_tokens))
+            if response.finish_reason is not None:
+                del self._running[uid]
+                out[-1].cache, out[-1].cached_ids = cache, prompt + tokens[:-1]
+        return out
 
 
 # --- routes -----------------------------------------------------------------------------------------
 
 class EventStream(StreamingResponse):
-    """Server-sent events whose source is closed however the response ends: Starlette cancels
-    a stream whose client disconnects but leaves its iterator suspended."""
+    """Server-sent events whose source is closed however the response ends (Starlette cancels
+    a stream whose client disconnects but leaves its iterator suspended), and the request's
+    admission given back then."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, events, admission: Admission, **kwargs):
+        super().__init__(events, **kwargs)
+        self.admission = admission
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self.admission.release()
 
 
 def _event(payload) -> str:
@@ -437,7 +781,8 @@ def create_app(service: ModelService) -> Starlette:
         if content is None:
             raise RequestError("'content' must be a string", "content")
         add_special = _typed(body, "add_special", (bool,), "true or false")
-        return JSONResponse({"tokens": tokenizer.encode(content, add_special_tokens=bool(add_special))})
+        return JSONResponse({"tokens": await service.in_text_thread(tokenizer.encode, content,
+                                                                     add_special_tokens=bool(add_special))})
 
     async def detokenize(request: Request):
         """llama.cpp's /detokenize: {"tokens": ids} -> {"content": text}."""
@@ -449,28 +794,40 @@ def create_app(service: ModelService) -> Starlette:
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary ({tokenizer.vocab_size} tokens)",
                                "tokens")
-        return JSONResponse({"content": tokenizer.decode(ids)})
+        return JSONResponse({"content": await service.in_text_thread(tokenizer.decode, ids)})
 
     async def chat_completions(request: Request):
-        body = await _body(request)
-        options = generation_options(body, model.config.context)
-        top, _ = logprob_options(body, chat=True)
-        tools = chat_tools(body)
-        try:
-            ids = tokenizer.apply_chat_template(chat_messages(body), tokenize=True,
-                                                **({"tools": tools} if tools else {}))
-        except TokenizerError as error:
-            raise RequestError(str(error), "messages") from None
-        return await _complete(request, body, service.checked_prompt(ids, "messages"), options, True, top,
-                               tools=tools is not None)
+        with service.admit() as admission:
+            body = await _body(request)
+            options = generation_options(body)
+            top, _ = logprob_options(body, chat=True)
+            tools = chat_tools(body)
+            messages = chat_messages(body)
+
+            def rendered() -> list[int]:
+                text = tokenizer.apply_chat_template(messages, **({"tools": tools} if tools else {}))
+                service.check_text(text, "messages")
+                return tokenizer.encode(text, add_special_tokens=False, parse_special=True)
+
+            try:
+                ids = await service.in_text_thread(rendered)
+            except TokenizerError as error:
+                raise RequestError(str(error), "messages") from None
+            return await _complete(request, admission, body, service.checked_prompt(ids, "messages"), options,
+                                   True, top, tools=tools is not None)
 
     async def completions(request: Request):
+        with service.admit() as admission:
+            return await _completion(request, admission)
+
+    async def _completion(request: Request, admission: Admission):
         body = await _body(request)
         top, echo = logprob_options(body, chat=False)
-        options = generation_options(body, model.config.context, least=0 if echo else 1)
+        options = generation_options(body, least=0 if echo else 1)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt)
+            service.check_text(prompt, "prompt")
+            ids = await service.in_text_thread(tokenizer.encode, prompt)
         elif (isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool)
                                                for i in prompt)):
             bad = [i for i in prompt if not 0 <= i < model.config.vocab]
@@ -481,16 +838,30 @@ def create_app(service: ModelService) -> Starlette:
         else:
             raise RequestError("'prompt' must be a string or a list of token ids", "prompt")
         echoed = None
-        if echo:  # the prompt's text, and its tokens' logprobs if asked for
-            echoed = (prompt if isinstance(prompt, str) else tokenizer.decode(ids), None)
         ids = service.checked_prompt(ids, "prompt")
+        if echo:  # the prompt's text, and its tokens' logprobs if asked for
+            echoed = (prompt if isinstance(prompt, str) else await service.in_text_thread(tokenizer.decode, ids), None)
         if echo and top is not None:
             echoed = (echoed[0], completion_logprobs(tokenizer, ids, await service.prompt_logprobs(ids, top)))
-        return await _complete(request, body, ids, options, False, top, echoed)
+        return await _complete(request, admission, body, ids, options, False, top, echoed)
 
     async def _body(request: Request) -> dict:
+        """The request's JSON object, read up to the body limit (413 beyond it) and parsed on a
+        text thread."""
+        limit = service.limits.max_body_bytes
+        too_large = RequestError(f"the request body is larger than this server takes ({limit:,} bytes; "
+                                 f"muser serve --max-body-bytes)", status=413, code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
         try:
-            body = json.loads(await request.body())
+            body = await service.in_text_thread(json.loads, b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise RequestError(f"the request body is not valid JSON: {error}") from None
         if not isinstance(body, dict):
@@ -500,12 +871,13 @@ def create_app(service: ModelService) -> Starlette:
             served(name)
         return body
 
-    async def _complete(request: Request, body: dict, ids: list[int], options: dict, chat: bool,
-                        top: int | None, echoed: tuple | None = None, tools: bool = False):
+    async def _complete(request: Request, admission: Admission, body: dict, ids: list[int], options: dict,
+                        chat: bool, top: int | None, echoed: tuple | None = None, tools: bool = False):
         """Run a request and answer it. top: logprobs with that many alternatives (None: none);
         echoed: (text, logprobs or None) of a completion's prompt to put before its answer;
         tools: a chat with tools, whose answer's tool calls become `tool_calls`."""
         kind = "chat.completion" if chat else "text_completion"
+        options = service.capped(options, len(ids))
         reuse = _typed(body, "cache_prompt", (bool,), "true or false") is not False
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
                 "created": int(time.time()), "model": model_id}
@@ -513,17 +885,29 @@ def create_app(service: ModelService) -> Starlette:
             stream_options = _typed(body, "stream_options", (dict,), "an object") or {}
             usage = _typed(stream_options, "include_usage", (bool,), "true or false")
             events = _stream(head, ids, options, reuse, chat, usage, top, echoed, tools)
-            return EventStream(events, headers={"Cache-Control": "no-cache"})
+            return EventStream(events, admission.hand_over(), headers={"Cache-Control": "no-cache"})
         text, last, cached, tokens, entries = "", None, 0, [], []
-        if options["max_tokens"] > 0:
+
+        async def collect():
+            nonlocal text, last, cached
             async with aclosing(service.responses(ids, options, reuse, top)) as responses:
                 async for last, cached, entry in responses:
                     text += last.text
                     tokens.append(last.token)
                     entries.append(entry)
-                    if await request.is_disconnected():
-                        _log(head, len(ids), last, "client gone")
-                        return JSONResponse({})  # nobody to read it
+
+        if options["max_tokens"] > 0:
+            # The client may go away while its request waits for a slot or runs: the request
+            # ends then (its sequence is removed), not at its last token.
+            collector, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+            await asyncio.wait({collector, gone}, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if not collector.done():
+                collector.cancel()
+                await asyncio.gather(collector, return_exceptions=True)
+                _log(head, len(ids), last, "client gone")
+                return JSONResponse({})  # nobody to read it
+            collector.result()
         finish = last.finish_reason if last else "length"
         _log(head, len(ids), last, finish)
         if chat:
@@ -607,6 +991,8 @@ def create_app(service: ModelService) -> Starlette:
             _log(head, len(ids), last, ended or "client gone")
 
     async def refused(request: Request, error: RequestError):
+        if error.status >= 429:
+            log.info("refused %s %s: %d %s", request.method, request.url.path, error.status, error.code)
         return error.response()
 
     async def http_error(request: Request, error: HTTPException):
@@ -620,6 +1006,12 @@ def create_app(service: ModelService) -> Starlette:
               Route("/tokenize", tokenize, methods=["POST"]),  # llama.cpp's
               Route("/detokenize", detokenize, methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={RequestError: refused, HTTPException: http_error})
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client of a request whose body has been read goes away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(prompt_tokens: int, cached: int, last) -> dict:
@@ -642,13 +1034,17 @@ def _log(head: dict, prompt_tokens: int, last, ended) -> None:
 
 # --- the process ----------------------------------------------------------------------------------
 
-def serve(path=None, host: str = "127.0.0.1", port: int = 8080) -> None:
+def serve(path=None, host: str = "127.0.0.1", port: int = 8080, limits: Limits = Limits()) -> None:
     """Load the model, listen on host:port (0: any free port) and serve until interrupted.
     The address is printed once the socket listens (connections wait until uvicorn runs)."""
     import uvicorn
 
-    service = ModelService(path)
+    service = ModelService(path, limits)
     listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # Accepted connections inherit this: without it a response's second write (its body, an
+    # event of a stream) waits for the client's delayed ACK of the first on a kept-alive
+    # connection, ~40 ms on Linux, every response of an OpenAI client.
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     host, port = listener.getsockname()[:2]
     print(f"muser serve: {service.model_id} at http://{host}:{port}/v1", flush=True)
     config = uvicorn.Config(create_app(service), log_level="info")

@@ -1,5 +1,6 @@
 """`muser inspect`: the tensor table and the embedding's byte accounting; clear errors."""
 
+import argparse
 import re
 
 import mlx.core as mx
@@ -109,6 +110,26 @@ def test_perplexity_prints_a_value_and_speed(tiny_path, tmp_path, capsys):
                  "--context", "64", "--prefill-step", "16"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("perplexity ") and "tokens/s" in out
+
+
+@pytest.mark.parametrize("context", ["0", "1", "-5"])
+def test_perplexity_refuses_a_context_below_two_tokens_without_a_traceback(tiny_path, tmp_path, capsys, context):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog")
+    assert cli.main(["perplexity", "--model", str(tiny_path), "--text-file", str(text), "--context", context]) == 1
+    assert "--context must be at least 2 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, size", [("1000", 1000), ("4KiB", 4096), ("2GB", 2 * 10**9), ("1.5 MiB", 3 * 2**19),
+                                        ("512mib", 512 * 2**20)])
+def test_byte_counts_read_units(text, size):
+    assert cli.byte_count(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GB", "4 parsecs", "-1", "nan"])
+def test_byte_counts_refuse_what_is_not_a_size(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.byte_count(text)
 
 
 def test_perplexity_matches_the_reference_forward(tiny_path):

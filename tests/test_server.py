@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from muser_mlx import cli
 
 pytest.importorskip("starlette")  # the server's web stack ([serve] extra): absent on the GPU machine
 from muser_mlx import server as server_module  # noqa: E402
-from muser_mlx.generate import GenerationResponse, continue_cache, generate, load, stream_generate  # noqa: E402
+from muser_mlx.generate import continue_cache, generate, load, stream_generate  # noqa: E402
 from muser_mlx.models import cpu_decode  # noqa: E402
 from muser_mlx.testing import tiny_model  # noqa: E402
 
@@ -36,43 +37,57 @@ class Server:
     url: str  # http://127.0.0.1:PORT/v1
     log: Path  # the server's stderr: one line per request it ends
     model_path: Path
+    pid: int
 
     def client(self):
         return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=60)
 
-    def post(self, route: str, body: bytes | None, method="POST", root=False) -> tuple[int, dict]:
+    def post(self, route: str, body: bytes | None, method="POST", root=False, headers=None) -> tuple[int, dict]:
         """(status, JSON answer) of a request to /v1 + route (root: to route at the server's root)."""
+        status, answer, _ = self.request(route, body, method, root, headers)
+        return status, answer
+
+    def request(self, route: str, body: bytes | None, method="POST", root=False, headers=None):
+        """(status, JSON answer, response headers) of a request to /v1 + route (root: at the root)."""
         base = self.url.removesuffix("/v1") if root else self.url
         request = urllib.request.Request(base + route, data=body, method=method,
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
-                return response.status, json.loads(response.read())
+                return response.status, json.loads(response.read()), response.headers
         except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read())
+            return error.code, json.loads(error.read()), error.headers
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`muser serve` on a tiny llama model (a real byte-level BPE vocabulary and chat
-    template), listening on a port the OS picks; stopped after the module's tests."""
-    folder = tmp_path_factory.mktemp("serve")
-    model_path = tiny_model(folder / "tiny.gguf", "llama", np.random.default_rng(0), weights="Q8_0",
-                            context=4096)
+@contextmanager
+def serving(model_path: Path, folder: Path, *options: str):
+    """`muser serve` on `model_path` with `options`, listening on a port the OS picks; a
+    Server until the block ends, then stopped."""
     out, log = folder / "stdout.txt", folder / "stderr.txt"
     with open(out, "w") as stdout, open(log, "w") as stderr:
         process = subprocess.Popen([sys.executable, "-m", "muser_mlx.cli", "serve", "--model", str(model_path),
-                                    "--port", "0"], stdout=stdout, stderr=stderr)
+                                    "--port", "0", *options], stdout=stdout, stderr=stderr)
     try:
         deadline = time.monotonic() + 120
         while not (found := re.search(r"at (http://\S+/v1)", out.read_text())):
             assert process.poll() is None, f"muser serve exited: {log.read_text()}"
             assert time.monotonic() < deadline, f"muser serve did not start: {log.read_text()}"
             time.sleep(0.05)
-        yield Server(found.group(1), log, model_path)
+        yield Server(found.group(1), log, model_path, process.pid)
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`muser serve` on a tiny llama model (a real byte-level BPE vocabulary and chat
+    template); stopped after the module's tests."""
+    folder = tmp_path_factory.mktemp("serve")
+    model_path = tiny_model(folder / "tiny.gguf", "llama", np.random.default_rng(0), weights="Q8_0",
+                            context=4096)
+    with serving(model_path, folder) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -358,6 +373,13 @@ def test_a_client_that_goes_away_mid_stream_frees_the_model(server):
     assert int(ended.group(1)) < 400
 
 
+@pytest.mark.parametrize("option, value", [("--parallel", "0"), ("--max-queue", "-1"), ("--max-tokens-limit", "0"),
+                                           ("--max-body-bytes", "0")])
+def test_serve_refuses_a_limit_out_of_range_without_a_traceback(option, value, capsys):
+    assert cli.main(["serve", option, value, "--port", "0"]) == 1
+    assert f"{option} must be at least" in capsys.readouterr().err
+
+
 def test_serve_reports_a_missing_model_file_without_a_traceback(tmp_path, capsys):
     assert cli.main(["serve", "--model", str(tmp_path / "missing.gguf"), "--port", "0"]) == 1
     assert "missing.gguf" in capsys.readouterr().err
@@ -420,6 +442,21 @@ def test_chat_messages_take_tool_calls_and_tool_results():
         server_module.chat_tools({"tools": [{"type": "function"}]})
 
 
+@dataclass
+class _Response:
+    """The generator's BatchResponse, as the server reads it."""
+    uid: int
+    token: int
+    text: str
+    logprobs: object
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    generation_tokens: int
+    cache: list | None = None
+    cached_ids: list | None = None
+
+
 TOOLS_TEMPLATE = (
     "{% if tools %}<|start|>system<|message|>{% for t in tools %}{{ t.function.name }};{% endfor %}<|eot|>{% endif %}"
     "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}"
@@ -433,25 +470,46 @@ def test_a_chat_with_tools_renders_them_and_answers_tool_calls(tmp_path, monkeyp
     earlier calls reach the template, and a tool call in the answer comes back as tool_calls."""
     from starlette.testclient import TestClient
 
+    prompts = []
+
+    class Answering:
+        """The generator's interface, its one answer made up: CALLS, five characters a token."""
+
+        def __init__(self, model, tokenizer, **settings):
+            self.pieces = {}
+
+        def insert(self, prompt, max_tokens=256, **options):
+            prompts.append(list(prompt))
+            self.pieces[len(prompts)] = [CALLS[i : i + 5] for i in range(0, len(CALLS), 5)]
+            return len(prompts)
+
+        def remove(self, uid):
+            self.pieces.pop(uid, None)
+
+        @property
+        def has_work(self):
+            return bool(self.pieces)
+
+        def next(self):
+            out = []
+            for uid, pieces in list(self.pieces.items()):
+                text = pieces.pop(0)
+                out.append(_Response(uid, 7, text, None, None if pieces else "stop", len(prompts[-1]), 0, 1))
+                if not pieces:
+                    del self.pieces[uid]
+            return out
+
+    monkeypatch.setattr(server_module, "BatchGenerator", Answering)
     path = tiny_model(tmp_path / "t.gguf", "llama", np.random.default_rng(1), weights="Q8_0", context=512)
     service = server_module.ModelService(path)
     service.tokenizer.chat_template = TOOLS_TEMPLATE
-    prompts = []
-
-    def answer(model, tokenizer, prompt, cache=None, cached_ids=None, **options):
-        prompts.append(list(cached_ids) + list(prompt))
-        pieces = [CALLS[i : i + 5] for i in range(0, len(CALLS), 5)]
-        for n, piece in enumerate(pieces, start=1):
-            yield GenerationResponse(piece, 7, None, len(prompt), 1.0, n, 1.0, 0.0,
-                                     "stop" if n == len(pieces) else None)
-
-    monkeypatch.setattr(server_module, "stream_generate", answer)
     messages = [{"role": "user", "content": "weather in paris?"},
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     with TestClient(server_module.create_app(service)) as client:
         reply = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "stream": stream})
+    service.close()
     assert reply.status_code == 200
     text = service.tokenizer.decode(prompts[0])
     assert "get_weather;" in text and '<tool_call>get_weather {"city": "Rome"}</tool_call>' in text and "sunny" in text
@@ -468,3 +526,72 @@ def test_a_chat_with_tools_renders_them_and_answers_tool_calls(tmp_path, monkeyp
     assert content == "Let me look. done"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("get_weather", {"city": "Paris"}), ("now", {})]
+
+
+# --- prompt caches --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Layer:
+    nbytes: int
+
+
+def test_prompt_caches_hand_out_the_entry_whose_whole_prompt_a_new_one_starts_with():
+    caches = server_module.PromptCaches(budget=10_000)
+    system = list(range(100))
+    ada, bob = [_Layer(1000)], [_Layer(1000)]
+    caches.put(system + [7, 7, 50, 51], 102, ada)  # prompt: system + [7, 7]; answer [50, 51]
+    caches.put(system + [8, 8, 60], 102, bob)
+    assert caches.take(system + [9, 9]) == (None, [])  # shares only the system part: left alone
+    cache, held = caches.take(system + [7, 7, 50, 52, 3])  # ada's prompt, her answer re-tokenized
+    assert cache is ada and held == system + [7, 7, 50, 51]
+    assert caches.take(system + [7, 7, 50, 52, 3]) == (None, [])  # taken: in use until put back
+    assert caches.take(system + [8, 8, 60, 1])[0] is bob
+
+
+def test_prompt_caches_drop_the_least_recently_used_beyond_the_budget():
+    caches = server_module.PromptCaches(budget=2500)
+    for user in range(3):
+        caches.put([user, 1, 2], 2, [_Layer(1000)])
+    assert caches.nbytes == 2000
+    assert caches.take([0, 1, 2, 3]) == (None, [])  # the oldest went
+    assert caches.take([1, 1, 2, 3])[1] == [1, 1, 2] and caches.take([2, 1, 5])[1] == [2, 1, 2]
+    caches.put([5, 5], 1, [_Layer(3000)])  # larger than the whole budget: not kept
+    assert caches.nbytes == 0
+
+
+def test_a_failing_step_ends_its_requests_and_the_server_goes_on(tmp_path, monkeypatch):
+    """In process, the generator made up: its first step raises; that request gets a 500, the
+    model thread lives on and the next request is answered."""
+    from starlette.testclient import TestClient
+
+    class FailingOnce:
+        def __init__(self, model, tokenizer, **settings):
+            self.waiting, self.failed = [], False
+
+        def insert(self, prompt, max_tokens=256, **options):
+            self.waiting.append(len(self.waiting) + 1)
+            return self.waiting[-1]
+
+        def remove(self, uid):
+            self.waiting.remove(uid)
+
+        @property
+        def has_work(self):
+            return bool(self.waiting)
+
+        def next(self):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("the step broke")
+            return [_Response(self.waiting.pop(), 7, "seven", None, "stop", 3, 0, 1)]
+
+    monkeypatch.setattr(server_module, "BatchGenerator", FailingOnce)
+    service = server_module.ModelService(tiny_model(tmp_path / "t.gguf", "llama", np.random.default_rng(1),
+                                                    weights="Q8_0", context=512))
+    with TestClient(server_module.create_app(service), raise_server_exceptions=False) as client:
+        failed = client.post("/v1/completions", json={"prompt": "the", "max_tokens": 3})
+        answered = client.post("/v1/completions", json={"prompt": "the", "max_tokens": 3})
+    service.close()
+    assert failed.status_code == 500
+    assert answered.status_code == 200 and answered.json()["choices"][0]["text"] == "seven"
