@@ -43,10 +43,16 @@
 // than LEAN 0's within the same bound. Other formats ignore it.
 // Q6_K weights take LEAN too: the -32 offset and the 6-bit codes' int8 scales applied as
 // integers (lib/q8x.metal's muser_unit_dot), one float product by x's scale a quarter.
+// GROUPED 1 (a batched decode step, more rows than TOKENS): x and y hold G * TOKENS rows, G
+// = the grid's threadgroups along x; threadgroup (g, b) takes rows g * TOKENS .. of x and the
+// row group b that threadgroup b takes ungrouped. The token groups of one row group are
+// neighbours in launch order, so a weight row read from memory by one is read from L2 by the
+// others: each weight byte crosses the memory bus about once a step for every batch size.
+// EPILOGUE 0 only (the host checks).
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, TOKENS,
 // ROWS, UNROLL (units per lane at a time), WIDE (1: Q4_K weights in 64-value units,
 // lib/q8x.metal's muser_x_unit64; other formats ignore it), STAGE, WOVEN, EPILOGUE, INT_FLOATS,
-// LEAN.
+// LEAN, GROUPED.
 #include "lib/q8x.metal"
 threadgroup float best_rows[8 * TOKENS * 2];
 const uint GROUPS_A = uint((OUT_A + ROWS - 1) / ROWS);
@@ -54,7 +60,9 @@ const uint GROUPS_B = uint((OUT_B + ROWS - 1) / ROWS);
 uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
 uint warps = threads_per_threadgroup.x / 32u;
-uint group = threadgroup_position_in_grid.x * warps + warp;
+uint token_group = GROUPED ? threadgroup_position_in_grid.x : 0u;
+uint group = (GROUPED ? threadgroup_position_in_grid.y : threadgroup_position_in_grid.x) * warps + warp;
+uint x_first = token_group * uint(TOKENS * IN);  // this threadgroup's rows of x
 bool in_a = group < GROUPS_A;
 bool active = group < GROUPS_A + GROUPS_B;
 uint first_row = in_a ? group * uint(ROWS) : (group - GROUPS_A) * uint(ROWS);
@@ -65,7 +73,7 @@ for (int i = 0; i < TOKENS * ROWS; ++i) {
 threadgroup uint4 x_words[STAGE ? TOKENS * IN / 16 : 1];
 threadgroup float4 x_blocks[STAGE ? TOKENS * IN / 64 : 1];
 if (STAGE) {
-  muser_stage_x<TOKENS, IN, WOVEN ? IN / 64 : 0>(xq, xd, xs, x_words, x_blocks, warp * 32u + lane, warps * 32u);
+  muser_stage_x<TOKENS, IN, WOVEN ? IN / 64 : 0>(xq + x_first, xd + x_first / 32u, xs + x_first / 8u, x_words, x_blocks, warp * 32u + lane, warps * 32u);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   muser_x_staged x = {x_words, x_blocks};
   if (in_a) {
@@ -76,7 +84,7 @@ if (STAGE) {
         weight_b, first_row, x, lane, acc);
   }
 } else {
-  muser_x_global<WOVEN ? IN / 64 : 0> x = {xq, xd, xs};
+  muser_x_global<WOVEN ? IN / 64 : 0> x = {xq + x_first, xd + x_first / 32u, xs + x_first / 8u};
   if (in_a) {
     muser_rows_dot<FORMAT_A, ROW_BYTES_A, OUT_A, ROWS, TOKENS, IN, UNROLL, WIDE, INT_FLOATS, LEAN>(
         weight_a, first_row, x, lane, acc);
@@ -87,6 +95,7 @@ if (STAGE) {
 }
 const uint WIDTH = EPILOGUE == 0 ? uint(OUT_A + OUT_B) : uint(OUT_A);
 device float* best = y + uint(TOKENS) * WIDTH;  // EPILOGUE 1 only
+device float* out = y + token_group * uint(TOKENS) * WIDTH;  // this threadgroup's rows of y
 uint rows = in_a ? uint(OUT_A) : uint(OUT_B);
 uint column = in_a ? first_row : uint(OUT_A) + first_row;
 if (LEAN != 0 && ROWS == 2 && EPILOGUE == 0) {  // both rows in one butterfly
@@ -99,7 +108,7 @@ if (LEAN != 0 && ROWS == 2 && EPILOGUE == 0) {  // both rows in one butterfly
     }
     uint r = upper ? 1u : 0u;
     if (active && first_row + r < rows && (lane & 15u) == 0u) {
-      y[uint(t) * WIDTH + column + r] = total;
+      out[uint(t) * WIDTH + column + r] = total;
     }
   }
 } else {
@@ -116,7 +125,7 @@ if (LEAN != 0 && ROWS == 2 && EPILOGUE == 0) {  // both rows in one butterfly
       }
       bool stored = active && first_row + uint(r) < rows;
       if (stored && lane == uint(r)) {
-        y[uint(t) * WIDTH + column + uint(r)] = total;
+        out[uint(t) * WIDTH + column + uint(r)] = total;
       }
       if (stored && total > top) {
         top = total;

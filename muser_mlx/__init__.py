@@ -10,7 +10,8 @@ models -> generate. The top level offers what mlx-lm users reach for first:
 
 __version__ = "0.1.0"
 
+from muser_mlx.batch import BatchGenerator, batch_generate  # noqa: E402
 from muser_mlx.generate import generate, load, stream_generate  # noqa: E402
 from muser_mlx.settings import Settings  # noqa: E402
 
-__all__ = ["generate", "load", "Settings", "stream_generate", "__version__"]
+__all__ = ["batch_generate", "BatchGenerator", "generate", "load", "Settings", "stream_generate", "__version__"]

@@ -42,9 +42,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from muser_mlx.batch import BatchGenerator
 from muser_mlx.cache import common_prefix
-from muser_mlx.generate import (DEFAULT_PREFILL_STEP, Sampling, continue_cache, load, prefill_chunks, stop_overlap,
-                                stream_generate)
+from muser_mlx.generate import DEFAULT_PREFILL_STEP, Sampling, continue_cache, load, prefill_chunks, stop_overlap
 from muser_mlx.models import cpu_decode
 from muser_mlx.tokenizer import TokenizerError
 
@@ -663,67 +663,6 @@ def _deliver(loop: asyncio.AbstractEventLoop, items: asyncio.Queue, item) -> Non
         loop.call_soon_threadsafe(items.put_nowait, item)
     except RuntimeError:
         pass
-
-
-# --- until muser_mlx/batch.py: its BatchGenerator's contract over stream_generate ---------------
-
-@dataclass
-class BatchResponse:
-    uid: int
-    token: int
-    text: str
-    logprobs: mx.array
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    generation_tokens: int
-    cache: list | None = None
-    cached_ids: list | None = None
-
-
-class BatchGenerator:
-    """BatchGenerator's interface, each sequence its own stream_generate: next() takes one token
-    from each of up to max_batch running ones (a waiting one's first next() reads its whole prompt)."""
-
-    def __init__(self, model, tokenizer, *, max_batch=8, prefill_step_size=DEFAULT_PREFILL_STEP, kv_memory=None):
-        self.model, self.tokenizer, self.max_batch, self.step = model, tokenizer, max_batch, prefill_step_size
-        self._waiting, self._running, self._uid = {}, {}, 0
-
-    def insert(self, prompt, max_tokens=256, *, stop=None, seed=None, cache=None, cached_ids=None, **sampling):
-        Sampling(**sampling)
-        self._uid += 1
-        self._waiting[self._uid] = (prompt, dict(max_tokens=max_tokens, stop=stop, seed=seed, **sampling),
-                                    cache, list(cached_ids or []))
-        return self._uid
-
-    def remove(self, uid):
-        self._waiting.pop(uid, None)
-        running = self._running.pop(uid, None)
-        if running is not None:
-            running[0].close()
-
-    @property
-    def has_work(self):
-        return bool(self._waiting or self._running)
-
-    def next(self):
-        while self._waiting and len(self._running) < self.max_batch:
-            uid = next(iter(self._waiting))
-            prompt, options, cache, cached = self._waiting.pop(uid)
-            cache = cache if cache is not None else cpu_decode.generation_cache(self.model)
-            steps = stream_generate(self.model, self.tokenizer, prompt[len(cached):], cache=cache,
-                                    cached_ids=cached, prefill_step_size=self.step, **options)
-            self._running[uid] = (steps, cache, prompt, len(cached), [])
-        out = []
-        for uid, (steps, cache, prompt, kept, tokens) in list(self._running.items()):
-            response = next(steps)
-            tokens.append(response.token)
-            out.append(BatchResponse(uid, response.token, response.text, response.logprobs,
-                                     response.finish_reason, len(prompt), kept, response.generation_tokens))
-            if response.finish_reason is not None:
-                del self._running[uid]
-                out[-1].cache, out[-1].cached_ids = cache, prompt + tokens[:-1]
-        return out
 
 
 # --- routes -----------------------------------------------------------------------------------------

@@ -253,6 +253,29 @@ def test_product(rng, first, second, tokens):
     assert relative_error(out, expected) <= PRODUCT_BOUND
 
 
+@pytest.mark.parametrize("rows", [16, 24])
+def test_grouped_products_take_every_token_group(rng, rows):
+    """Kernel product and product_glu GROUPED (the batched decode step): x of several groups of
+    8 rows, one launch, each group its own rows of x and y; two formats in one product."""
+    a, a_values = weight(rng, GGMLType.Q4_K, 512, 13, "a")
+    b, b_values = weight(rng, GGMLType.Q6_K, 512, 22, "b")
+    gate, gate_values = weight(rng, GGMLType.Q4_K, 512, 64, "gate")
+    up, up_values = weight(rng, GGMLType.Q8_0, 512, 64, "up")
+    x, x_values = q8x(rng.standard_normal((rows, 512)).astype(np.float32))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = np.array(ops.Product(a, b, tokens=8, grouped=True)(x))
+        glu = ops.GatedProduct(gate, up, "silu", tokens=8, grouped=True)(x)
+        mx.eval(glu)
+    assert kernel_names(launches) == ["product", "product_glu"]
+    assert all(dict(launch[1])["GROUPED"] == 1 for launch in launches)
+    expected = np.concatenate([x_values @ a_values.T, x_values @ b_values.T], axis=-1)
+    assert np.isfinite(out).all() and relative_error(out, expected) <= PRODUCT_BOUND
+    g, u = x_values @ gate_values.T, x_values @ up_values.T
+    assert_within_half_a_code(glu, g / (1 + np.exp(-g)) * u)
+    with pytest.raises(ValueError, match="a multiple of 8 rows"):
+        ops.Product(a, tokens=8, grouped=True)(q8x(rng.standard_normal((12, 512)).astype(np.float32))[0])
+
+
 def configured(config, *ggml_types, **fields) -> Settings:
     """Settings with kernel product's (and product_glu's) configuration for these formats (and
     other fields)."""

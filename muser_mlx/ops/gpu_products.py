@@ -59,14 +59,18 @@ def _weight_template(suffix: str, weight) -> list:
     return [(f"FORMAT_{suffix}", int(fmt.ggml_type)), (f"ROW_BYTES_{suffix}", fmt.row_bytes(weight.shape[0]))]
 
 
-def _check_rows(x: Q8X, in_features: int, tokens: int, what: str, woven: bool = False) -> None:
-    if x.shape[-1] != in_features or math.prod(x.shape[:-1]) != tokens:
-        raise ValueError(f"{what}: x of shape {list(x.shape)} does not fit: the launch takes {tokens} "
-                         f"rows of {in_features} features")
+def _check_rows(x: Q8X, in_features: int, tokens: int, what: str, woven: bool = False,
+                grouped: bool = False) -> int:
+    """The launch's token groups for x (1 unless grouped), after checking that x fits."""
+    rows = math.prod(x.shape[:-1])
+    if x.shape[-1] != in_features or (rows % tokens or rows == 0 if grouped else rows != tokens):
+        raise ValueError(f"{what}: x of shape {list(x.shape)} does not fit: the launch takes "
+                         f"{'a multiple of ' if grouped else ''}{tokens} rows of {in_features} features")
     if isinstance(x, WovenQ8X) != woven:
         layouts = ("woven", "plain") if woven else ("plain", "woven")
         raise ValueError(f"{what}: the launch reads {layouts[0]} q8x x, got {layouts[1]} "
                          f"(ops.weave; Product(woven=True) reads woven x)")
+    return rows // tokens
 
 
 class Product:
@@ -81,14 +85,18 @@ class Product:
     woven: x arrives in q8x's woven layout (ops.weave; in a multiple of 64), as
     attention_combine writes it for the o-projection: a SIMD group's 16-byte loads of its lanes'
     64-value units become contiguous (6.15 against 6.21 us). settings: the launch shape's
-    tables (Settings.products*). On the CPU: the same math on x's dequantized values (MLX ops)."""
+    tables (Settings.products*). grouped: x holds any multiple of `tokens` rows, one launch for all
+    (kernel product's GROUPED: the batched decode step, models/batch_decode.py); no head.
+    On the CPU: the same math on x's dequantized values (MLX ops)."""
 
     def __init__(self, weight, second=None, head: tuple[float, float] | None = None, tokens: int = 1,
-                 woven: bool = False, settings: Settings = DEFAULT):
+                 woven: bool = False, settings: Settings = DEFAULT, grouped: bool = False):
         ggml_type = _format(weight, "product")
         if woven and weight.shape[0] % 64:
             raise ValueError(f"product: {weight.name!r} takes {weight.shape[0]} inputs; woven x needs a multiple of 64")
-        self.woven = woven
+        if grouped and head is not None:
+            raise ValueError("product: a grouped launch has no head epilogue")
+        self.woven, self.grouped = woven, grouped
         self.formats = {ggml_type}  # the launch's weight formats
         if second is not None:
             self.formats.add(_format(second, "product"))
@@ -110,7 +118,8 @@ class Product:
                     + _weight_template("B", second if second is not None else weight)
                     + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", rows),
                        ("UNROLL", unroll), ("WIDE", wide), ("STAGE", stage), ("WOVEN", int(woven)),
-                       ("EPILOGUE", int(head is not None)), ("INT_FLOATS", int_floats), ("LEAN", lean)])
+                       ("EPILOGUE", int(head is not None)), ("INT_FLOATS", int_floats), ("LEAN", lean),
+                       ("GROUPED", int(grouped))])
         self._launch = (template, (32 * simd_groups * groups, 1, 1), (32 * simd_groups, 1, 1), groups)
 
     def launch_arguments(self):
@@ -141,11 +150,13 @@ class Product:
         return self.launch_arguments()[2]
 
     def __call__(self, x: Q8X):
-        _check_rows(x, self.in_features, self.tokens, "product", self.x_woven)
+        token_groups = _check_rows(x, self.in_features, self.tokens, "product", self.x_woven, self.grouped)
         lead = tuple(x.shape[:-1])
         if kernels.backend() == "cpu":
             return self._mlx(x)
         template, grid, threadgroup, groups = self.launch_arguments()
+        if self.grouped:  # threadgroup (token group, row group)
+            grid = (threadgroup[0] * token_groups, groups, 1)
         values = self.tokens * self.out_features
         (y,) = kernels.launch(
             "product",
@@ -173,7 +184,7 @@ class Product:
         y = y * scale
         if cap > 0:
             y = cap * mx.tanh(y / cap)
-        rows = y.reshape(self.tokens, -1)
+        rows = y.reshape(-1, self.out_features)
         best = mx.stack([mx.max(rows, axis=-1), mx.argmax(rows, axis=-1).astype(mx.float32)], axis=-1)
         return y, best[:, None]
 
@@ -181,9 +192,10 @@ class Product:
 class GatedProduct:
     """The gated FFN's first half: act(x G.T) * (x U.T) for q8x x [..., in] (`tokens` rows),
     returned as q8x [..., ff] for the down projection (kernel product_glu). act: "silu" or
-    "gelu_tanh". The launch's arguments are fixed here."""
+    "gelu_tanh". The launch's arguments are fixed here. grouped: as Product's."""
 
-    def __init__(self, gate, up, activation: str = "silu", tokens: int = 1, settings: Settings = DEFAULT):
+    def __init__(self, gate, up, activation: str = "silu", tokens: int = 1, settings: Settings = DEFAULT,
+                 grouped: bool = False):
         ggml_type = _format(gate, "product_glu")
         _format(up, "product_glu")
         if up.shape != gate.shape or gate.shape[1] % 32:
@@ -191,14 +203,15 @@ class GatedProduct:
                              f"{list(up.shape)} must have one shape with a multiple of 32 rows")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-        self.gate, self.up, self.activation, self.tokens = gate, up, activation, tokens
+        self.gate, self.up, self.activation, self.tokens, self.grouped = gate, up, activation, tokens, grouped
         self.in_features, self.ff = gate.shape
         self.ggml_type = ggml_type
         # x from device memory (no stage); no int_floats or lean
         config = _config(ggml_type, self.in_features, tokens, True, settings)
         template = (_weight_template("G", gate) + _weight_template("U", up)
                     + [("OUT", self.ff), ("IN", self.in_features), ("TOKENS", tokens), ("ROWS", config.rows),
-                       ("UNROLL", config.unroll), ("WIDE", config.wide), ("ACTIVATION", ACTIVATIONS[activation])])
+                       ("UNROLL", config.unroll), ("WIDE", config.wide), ("ACTIVATION", ACTIVATIONS[activation]),
+                       ("GROUPED", int(grouped))])
         threadgroup = (32 * (32 // config.rows), 1, 1)  # a threadgroup per 32 rows
         self._launch = (template, (self.ff // 32 * threadgroup[0], 1, 1), threadgroup)
 
@@ -207,7 +220,7 @@ class GatedProduct:
         return self._launch
 
     def __call__(self, x: Q8X) -> Q8X:
-        _check_rows(x, self.in_features, self.tokens, "product_glu")
+        token_groups = _check_rows(x, self.in_features, self.tokens, "product_glu", grouped=self.grouped)
         lead = tuple(x.shape[:-1])
         if kernels.backend() == "cpu":
             values = x.dequantize()
@@ -215,6 +228,8 @@ class GatedProduct:
             g = g * mx.sigmoid(g) if self.activation == "silu" else gelu_tanh(g)
             return quantize_rows_mlx(g * linear(values, self.up))
         template, grid, threadgroup = self.launch_arguments()
+        if self.grouped:  # threadgroup (token group, 32-row block)
+            grid = (threadgroup[0] * token_groups, grid[0] // threadgroup[0], 1)
         codes, scales, sums = kernels.launch(
             "product_glu",
             inputs=[self.gate.data, self.up.data, *x],
