@@ -95,7 +95,16 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 24), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
          ("OUT_B", 8), ("IN", 512), ("TOKENS", 2), ("ROWS", 4), ("UNROLL", 2), ("WIDE", 1), ("STAGE", 1),
-         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 0)]
+         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 0), ("GROUPED", 0)]
+    ),
+    "product_grouped": (  # the batched step's form: 8 rows a threadgroup, token groups along x
+        "product",
+        [InputSpec(mx.uint8, 2, 24 * 288), InputSpec(mx.uint8, 2, 8 * 544), InputSpec(mx.int8, 2, 16 * 512),
+         InputSpec(mx.float32, 2, 16 * 16), InputSpec(mx.float32, 2, 16 * 64), InputSpec(mx.float32, 1, 2)],
+        [mx.float32],
+        [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 24), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
+         ("OUT_B", 8), ("IN", 512), ("TOKENS", 8), ("ROWS", 4), ("UNROLL", 1), ("WIDE", 0), ("STAGE", 1),
+         ("WOVEN", 0), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 1), ("GROUPED", 1)]
     ),
     "product_woven": (  # the o-projection's form: wide Q4_K units reading woven x from device memory
         "product",
@@ -104,7 +113,7 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 2304), ("OUT_A", 24), ("FORMAT_B", 12), ("ROW_BYTES_B", 2304),
          ("OUT_B", 0), ("IN", 4096), ("TOKENS", 1), ("ROWS", 2), ("UNROLL", 2), ("WIDE", 1), ("STAGE", 0),
-         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 1), ("LEAN", 1)]
+         ("WOVEN", 1), ("EPILOGUE", 0), ("INT_FLOATS", 1), ("LEAN", 1), ("GROUPED", 0)]
     ),
     "product_head": (
         "product",
@@ -113,7 +122,7 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 14), ("ROW_BYTES_A", 420), ("OUT_A", 40), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
          ("OUT_B", 0), ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 1), ("WIDE", 0), ("STAGE", 0),
-         ("WOVEN", 0), ("EPILOGUE", 1), ("INT_FLOATS", 1), ("LEAN", 0)]
+         ("WOVEN", 0), ("EPILOGUE", 1), ("INT_FLOATS", 1), ("LEAN", 0), ("GROUPED", 0)]
     ),
     "product_q6k_lean": (  # ffn_down Q6_K's form with LEAN's integer scales
         "product",
@@ -122,7 +131,7 @@ LAUNCHES = {
         [mx.float32],
         [("FORMAT_A", 14), ("ROW_BYTES_A", 1680), ("OUT_A", 40), ("FORMAT_B", 14), ("ROW_BYTES_B", 1680),
          ("OUT_B", 0), ("IN", 2048), ("TOKENS", 2), ("ROWS", 2), ("UNROLL", 1), ("WIDE", 0), ("STAGE", 0),
-         ("WOVEN", 0), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 1)]
+         ("WOVEN", 0), ("EPILOGUE", 0), ("INT_FLOATS", 0), ("LEAN", 1), ("GROUPED", 0)]
     ),
     "product_glu": (
         "product_glu",
@@ -130,7 +139,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 16), InputSpec(mx.float32, 2, 64)],
         [mx.int8, mx.float32, mx.float32],
         [("FORMAT_G", 12), ("ROW_BYTES_G", 288), ("FORMAT_U", 14), ("ROW_BYTES_U", 420), ("OUT", 64),
-         ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 3), ("WIDE", 1), ("ACTIVATION", 1)]
+         ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 3), ("WIDE", 1), ("ACTIVATION", 1), ("GROUPED", 1)]
     ),
     "quantize_rows": (
         "quantize_rows",
@@ -282,7 +291,7 @@ def test_arrays_kernels_read_every_step_stay_out_of_mlx_small_managed_pool():
 
 # Launches whose CUDA text the include form (kernels.CUDA_INCLUDES) is compiled for too: the
 # products, attention and a kernel that reads an input's shape.
-INCLUDED = ["product_two_formats", "product_head", "product_glu", "attention_decode", "residual_norm_quant", "embedding"]
+INCLUDED = ["product_two_formats", "product_grouped", "product_head", "product_glu", "attention_decode", "residual_norm_quant", "embedding"]
 
 
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))
@@ -392,12 +401,13 @@ def _registers(program: str, tmp_path) -> int:
     return int(re.search(r"Used (\d+) registers", result.stdout + result.stderr).group(1))
 
 
-@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("tokens, grouped", [(1, False), (8, False), (8, True)], ids=["1", "8", "8-grouped"])
 @pytest.mark.parametrize("case", sorted(MUSE_PRODUCTS))
-def test_product_launches_fit_the_register_file(case, tokens, tmp_path):
+def test_product_launches_fit_the_register_file(case, tokens, grouped, tmp_path):
     shape, ggml_type, second_shape, second_type = MUSE_PRODUCTS[case]
     second = _stand_in(second_shape, second_type, "b") if second_shape else None
-    product = ops.Product(_stand_in(shape, ggml_type, "a"), second, tokens=tokens, woven=case == "attn_output")
+    product = ops.Product(_stand_in(shape, ggml_type, "a"), second, tokens=tokens, woven=case == "attn_output" and not grouped,
+                          grouped=grouped)
     template, _, threadgroup, _ = product.launch_arguments()
     row_bytes = [value for name, value in template if name.startswith("ROW_BYTES")]
     inputs = [InputSpec(mx.uint8, 2, product.out_a * row_bytes[0]),
@@ -412,7 +422,8 @@ def test_product_launches_fit_the_register_file(case, tokens, tmp_path):
 @pytest.mark.parametrize("in_features", [6656, 2048], ids=["muse", "default-config"])
 def test_glu_launches_fit_the_register_file(in_features, tokens, tmp_path):
     gate = _stand_in((in_features, 19968), GGMLType.Q4_K, "gate")
-    glu = ops.GatedProduct(gate, _stand_in((in_features, 19968), GGMLType.Q4_K, "up"), tokens=tokens)
+    glu = ops.GatedProduct(gate, _stand_in((in_features, 19968), GGMLType.Q4_K, "up"), tokens=tokens,
+                           grouped=tokens == 8)
     template, _, threadgroup = glu.launch_arguments()
     row_bytes = dict(template)["ROW_BYTES_G"]
     inputs = [InputSpec(mx.uint8, 2, 19968 * row_bytes), InputSpec(mx.uint8, 2, 19968 * row_bytes),

@@ -212,7 +212,10 @@ class BatchStep:
         v = parts["v"].reshape(batch, 1, c.kv_heads, c.head_dim).transpose(0, 2, 1, 3)
         window = kv.windows[index]
         slots = step.slots(window)
+        # The store's arrays are let go of before the write, so that the write can take their
+        # buffers (MLX donates an input no one else holds) instead of copying the whole store.
         keys, values = kv.keys[index], kv.values[index]
+        kv.keys[index] = kv.values[index] = None
         keys[step.rows, :, slots] = k[:, :, 0].astype(kv.dtype)
         values[step.rows, :, slots] = v[:, :, 0].astype(kv.dtype)
         kv.keys[index], kv.values[index] = keys, values

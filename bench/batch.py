@@ -1,0 +1,142 @@
+"""Aggregate decode tokens/s of B sequences at once (muser_mlx.batch's steps), the shape of
+llama.cpp's `llama-batched-bench -npp P -ntg N -npl B...`: B sequences of a P-token prompt each,
+then N decode steps of all B, timed (S_TG = B * N / time). Each step is what BatchGenerator.next()
+runs: B = 1 generate()'s own step for one sequence, B >= 2 the batched step, one evaluation a
+step (tokens read back to the host, as the generator does).
+
+Floor = bytes one step reads (every weight once, plus each row's keys and values up to its
+position, mid-run) / copy bandwidth measured in the same run.
+
+    python bench/batch.py [--model FILE | --dir /dev/shm --keep] [--batches 1,8,32,64] [--prompt 128] [--steps 128]
+      (no --model: the full-scale random-weight Muse Glimmer file of bench/decode.py, written once)
+    python bench/batch.py --model default   # the packaged SmolLM2 (the CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from muser_mlx import kernels, packaged  # noqa: E402
+from muser_mlx.generate import decode, feed, load  # noqa: E402
+from muser_mlx.models import cpu_decode  # noqa: E402
+from muser_mlx.models.batch_decode import BatchKV, BatchStep  # noqa: E402
+
+
+def copy_rate() -> float:
+    if kernels.backend() == "cpu":  # a 256 MB memcpy (numpy), read + write bytes counted
+        a, b = np.ones(64 << 20, dtype=np.float32), np.empty(64 << 20, dtype=np.float32)
+        runs = []
+        for _ in range(5):
+            tic = time.perf_counter()
+            np.copyto(b, a)
+            runs.append(time.perf_counter() - tic)
+        return 2 * a.nbytes / min(runs)
+    from ceiling import copy_bandwidth
+    return copy_bandwidth(4 << 30)
+
+
+def kv_bytes_read(model, positions: int, dtype_bytes: int) -> int:
+    """Keys and values one row's step reads at `positions` positions (windows capped)."""
+    c = model.config
+    per = 2 * c.kv_heads * c.head_dim * dtype_bytes
+    return sum(per * (positions if not s else min(positions, c.sliding_window)) for s in c.swa_layers)
+
+
+BUILD_MS = {}  # B -> the host's ms a step to build the batched step's graph
+
+
+def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng) -> float:
+    """Seconds for `steps` steps of `batch` sequences that each hold `prompt` positions."""
+    vocab = model.config.vocab
+    if batch == 1:
+        copy = BatchKV(model, prompt_cache[0].dtype)
+        copy.add(prompt_cache)
+        cache = copy.take(0)  # the prompt's cache stays as it is for the next B
+        token = mx.array([[int(rng.integers(vocab))]], dtype=mx.int32)
+        for _ in range(3):  # warm-up (the cache grows by these; timed steps start at prompt + 3)
+            logits, greedy = decode(model, token, cache)
+            token = (greedy if greedy is not None else mx.argmax(logits)).reshape(1, 1).astype(mx.int32)
+            token.item()
+        tic = time.perf_counter()
+        for _ in range(steps):
+            logits, greedy = decode(model, token, cache)
+            token = (greedy if greedy is not None else mx.argmax(logits)).reshape(1, 1).astype(mx.int32)
+            token.item()
+        return time.perf_counter() - tic
+    step = BatchStep(model)
+    kv = BatchKV(model, prompt_cache[0].dtype)
+    for _ in range(batch):
+        kv.add(prompt_cache)
+    tokens = mx.array(rng.integers(0, vocab, size=batch), dtype=mx.int32)
+    for _ in range(3):
+        tokens = mx.argmax(step(tokens, kv), axis=-1).astype(mx.int32)
+        tokens.tolist()
+    tic, built = time.perf_counter(), 0.0
+    for _ in range(steps):
+        start = time.perf_counter()
+        tokens = mx.argmax(step(tokens, kv), axis=-1).astype(mx.int32)
+        built += time.perf_counter() - start
+        tokens.tolist()
+    BUILD_MS[batch] = 1e3 * built / steps
+    return time.perf_counter() - tic
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="a GGUF file, or 'default' (the packaged SmolLM2)")
+    parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+    parser.add_argument("--keep", action="store_true", help="keep the written Muse Glimmer file")
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=128)
+    args = parser.parse_args()
+    written = None
+    if args.model == "default":
+        path = packaged.smollm2_path()
+    elif args.model:
+        path = Path(args.model)
+    else:
+        from decode import write_file
+        path = Path(args.dir) / "muse-glimmer-random-52.gguf"
+        if not path.exists():
+            tic = time.perf_counter()
+            write_file(path, np.random.default_rng(0))
+            written = path
+            print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - tic:.1f} s", flush=True)
+    try:
+        model, _ = load(path)
+        rng = np.random.default_rng(0)
+        bandwidth = copy_rate()
+        print(f"device {kernels.backend()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s; {path.name}; "
+              f"batched step form: {'q8x grouped products' if BatchStep(model).q8x else 'float rows (ops.linear)'}",
+              flush=True)
+        prompt_cache = cpu_decode.generation_cache(model)
+        feed(model, rng.integers(0, model.config.vocab, size=args.prompt).tolist(), prompt_cache)
+        dtype_bytes = 2 if prompt_cache[0].dtype == mx.float16 else 4
+        weights = model.weight_bytes()
+        print(f"{'B':>3} {'ms/step':>8} {'tokens/s':>9} {'floor ms':>8} {'floor tok/s':>11} {'build ms':>8}  "
+              f"(prompt {args.prompt}, {args.steps} steps)")
+        for batch in [int(b) for b in args.batches.split(",")]:
+            seconds = run_batch(model, prompt_cache, batch, args.prompt, args.steps, rng)
+            middle = args.prompt + 3 + args.steps // 2
+            floor = (weights + batch * kv_bytes_read(model, middle, dtype_bytes)) / bandwidth
+            ms = 1e3 * seconds / args.steps
+            print(f"{batch:>3} {ms:>8.2f} {batch * args.steps / seconds:>9.1f} {1e3 * floor:>8.2f} "
+                  f"{batch / floor:>11.1f} {BUILD_MS.get(batch, float('nan')):>8.2f}", flush=True)
+    finally:
+        if written is not None and not args.keep:
+            written.unlink()
+
+
+if __name__ == "__main__":
+    main()
