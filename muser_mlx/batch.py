@@ -62,7 +62,9 @@ class _Sequence:
     recent: mx.array | None = None  # the repetition penalty's window
     tokens: list = field(default_factory=list)  # generated so far
     emitted: int = 0  # characters of the detokenizer's text already given out
-    pending: mx.array | None = None  # the token to feed next (the last one given out)
+    pending: mx.array | None = None  # the token to feed next (the last one chosen; maybe still on the device)
+    logprobs_queue: list = field(default_factory=list)  # logprobs of tokens chosen, not yet given out
+    launched: int = 0  # decode steps queued for it
     row: int | None = None  # its row in the batch's store, when it runs batched
 
     @property
@@ -95,6 +97,7 @@ class BatchGenerator:
         self._waiting: dict[int, _Sequence] = {}
         self._running: dict[int, _Sequence] = {}
         self._rows: list[_Sequence] = []  # the sequences of the store's rows, in order
+        self._flight = None  # (members, chosen tokens): the step queued, not yet read
         self._uid = 0
 
     # --- joining and leaving
@@ -140,9 +143,9 @@ class BatchGenerator:
     def remove(self, uid: int) -> None:
         """Forget sequence `uid` (waiting or running; unknown uids are ignored)."""
         self._waiting.pop(uid, None)
-        sequence = self._running.pop(uid, None)
-        if sequence is not None and sequence.row is not None:
-            self._leave_batch(sequence)
+        sequence = self._running.get(uid)
+        if sequence is not None:
+            self._finish(sequence, keep=False)
 
     @property
     def has_work(self) -> bool:
@@ -185,29 +188,68 @@ class BatchGenerator:
 
     def next(self) -> list[BatchResponse]:
         """One prefill chunk of the first waiting sequence (if a place is free), then one token
-        for every running sequence."""
+        for every running sequence.
+
+        Pipelined as generate()'s loop and mlx-lm's BatchGenerator: the step that gives the
+        running sequences' next tokens is built and queued, from the tokens still on the device,
+        before the tokens of the step queued last time are read; a sequence that those tokens
+        end had a step too many, which its cache gives back (`_finish`)."""
         out = []
         with MODEL_LOCK:
             if self._waiting and len(self._running) < self.max_batch:
                 sequence = next(iter(self._waiting.values()))
                 if self._fits(sequence):
                     self._prefill_chunk(sequence, out)
-            running = list(self._running.values())
-            if len(running) == 1:  # alone: its own cache and generate()'s step
-                only = running[0]
-                if only.row is not None:
-                    only.cache = self._leave_batch(only, keep=True)
-                logits, greedy = decode(self.model, only.pending.reshape(1, 1), only.cache)
-                self._choose(running, logits[None], greedy, out)
-            elif running:
-                for sequence in running:
-                    if sequence.row is None:
-                        self._join_batch(sequence)
-                rows = list(self._rows)
-                tokens = mx.concatenate([s.pending.reshape(1) for s in rows]).astype(mx.int32)
-                logits = self.batch_step(tokens, self._kv)
-                self._choose(rows, logits, None, out)
+            flight, self._flight = self._flight, None
+            unread = set(id(s) for s in flight[0]) if flight else set()
+            members = []
+            for sequence in self._running.values():
+                if len(sequence.tokens) + (id(sequence) in unread) < sequence.max_tokens:
+                    members.append(sequence)
+                elif sequence.row is not None:  # its last token is on the way: out of the batch now
+                    sequence.cache = self._leave_batch(sequence, keep=self.keep_caches)
+            if members:
+                self._flight = self._launch(members)
+            if flight is not None:
+                self._read(*flight, out)
         return out
+
+    def _launch(self, members: list) -> tuple:
+        """Queue one decode step for `members` (each fed its pending token, which may still be
+        on the device). Returns (members, their chosen tokens, lazy)."""
+        if len(members) == 1:  # alone: its own cache and generate()'s step
+            sequence = members[0]
+            if sequence.row is not None:
+                sequence.cache = self._leave_batch(sequence, keep=True)
+            self._feed_recent(sequence)
+            logits, greedy = decode(self.model, sequence.pending.reshape(1, 1), sequence.cache)
+            logits = logits[None]
+        else:
+            for sequence in members:
+                if sequence.row is None:
+                    self._join_batch(sequence)
+                self._feed_recent(sequence)
+            members = list(self._rows)
+            tokens = mx.concatenate([s.pending.reshape(1) for s in members]).astype(mx.int32)
+            logits, greedy = self.batch_step(tokens, self._kv), None
+        chosen = self._choose(members, logits, greedy)
+        for sequence in members:
+            sequence.launched += 1
+        mx.async_eval(chosen)
+        return members, chosen
+
+    def _feed_recent(self, sequence: _Sequence) -> None:
+        """The repetition penalty's window, with the token this step feeds."""
+        if sequence.recent is not None:
+            size = sequence.sampler.repetition_context_size
+            sequence.recent = mx.concatenate([sequence.recent, sequence.pending.reshape(1)])[-size:]
+
+    def _read(self, members: list, chosen: mx.array, out: list) -> None:
+        """The tokens of a queued step, as responses (for the members still running)."""
+        values = chosen.tolist()
+        for b, sequence in enumerate(members):
+            if self._running.get(sequence.uid) is sequence:
+                out.append(self._respond(sequence, values[b], sequence.logprobs_queue.pop(0)))
 
     def _prefill_chunk(self, sequence: _Sequence, out: list) -> None:
         """One chunk of `sequence`'s prompt; after its last, its first token (it starts running)."""
@@ -220,17 +262,18 @@ class BatchGenerator:
         self._running[sequence.uid] = sequence
         logits, greedy = decode(self.model, mx.array([sequence.ids[-1:]], dtype=mx.int32), sequence.cache,
                                 prompt=True)
-        self._choose([sequence], logits[None], greedy, out)
+        chosen = self._choose([sequence], logits[None], greedy)
+        out.append(self._respond(sequence, chosen.tolist()[0], sequence.logprobs_queue.pop(0)))
 
-    def _choose(self, sequences: list, logits: mx.array, greedy, out: list) -> None:
-        """Each sequence's next token from its row of logits [B, vocab], and its response.
-        greedy: the LM head's own argmax (one sequence alone), or None."""
+    def _choose(self, sequences: list, logits: mx.array, greedy) -> mx.array:
+        """Each sequence's next token from its row of logits [B, vocab] (lazy): int32 [B]; each
+        one's own token (`pending`) and logprobs (queued) set. greedy: the LM head's own argmax
+        (one sequence alone), or None."""
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        plain = [s.sampler.temperature == 0 and s.recent is None for s in sequences]
         argmax = greedy.reshape(-1) if greedy is not None else mx.argmax(logits, axis=-1)
         tokens, rows_logprobs = [], []
         for b, sequence in enumerate(sequences):
-            if plain[b]:
+            if sequence.sampler.temperature == 0 and sequence.recent is None:
                 tokens.append(argmax[b])
                 rows_logprobs.append(logprobs[b])
                 continue
@@ -243,17 +286,13 @@ class BatchGenerator:
             tokens.append(mx.argmax(row) if sequence.sampler.temperature == 0
                           else sequence.sampler.sample(row_logprobs, draw))
         chosen = mx.stack(tokens).astype(mx.int32)
-        mx.eval(chosen)
-        values = chosen.tolist()
         for b, sequence in enumerate(sequences):
-            out.append(self._respond(sequence, values[b], chosen[b], rows_logprobs[b]))
+            sequence.pending = chosen[b]
+            sequence.logprobs_queue.append(rows_logprobs[b])
+        return chosen
 
-    def _respond(self, sequence: _Sequence, token: int, pending: mx.array, logprobs: mx.array) -> BatchResponse:
+    def _respond(self, sequence: _Sequence, token: int, logprobs: mx.array) -> BatchResponse:
         sequence.tokens.append(token)
-        sequence.pending = pending
-        if sequence.recent is not None:
-            size = sequence.sampler.repetition_context_size
-            sequence.recent = mx.concatenate([sequence.recent, pending.reshape(1)])[-size:]
         n = len(sequence.tokens)
         finish = None
         detokenizer = sequence.detokenizer
@@ -276,14 +315,27 @@ class BatchGenerator:
         sequence.emitted = max(end, sequence.emitted)
         response = BatchResponse(sequence.uid, token, text, logprobs, finish, len(sequence.ids), sequence.kept, n)
         if finish is not None:
-            self._running.pop(sequence.uid, None)
-            cache = sequence.cache
-            if sequence.row is not None:
-                cache = self._leave_batch(sequence, keep=self.keep_caches)
+            cache = self._finish(sequence)
             if self.keep_caches:
                 response.cache, response.cached_ids = cache, sequence.ids + sequence.tokens[:-1]
-            sequence.cache = None
         return response
+
+    def _finish(self, sequence: _Sequence, keep: bool | None = None) -> list | None:
+        """`sequence` stops running; returns its cache holding its prompt and every token given
+        out but the last (if kept): a step queued past that token is taken back."""
+        keep = self.keep_caches if keep is None else keep
+        self._running.pop(sequence.uid, None)
+        ahead = sequence.launched - (len(sequence.tokens) - 1)  # steps queued whose tokens were not given out
+        cache = sequence.cache
+        if sequence.row is not None:
+            cache = self._leave_batch(sequence, keep=keep)
+        sequence.cache = None
+        if not keep or cache is None:
+            return None
+        if ahead > 0:
+            for layer_cache in cache:
+                layer_cache.trim(ahead)
+        return cache
 
 
 def batch_generate(model, tokenizer, prompts, max_tokens=256, *, max_batch: int | None = None,
