@@ -455,6 +455,13 @@ def load(path):
     return config_for(file.metadata, file.tensors)
 
 
+def test_an_olmo2_file_with_a_sliding_window_is_refused_by_name(tmp_path, rng):
+    # OLMo 3 writes general.architecture olmo2 with sliding-window layers, which we do not run.
+    path = tiny_model(tmp_path / "m.gguf", "olmo2", rng, extra_metadata={"olmo2.attention.sliding_window": ("u32", 64)})
+    with gguf.read(path) as file, pytest.raises(ModelConfigError, match="olmo2.attention.sliding_window"):
+        config_for(file.metadata, file.tensors)
+
+
 @pytest.mark.parametrize("key", ["muse-glimmer.attention.sliding_window_pattern",
                                  "muse-glimmer.logit_scale",
                                  "muse-glimmer.attention.layer_norm_rms_epsilon",
