@@ -3,12 +3,15 @@
 // outputs: partial
 //
 // One decode token's attention, first pass (flash-decoding), fused with what precedes it: the
-// per-head norm and RoPE of q and k (kernel qk_norm_rope's work) and the KV-cache write.
+// norm and RoPE of q and k (kernel qk_norm_rope's work) and the KV-cache write.
 //   y: the q/k/v projections' output f32 [Y_WIDTH]: q at Q_OFF (HEADS * HEAD_DIM), k at K_OFF
 //      and v at V_OFF (KV_HEADS * HEAD_DIM each); bias: q, k, v biases concatenated (BIAS 1);
-//      q_weight, k_weight [HEAD_DIM]: the per-head norm weights (QK_NORM 1); inv_freq
-//      [ROTARY / 2]; state int32 [1]: the token's position p; params f32 [2]: eps, the
-//      attention scale (folded into q).
+//      q_weight, k_weight: the norm weights, [HEAD_DIM] for a norm per head (QK_NORM 1), or
+//      [HEADS * HEAD_DIM], [KV_HEADS * HEAD_DIM] for a norm over each whole projection
+//      (QK_NORM 2, OLMo 2's: every SIMD group sums the squares of q's whole projection itself,
+//      and of k's where it writes the key); inv_freq [ROTARY / 2]; state int32 [1]: the
+//      token's position p; params f32 [3]: eps, the attention scale (folded into q), the
+//      softcap c (SOFTCAP 1, Gemma 2's: each score s becomes c * tanh(s / c)).
 //   k_cache, v_cache: f16 [1, KV_HEADS, CAPACITY, HEAD_DIM]. The token's key and value are
 //      written IN PLACE at slot w = p % CAPACITY (MLX knows these arrays only as inputs: the
 //      caller keeps them alive and orders every later reader after this launch through the
@@ -38,14 +41,16 @@
 // Grid: KV_HEADS * (GROUP / HEAD_GROUP) * SPLITS SIMD groups, up to 4 per threadgroup, each on
 // its own (no threadgroup barrier).
 // Bytes per call: n * KV_HEADS * HEAD_DIM * 4 read (f16 keys and values), y and weights,
-// HEADS * SPLITS * (HEAD_DIM + 2) * 4 written.
+// HEADS * SPLITS * (HEAD_DIM + 2) * 4 written; QK_NORM 2: each SIMD group reads q's whole
+// projection once more (HEADS * HEAD_DIM * 4 bytes, from L2), and k's where it writes the key.
 // Bounds: SIMD groups past the last (the last threadgroup's surplus) return whole; lanes past
 // slot n score nothing.
 // CAPACITY is the caches' third dimension, read at run time (a growing cache does not make a
 // new kernel), and so is SPLIT, which follows it (as a template constant it made a kernel for
 // each power of two a full cache crossed: 1.8-3.2 s to compile on the H200).
 // Template constants: HEADS, KV_HEADS, HEAD_DIM (a multiple of 64), ROTARY, TRADITIONAL,
-// QK_NORM, BIAS, MAX_SPLITS, HEAD_GROUP, Q_OFF, K_OFF, V_OFF.
+// QK_NORM (0 none, 1 per head, 2 whole projection), SOFTCAP, BIAS, MAX_SPLITS, HEAD_GROUP,
+// Q_OFF, K_OFF, V_OFF.
 // A block's value rows are loaded with its keys (216 registers a thread at HEAD_GROUP 2: 2
 // threadgroups an SM, but one wait on memory a block); blocks of 32 stored slots without w take
 // a path without per-slot clamps and tests.
@@ -123,6 +128,7 @@ uint value_rows[32 * (CHANNELS / 2)];
   muser_load_value_rows<HEAD_DIM>(values, first, last, lane, value_rows);
 }
 float eps = params[0];
+float softcap = params[2];
 // The new key's head and value (the split holding slot w), loaded before q's preparation waits.
 float new_value[CHANNELS];
 for (int c = 0; c < CHANNELS; ++c) {
@@ -132,13 +138,20 @@ for (int c = 0; c < CHANNELS; ++c) {
                                  (BIAS ? bias[k_bias + uint(KV_HEADS * HEAD_DIM) + e] : 0.0f)
                            : 0.0f;
 }
+float q_whole = QK_NORM == 2 ? muser_projection_inverse_rms<HEADS * HEAD_DIM, BIAS>(y + Q_OFF, bias, eps, lane)
+                             : 1.0f;
 muser_heads_prepare<HEAD_GROUP, HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
-    y + Q_OFF + first_head * uint(HEAD_DIM), bias + first_head * uint(HEAD_DIM), q_weight, inv_freq,
-    float(position), eps, params[1], lane, (threadgroup float*)q_tile);
+    y + Q_OFF + first_head * uint(HEAD_DIM), bias + first_head * uint(HEAD_DIM),
+    q_weight + (QK_NORM == 2 ? first_head * uint(HEAD_DIM) : 0u), inv_freq, float(position), eps, q_whole,
+    params[1], lane, (threadgroup float*)q_tile);
 if (holds_new) {
   uint k_bias = uint(HEADS * HEAD_DIM) + kv_head * uint(HEAD_DIM);
+  float k_whole = QK_NORM == 2 ? muser_projection_inverse_rms<KV_HEADS * HEAD_DIM, BIAS>(
+                                     y + K_OFF, bias + HEADS * HEAD_DIM, eps, lane)
+                               : 1.0f;
   muser_heads_prepare<1, HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
-      y + K_OFF + kv_head * uint(HEAD_DIM), bias + k_bias, k_weight, inv_freq, float(position), eps,
+      y + K_OFF + kv_head * uint(HEAD_DIM), bias + k_bias,
+      k_weight + (QK_NORM == 2 ? kv_head * uint(HEAD_DIM) : 0u), inv_freq, float(position), eps, k_whole,
       1.0f, lane, k_tile);
   for (int c = 0; c < CHANNELS; ++c) {
     v_tile[lane + 32u * uint(c)] = new_value[c];
@@ -202,6 +215,11 @@ for (uint base = first; base < last; base += 32u) {
       }
       float total = simd_sum(part);
       score[i] = slot == write_slot ? total : score[i];
+    }
+  }
+  if (SOFTCAP) {  // the scores as Gemma 2 caps them (a lane past the split scores 0 and is not used)
+    for (int i = 0; i < HEAD_GROUP; ++i) {
+      score[i] = softcap * tanh(score[i] / softcap);
     }
   }
   for (int i = 0; i < HEAD_GROUP; ++i) {

@@ -7,7 +7,9 @@
 //                                            embedding row becoming the residual stream)
 //   b     = rms(branch, params[0]) * branch_weight   (BRANCH_NORM 1: a sandwich post-norm or
 //                                                     the embedding's norm; 0: b = branch)
-//   h     = rms(total, params[1]) * next_weight, written as q8x for the next products.
+//   h     = rms(total, params[1]) * next_weight, written as q8x for the next products
+//                                                    (NEXT_NORM 0: h = total, for a branch
+//                                                     that reads the stream unnormed).
 // rms(v, e) = v / sqrt(mean(v^2) + e), in float32 (an eps of 1e-8 vanishes in float16).
 // residual, branch, total: f32 [T, HIDDEN]; weights f32 [HIDDEN]; xq int8 [T, HIDDEN], xd
 // [T, HIDDEN/32], xs [T, HIDDEN/8].
@@ -30,7 +32,7 @@
 // access is aligned. Past the row: loads give 0 (whole-row pass) or re-read the row's last
 // float4 (slice), never stored; SIMD groups with no value of the slice return after the
 // barriers.
-// Template constants: HIDDEN, RESIDUAL, BRANCH_NORM, SLICE_BLOCKS (blocks per threadgroup),
+// Template constants: HIDDEN, RESIDUAL, BRANCH_NORM, NEXT_NORM, SLICE_BLOCKS (blocks per threadgroup),
 // THREADS (threads per threadgroup).
 const int BLOCKS = HIDDEN / 32;
 const int QUADS = HIDDEN / 4;                        // float4s in a row
@@ -57,7 +59,7 @@ uint quad = min(first + position, uint(QUADS - 1));
 float4 mine = branch4[quad];
 float4 mine_residual = RESIDUAL ? residual4[quad] : float4(0.0f, 0.0f, 0.0f, 0.0f);
 float4 mine_weight = BRANCH_NORM ? branch_weight4[quad] : float4(1.0f, 1.0f, 1.0f, 1.0f);
-float4 mine_next = next_weight4[quad];
+float4 mine_next = NEXT_NORM ? next_weight4[quad] : float4(1.0f, 1.0f, 1.0f, 1.0f);
 float4 values[PER_THREAD];
 float4 residuals[PER_THREAD];
 float4 weights[PER_THREAD];
@@ -88,27 +90,30 @@ if (BRANCH_NORM) {
   }
   branch_scale *= 1.0f / sqrt(sum / float(HIDDEN) + params[0]);
 }
-float tx = 0.0f, ty = 0.0f, tz = 0.0f, tw = 0.0f;
-for (int i = 0; i < PER_THREAD; ++i) {  // past the row: 0 * scale * 1 + 0
-  float x = values[i].x * branch_scale * weights[i].x + residuals[i].x;
-  float y = values[i].y * branch_scale * weights[i].y + residuals[i].y;
-  float z = values[i].z * branch_scale * weights[i].z + residuals[i].z;
-  float w = values[i].w * branch_scale * weights[i].w + residuals[i].w;
-  tx += x * x;
-  ty += y * y;
-  tz += z * z;
-  tw += w * w;
+float next_scale = 1.0f;
+if (NEXT_NORM) {
+  float tx = 0.0f, ty = 0.0f, tz = 0.0f, tw = 0.0f;
+  for (int i = 0; i < PER_THREAD; ++i) {  // past the row: 0 * scale * 1 + 0
+    float x = values[i].x * branch_scale * weights[i].x + residuals[i].x;
+    float y = values[i].y * branch_scale * weights[i].y + residuals[i].y;
+    float z = values[i].z * branch_scale * weights[i].z + residuals[i].z;
+    float w = values[i].w * branch_scale * weights[i].w + residuals[i].w;
+    tx += x * x;
+    ty += y * y;
+    tz += z * z;
+    tw += w * w;
+  }
+  float squares = simd_sum((tx + ty) + (tz + tw));
+  if (lane == 0u) {
+    partial_total[warp] = squares;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float sum = 0.0f;
+  for (int g = 0; g < GROUPS; ++g) {
+    sum += partial_total[g];
+  }
+  next_scale = 1.0f / sqrt(sum / float(HIDDEN) + params[1]);
 }
-float squares = simd_sum((tx + ty) + (tz + tw));
-if (lane == 0u) {
-  partial_total[warp] = squares;
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-float sum = 0.0f;
-for (int g = 0; g < GROUPS; ++g) {
-  sum += partial_total[g];
-}
-float next_scale = 1.0f / sqrt(sum / float(HIDDEN) + params[1]);
 // The slice: a SIMD group whose first float4 is past it (or past the row) has nothing to do.
 uint end = min(first + uint(SLICE_BLOCKS * 8), uint(QUADS));
 if (first + 32u * warp >= end) {

@@ -7,11 +7,12 @@
 //   b      = rms(branch, params[0]) * branch_weight   (BRANCH_NORM 1: a sandwich post-norm;
 //                                                      0: b = branch)
 //   total  = residual + b
-//   normed = rms(total, params[1]) * next_weight
+//   normed = rms(total, params[1]) * next_weight   (NEXT_NORM 1; 0: normed = total, for a
+//                                                  branch that reads the stream unnormed)
 // rms(v, e) = v / sqrt(mean(v^2) + e), in float32 (an eps of 1e-8 vanishes in float16).
 // residual: f32 [R, HIDDEN]; branch: [R, HIDDEN], float16 (a prefill product's output as it
 // is) or float32, read as float; weights f32 [HIDDEN] (branch_weight unread when BRANCH_NORM
-// is 0); params f32 [2]. total, normed: f32 [R, HIDDEN]. R comes from residual's shape.
+// is 0, next_weight when NEXT_NORM is 0); params f32 [2]. total, normed: f32 [R, HIDDEN]. R comes from residual's shape.
 // Replaces MLX's conversion of branch, rms_norm, add and rms_norm: four launches.
 // Grid: R threadgroups of THREADS threads; thread i takes values i, i + THREADS, ... of its
 // row (coalesced) and keeps them in registers between the two sums, each a simd_sum and then
@@ -19,7 +20,7 @@
 // Bytes per call: R * HIDDEN * (4 + 2 or 4) read, R * HIDDEN * 8 written, plus the weights.
 // Bounds: values past the row are 0 and never stored; a threadgroup past R (none on a grid
 // of whole rows) returns whole, before any barrier.
-// Template constants: HIDDEN, BRANCH_NORM (0 or 1), THREADS (threads per threadgroup, a
+// Template constants: HIDDEN, BRANCH_NORM (0 or 1), NEXT_NORM (0 or 1), THREADS (threads per threadgroup, a
 // multiple of 32).
 const int GROUPS = THREADS / 32;
 const int PER_THREAD = (HIDDEN + THREADS - 1) / THREADS;
@@ -63,19 +64,22 @@ for (int i = 0; i < PER_THREAD; ++i) {
     squares += values[i] * values[i];
   }
 }
-float sum = simd_sum(squares);
-if (lane == 0u) {
-  partial_total[warp] = sum;
+float next_scale = 1.0f;
+if (NEXT_NORM) {
+  float sum = simd_sum(squares);
+  if (lane == 0u) {
+    partial_total[warp] = sum;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  sum = 0.0f;
+  for (int g = 0; g < GROUPS; ++g) {
+    sum += partial_total[g];
+  }
+  next_scale = 1.0f / sqrt(sum / float(HIDDEN) + params[1]);
 }
-threadgroup_barrier(mem_flags::mem_threadgroup);
-sum = 0.0f;
-for (int g = 0; g < GROUPS; ++g) {
-  sum += partial_total[g];
-}
-float next_scale = 1.0f / sqrt(sum / float(HIDDEN) + params[1]);
 for (int i = 0; i < PER_THREAD; ++i) {
   uint e = position + uint(i * THREADS);
   if (e < uint(HIDDEN)) {
-    normed[base + e] = values[i] * next_scale * next_weight[e];
+    normed[base + e] = NEXT_NORM ? values[i] * next_scale * next_weight[e] : values[i];
   }
 }

@@ -128,9 +128,10 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask:
 
 
 def residual_norm(residual: mx.array | None, branch: mx.array, branch_weight: mx.array | None,
-                  next_weight: mx.array, branch_eps: float, next_eps: float):
+                  next_weight: mx.array | None, branch_eps: float, next_eps: float):
     """ops.residual_norm as one primitive: residual (or None), branch float [rows, hidden];
-    weights [hidden] (branch_weight None: no post-norm). Returns (sum, normed), float32."""
+    weights [hidden] (branch_weight None: no post-norm; next_weight None: normed is the sum).
+    Returns (sum, normed), float32."""
     total, normed = _cpu_kernels.residual_norm(residual, branch, branch_weight, next_weight,
                                                branch_eps, next_eps)
     return total, normed
@@ -165,23 +166,22 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                      heads: int, kv_heads: int, head_dim: int, offsets: tuple[int, int, int],
                      gate: int | None, bias: mx.array | None, q_norm: mx.array | None,
                      k_norm: mx.array | None, rope: dict | None, eps: float, scale: float,
-                     threads: int = 0):
+                     qk_norm_whole: bool = False, softcap: float | None = None, threads: int = 0):
     """One decode token's attention from its projections: three primitives (the key and
     value writes, each one output so that MLX can hand it the cache's memory, then attention).
 
     y: float32 [1, width]: q at offsets[0] (heads * head_dim), k at offsets[1], v at
     offsets[2] (kv_heads * head_dim each), the gate's sigmoid input at `gate` (None: no gate);
-    bias: q, k, v biases concatenated, or None; q_norm/k_norm [head_dim] or None; rope:
+    bias: q, k, v biases concatenated, or None; q_norm/k_norm [head_dim] or None (qk_norm_whole:
+    [heads * head_dim] / [kv_heads * head_dim], each over its whole projection); softcap: the
+    scores' s -> softcap * tanh(s / softcap), or None; rope:
     dict(dims, base, traditional) or None; position: int32 [1]. keys/values: float32 (or
     float16 where half_cache()) [1, kv_heads, capacity, head_dim]: slot position % capacity
     receives the token's key and value (rounded to the cache's dtype), slots 0 .. min(position
     + 1, capacity) - 1 are attended.
     Returns (o float32 [1, heads * head_dim], keys, values): new cache arrays, which reuse
     the old ones' memory when nothing else holds them."""
-    shape = _cpu_kernels.DecodeHeads(
-        heads, kv_heads, head_dim, *offsets, -1 if gate is None else gate,
-        rope["dims"] if rope else 0, bool(rope and rope["traditional"]),
-        float(rope["base"]) if rope else 0.0, eps, scale, _inverse_frequencies(rope))
+    shape = _decode_heads(heads, kv_heads, head_dim, offsets, gate, rope, eps, scale, qk_norm_whole, softcap)
     keys = _cpu_kernels.write_cache(y, keys, position, bias, k_norm, shape, True)
     values = _cpu_kernels.write_cache(y, values, position, bias, None, shape, False)
     o = _cpu_kernels.attention_decode(y, keys, values, position, bias, q_norm, shape, threads)
@@ -192,7 +192,8 @@ def decode_layer(x: mx.array, h: mx.array, keys: mx.array, values: mx.array, pos
                  attention_in: list, attention_out, ffn_in: list, ffn_out, norms: dict,
                  heads: int, kv_heads: int, head_dim: int, offsets: tuple[int, int, int],
                  gate: int | None, bias: mx.array | None, rope: dict | None, eps: float,
-                 post_eps: float, scale: float, activation: str, rounded: bool, threads: int = 0):
+                 post_eps: float, scale: float, activation: str, rounded: bool,
+                 qk_norm_whole: bool = False, softcap: float | None = None, threads: int = 0):
     """One decoder layer of a one-token decode step as one primitive: the ~10 nodes of
     residual_norm, attention_decode, gated_activation and the products between them, their
     functions called in the same order on the same values (the same result, bit for bit), with
@@ -202,19 +203,26 @@ def decode_layer(x: mx.array, h: mx.array, keys: mx.array, values: mx.array, pos
     heads ... scale: as attention_decode's. Products as (uint8 weight [out, row_bytes], ggml
     type): attention_in the groups whose outputs side by side hold q, k, v (and the gate) at
     `offsets`; ffn_in gate|up stacked, or gate then up. norms: "ffn" and "next" (the next
-    layer's attention norm, or the output norm) [hidden]; optional "q", "k" [head_dim] and the
+    layer's attention norm, or the output norm) [hidden], each absent where there is none (the
+    branch reads the stream itself: OLMo 2); optional "q", "k" (as attention_decode's) and the
     sandwich's "post_attention", "post_ffw" [hidden]. activation: "silu" or "gelu_tanh".
     Returns (x, h, keys, values): x, h float32 [1, hidden] leaving the layer."""
     if activation not in ("silu", "gelu_tanh"):
         raise ValueError(f"no compiled gated activation {activation!r} (silu, gelu_tanh)")
-    shape = _cpu_kernels.DecodeHeads(
-        heads, kv_heads, head_dim, *offsets, -1 if gate is None else gate,
-        rope["dims"] if rope else 0, bool(rope and rope["traditional"]),
-        float(rope["base"]) if rope else 0.0, eps, scale, _inverse_frequencies(rope))
+    shape = _decode_heads(heads, kv_heads, head_dim, offsets, gate, rope, eps, scale, qk_norm_whole, softcap)
     x, h, keys, values = _cpu_kernels.decode_layer(
         x, h, position, keys, values, [(w, int(t)) for w, t in attention_in],
         (attention_out[0], int(attention_out[1])), [(w, int(t)) for w, t in ffn_in],
         (ffn_out[0], int(ffn_out[1])), bias, norms.get("q"), norms.get("k"),
-        norms.get("post_attention"), norms["ffn"], norms.get("post_ffw"), norms["next"], shape,
+        norms.get("post_attention"), norms.get("ffn"), norms.get("post_ffw"), norms.get("next"), shape,
         eps, post_eps, activation == "gelu_tanh", rounded, threads)
     return x, h, keys, values
+
+
+def _decode_heads(heads, kv_heads, head_dim, offsets, gate, rope, eps, scale, qk_norm_whole, softcap):
+    """attention_decode's and decode_layer's settings as the extension's DecodeHeads."""
+    return _cpu_kernels.DecodeHeads(
+        heads, kv_heads, head_dim, *offsets, -1 if gate is None else gate,
+        rope["dims"] if rope else 0, bool(rope and rope["traditional"]),
+        float(rope["base"]) if rope else 0.0, eps, scale, _inverse_frequencies(rope),
+        qk_norm_whole, float(softcap or 0.0))

@@ -118,11 +118,12 @@ class Reference:
         w = lambda name: self.weight(f"blk.{layer}.{name}")  # noqa: E731
         product = lambda x, name: self.product(x, f"blk.{layer}.{name}.weight")  # noqa: E731
         post_eps = c.eps if c.post_norm_eps is None else c.post_norm_eps
-        a = self.attention(layer, rms(x, c.eps) * w("attn_norm.weight"), positions)
+        pre_norm = lambda x, name: rms(x, c.eps) * w(name) if c.pre_norms else x  # noqa: E731
+        a = self.attention(layer, pre_norm(x, "attn_norm.weight"), positions)
         if c.sandwich_norms:
             a = rms(a, post_eps) * w("post_attention_norm.weight")
         x = x + a
-        h = rms(x, c.eps) * w("ffn_norm.weight")
+        h = pre_norm(x, "ffn_norm.weight")
         act = silu if c.activation == "silu" else gelu_tanh
         f = product(act(product(h, "ffn_gate")) * product(h, "ffn_up"), "ffn_down")
         if c.sandwich_norms:
@@ -138,10 +139,12 @@ class Reference:
         q, k, v = product(h, "attn_q"), product(h, "attn_k"), product(h, "attn_v")
         if c.qkv_bias:
             q, k, v = q + w("attn_q.bias"), k + w("attn_k.bias"), v + w("attn_v.bias")
+        if c.qk_norm_whole:  # over each whole projection, before the head split
+            q, k = rms(q, c.eps) * w("attn_q_norm.weight"), rms(k, c.eps) * w("attn_k_norm.weight")
         q = q.reshape(T, c.heads, c.head_dim)
         k = k.reshape(T, c.kv_heads, c.head_dim)
         v = v.reshape(T, c.kv_heads, c.head_dim)
-        if c.qk_norm:
+        if c.qk_norm and not c.qk_norm_whole:
             q = rms(q, c.eps) * w("attn_q_norm.weight")
             k = rms(k, c.eps) * w("attn_k_norm.weight")
         sliding = c.swa_layers[layer]

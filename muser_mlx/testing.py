@@ -402,6 +402,7 @@ LLAMA_CPP_CASES = {
     # Caps small enough to bite these scores and logits (Gemma 2's own are 50 and 30).
     "gemma2": ("gemma2", 8, {"window": 8, "extra_metadata": {"gemma2.attn_logit_softcapping": 1.0,
                                                             "gemma2.final_logit_softcapping": 8.0}}, {}),
+    "olmo2": ("olmo2", 9, {}, {}),
 }
 
 

@@ -217,5 +217,7 @@ def test_inspect_shows_the_architectures_fields_or_why_it_cannot_run(tmp_path, r
     phi3 = tiny_model(tmp_path / "phi3.gguf", "phi3", rng, extra_tensors={"rope_factors_short.weight": rng.uniform(1, 2, 32)})
     shown = inspect(phi3)
     assert "phi3 model:" in shown and "rope_traditional = False" in shown and "rope_freqs = 32 pairs" in shown
-    olmo2 = tiny_model(tmp_path / "olmo2.gguf", "olmo2", rng)  # written as llama.cpp names it; not run here
-    assert "not supported: general.architecture is 'olmo2'" in inspect(olmo2)
+    olmo2 = inspect(tiny_model(tmp_path / "olmo2.gguf", "olmo2", rng))
+    assert "olmo2 model:" in olmo2 and "qk_norm_whole = True" in olmo2 and "pre_norms = False" in olmo2
+    unknown = tiny_model(tmp_path / "olmo2.gguf", "olmo2", rng, extra_metadata={"general.architecture": "olmo3"})
+    assert "not supported: general.architecture is 'olmo3'" in inspect(unknown)

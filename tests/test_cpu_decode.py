@@ -38,7 +38,7 @@ from tests.test_cpu_ext import random_byte_blocks
 if not cpu_ext.available() and os.environ.get("MUSER_REQUIRE_CPU_EXT") != "1":
     pytest.skip(f"the CPU extension is not built here: {cpu_ext.unavailable()}", allow_module_level=True)
 
-ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite", "phi3"]
+ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite", "phi3", "gemma2", "olmo2"]
 WINDOW = 8
 STEP_BOUND = 2e-5
 # Float16 caches: the two steps' float32 keys may differ in their last bit (RoPE angles, norms
@@ -295,7 +295,8 @@ def rms(x, eps):
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("with_branch_weight", [True, False])
-def test_residual_norm_matches_numpy(rng, rows, with_residual, with_branch_weight):
+@pytest.mark.parametrize("with_next_weight", [True, False])  # False: OLMo 2's, normed is the sum
+def test_residual_norm_matches_numpy(rng, rows, with_residual, with_branch_weight, with_next_weight):
     hidden = 96
     residual = rng.standard_normal((rows, hidden)).astype(np.float32)
     branch = (rng.standard_normal((rows, hidden)) * 3).astype(np.float32)
@@ -308,13 +309,14 @@ def test_residual_norm_matches_numpy(rng, rows, with_residual, with_branch_weigh
     strided_branch = mx.array(np.ascontiguousarray(branch.T)).T
     total, normed = cpu_ext.residual_norm(mx.array(residual) if with_residual else None, strided_branch,
                                           mx.array(branch_weight) if with_branch_weight else None,
-                                          mx.array(next_weight), 1e-6, 1e-5)
+                                          mx.array(next_weight) if with_next_weight else None, 1e-6, 1e-5)
     b = branch.astype(np.float64)
     if with_branch_weight:
         b = rms(b, 1e-6) * branch_weight
     expected_total = residual + b if with_residual else b
+    expected_normed = rms(expected_total, 1e-5) * next_weight if with_next_weight else expected_total
     assert relative_error(np.array(total), expected_total) <= PRIMITIVE_BOUND
-    assert relative_error(np.array(normed), rms(expected_total, 1e-5) * next_weight) <= PRIMITIVE_BOUND
+    assert relative_error(np.array(normed), expected_normed) <= PRIMITIVE_BOUND
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
@@ -375,7 +377,9 @@ SHAPES = [(4, 2, 0, 16), (4, 2, 5, 16), (4, 2, 21, 8), (12, 2, 1500, 2048), (3, 
 
 
 @pytest.mark.parametrize("heads, kv_heads, position, capacity", SHAPES)
-@pytest.mark.parametrize("variant", ["plain", "bias", "qk_norm+gate", "traditional+partial", "no_rope"])
+# whole_norm: OLMo 2's q/k norm over each whole projection; softcap: Gemma 2's capped scores.
+@pytest.mark.parametrize("variant", ["plain", "bias", "qk_norm+gate", "traditional+partial", "no_rope",
+                                     "bias+whole_norm", "softcap"])
 @pytest.mark.parametrize("cache_dtype", ["float32", "float16"])  # float16: generate()'s caches
 def test_attention_decode_matches_numpy(rng, heads, kv_heads, position, capacity, variant, cache_dtype):
     if cache_dtype == "float16" and not cpu_ext.half_cache():
@@ -385,9 +389,13 @@ def test_attention_decode_matches_numpy(rng, heads, kv_heads, position, capacity
     offsets = (2 * kv_size, 0, kv_size)  # y holds k, v, q, then the gate: any order will do
     gate = 2 * kv_size + q_size if "gate" in variant else None
     y = rng.standard_normal((1, 2 * kv_size + q_size + (q_size if gate else 0))).astype(np.float32)
-    bias = rng.standard_normal(q_size + 2 * kv_size).astype(np.float32) if variant == "bias" else None
+    bias = rng.standard_normal(q_size + 2 * kv_size).astype(np.float32) if "bias" in variant else None
+    whole = "whole_norm" in variant
     q_norm, k_norm = (rng.uniform(0.5, 1.5, (2, head_dim)).astype(np.float32)
                       if "qk_norm" in variant else (None, None))
+    if whole:
+        q_norm, k_norm = (rng.uniform(0.5, 1.5, size).astype(np.float32) for size in (q_size, kv_size))
+    softcap = 0.5 if variant == "softcap" else None  # it bites: these scores reach ~5
     dims = {"traditional+partial": 16, "no_rope": 0}.get(variant, head_dim)
     rope_settings = None if dims == 0 else dict(dims=dims, base=10000.0, traditional="traditional" in variant)
     keys = rng.standard_normal((1, kv_heads, capacity, head_dim)).astype(cache_dtype)
@@ -401,14 +409,17 @@ def test_attention_decode_matches_numpy(rng, heads, kv_heads, position, capacity
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, offsets=offsets, gate=gate,
         bias=None if bias is None else mx.array(bias),
         q_norm=None if q_norm is None else mx.array(q_norm), k_norm=None if k_norm is None else mx.array(k_norm),
-        rope=rope_settings, eps=eps, scale=scale)
+        rope=rope_settings, eps=eps, scale=scale, qk_norm_whole=whole, softcap=softcap)
 
     y64 = y[0].astype(np.float64)
     full_bias = np.zeros(q_size + 2 * kv_size) if bias is None else bias.astype(np.float64)
     q = (y64[2 * kv_size : 2 * kv_size + q_size] + full_bias[:q_size]).reshape(heads, head_dim)
     k = (y64[:kv_size] + full_bias[q_size : q_size + kv_size]).reshape(kv_heads, head_dim)
     v = (y64[kv_size : 2 * kv_size] + full_bias[q_size + kv_size :]).reshape(kv_heads, head_dim)
-    if q_norm is not None:
+    if whole:
+        q = (rms(q.reshape(-1), eps) * q_norm).reshape(heads, head_dim)
+        k = (rms(k.reshape(-1), eps) * k_norm).reshape(kv_heads, head_dim)
+    elif q_norm is not None:
         q, k = rms(q, eps) * q_norm, rms(k, eps) * k_norm
     if dims:
         q, k = (rope(a, position, dims, 10000.0, "traditional" in variant) for a in (q, k))
@@ -435,6 +446,8 @@ def test_attention_decode_matches_numpy(rng, heads, kv_heads, position, capacity
     for head in range(heads):
         kv = head // (heads // kv_heads)
         scores = expected_keys[kv, :seen] @ q[head] * scale
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)
         probs = np.exp(scores - scores.max())
         expected[head] = probs / probs.sum() @ expected_values[kv, :seen]
     expected = expected.reshape(1, q_size)

@@ -406,42 +406,58 @@ def test_product_refuses_a_format_it_has_no_kernel_for(rng):
         ops.product(x, w)
 
 
-@pytest.mark.parametrize("residual, branch_norm", [(True, True), (True, False), (False, True)],
-                         ids=["sandwich", "plain", "embedding"])
+@pytest.mark.parametrize("residual, branch_norm, next_norm", [(True, True, True), (True, False, True),
+                                                             (False, True, True), (True, True, False)],
+                         ids=["sandwich", "plain", "embedding", "post-only"])  # post-only: OLMo 2's
 # The kernel cuts a row into slices of ops.norm.SEAM_SLICE_BLOCKS 32-value blocks, one
 # threadgroup each: 416 (13 blocks) is one partial slice, 2880 (90 blocks) ends in one.
 @pytest.mark.parametrize("hidden, tokens", [(256, 2), (6656, 2), (416, 3), (2880, 3)])
-def test_residual_norm_quant_matches_numpy(backend, rng, residual, branch_norm, hidden, tokens):
+def test_residual_norm_quant_matches_numpy(backend, rng, residual, branch_norm, next_norm, hidden, tokens):
     x = rng.standard_normal((tokens, hidden)).astype(np.float32) * 3
     branch = rng.standard_normal((tokens, hidden)).astype(np.float32) * 40
     branch_weight, next_weight = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
     with kernels.poisoned_outputs():
         total, normed = ops.residual_norm_quant(mx.array(x) if residual else None, mx.array(branch),
                                                 mx.array(branch_weight) if branch_norm else None,
-                                                mx.array(next_weight), 1e-8, 1e-5, 0.75)
+                                                mx.array(next_weight) if next_norm else None, 1e-8, 1e-5, 0.75)
         mx.eval(total, normed)
     b = branch.astype(np.float64)
     if branch_norm:
         b = rms(b, 1e-8) * branch_weight
     expected = b * 0.75 + (x if residual else 0)
     assert relative_error(np.array(total), expected) <= 1e-5  # float32 sums of 6656 squares
-    assert_within_half_a_code(normed, rms(expected, 1e-5) * next_weight)
+    assert_within_half_a_code(normed, rms(expected, 1e-5) * next_weight if next_norm else expected)
 
 
 # --- attention -------------------------------------------------------------------------------
 
 HEAD_DIM = 64
+# attention_case's (heads, kv_heads, gate, bias, qk_norm, rope_spec, softcap) of each model's
+# form: OLMo 2's q/k norm over the whole projections with a bias (none of its own, but the sum
+# of squares takes it), Gemma 2's capped scores (a cap of 0.5 bites scores of ~1-3).
+ATTENTION_VARIANTS = {
+    "muse": (8, 2, True, False, True, (64, True), None),
+    "llama": (4, 2, False, False, False, (64, False), None),
+    "qwen2": (4, 1, False, True, False, (32, False), None),
+    "gqa-3": (6, 2, False, False, True, None, None),
+    "olmo2": (6, 2, False, True, "whole", (64, False), None),
+    "gemma2": (4, 2, False, False, False, (64, False), 0.5),
+}
 
 
-def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec):
+def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec, softcap=None):
     """Random projections and a cache that already holds positions < position; the numpy
-    float64 result of attention_decode for them: (inputs, expected o, expected key/value rows)."""
+    float64 result of attention_decode for them: (inputs, expected o, expected key/value rows).
+    qk_norm: False, True (per head) or "whole" (over each whole projection, OLMo 2's); softcap:
+    the scores' cap (Gemma 2's) or None."""
     q_width, kv_width = heads * HEAD_DIM, kv_heads * HEAD_DIM
     gate_off = q_width + 2 * kv_width if gate else None
     y = rng.standard_normal((1, q_width + 2 * kv_width + (q_width if gate else 0))).astype(np.float32)
     keys = (rng.standard_normal((1, kv_heads, capacity, HEAD_DIM))).astype(np.float16)
     values = (rng.standard_normal((1, kv_heads, capacity, HEAD_DIM))).astype(np.float16)
-    weights = [rng.uniform(0.5, 1.5, HEAD_DIM).astype(np.float32) for _ in range(2)] if qk_norm else [None, None]
+    whole = qk_norm == "whole"
+    weights = [rng.uniform(0.5, 1.5, size).astype(np.float32)
+               for size in ((q_width, kv_width) if whole else (HEAD_DIM, HEAD_DIM))] if qk_norm else [None, None]
     bias_values = (0.3 * rng.standard_normal(q_width + 2 * kv_width)).astype(np.float32) if bias else None
     rope_dict = None if rope_spec is None else dict(dims=rope_spec[0], traditional=rope_spec[1], base=10000.0)
     eps, scale = 1e-6, HEAD_DIM**-0.5
@@ -451,7 +467,10 @@ def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm
     q = yy[:q_width].reshape(heads, HEAD_DIM)
     k = yy[q_width : q_width + kv_width].reshape(kv_heads, HEAD_DIM)
     v = yy[q_width + kv_width : q_width + 2 * kv_width].reshape(kv_heads, HEAD_DIM)
-    if qk_norm:
+    if whole:
+        q = (rms(q.reshape(-1), eps) * weights[0]).reshape(heads, HEAD_DIM)
+        k = (rms(k.reshape(-1), eps) * weights[1]).reshape(kv_heads, HEAD_DIM)
+    elif qk_norm:
         q, k = rms(q, eps) * weights[0], rms(k, eps) * weights[1]
     if rope_dict:
         pos = np.array([float(position)])
@@ -466,6 +485,8 @@ def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm
     o = np.empty((heads, HEAD_DIM))
     for h in range(heads):
         scores = stored_k[h // group, :count] @ q[h] * scale
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)
         p = np.exp(scores - scores.max())
         o[h] = p @ stored_v[h // group, :count] / p.sum()
     o = o.reshape(1, -1)
@@ -477,25 +498,21 @@ def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm
                   head_dim=HEAD_DIM, offsets=(0, q_width, q_width + kv_width), gate=gate_off,
                   q_weight=mx.array(weights[0]) if qk_norm else None,
                   k_weight=mx.array(weights[1]) if qk_norm else None,
-                  bias=mx.array(bias_values) if bias else None, rope=rope_dict, eps=eps, scale=scale)
+                  bias=mx.array(bias_values) if bias else None, rope=rope_dict, eps=eps, scale=scale,
+                  qk_norm_whole=whole, softcap=softcap)
     return inputs, o, (slot, new_k, new_v, keys, values)
 
 
 @pytest.mark.parametrize("capacity, position", [(256, 0), (256, 1), (256, 200), (8, 5), (8, 8), (8, 29), (4096, 3000)],
                          ids=["first", "second", "full-200", "ring-filling", "ring-wraps", "ring-29", "long"])
-@pytest.mark.parametrize("variant", ["muse", "llama", "qwen2", "gqa-3"])
+@pytest.mark.parametrize("variant", ["muse", "llama", "qwen2", "gqa-3", "olmo2", "gemma2"])
 @pytest.mark.parametrize("splits", [64, 128], ids=["64-splits", "128-splits"])
 def test_attention_decode_matches_numpy_and_writes_its_slot(backend, rng, capacity, position, variant, splits):
     if splits != 64 and capacity < 4096:
         pytest.skip("only a long cache has more than 64 splits")
-    heads, kv_heads, gate, bias, qk_norm, rope_spec = {
-        "muse": (8, 2, True, False, True, (64, True)),
-        "llama": (4, 2, False, False, False, (64, False)),
-        "qwen2": (4, 1, False, True, False, (32, False)),
-        "gqa-3": (6, 2, False, False, True, None),
-    }[variant]
     inputs, expected, (slot, new_k, new_v, keys, values) = attention_case(
-        rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec)
+        rng, *ATTENTION_VARIANTS[variant][:2], capacity, position, *ATTENTION_VARIANTS[variant][2:])
+    heads = inputs["heads"]
     with kernels.poisoned_outputs():
         out, cache_keys, cache_values = ops.attention_decode(**inputs, splits=splits)
         mx.eval(out, cache_keys, cache_values)

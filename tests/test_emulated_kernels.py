@@ -24,7 +24,8 @@ from muser_mlx.reference import Reference, rms
 from muser_mlx.settings import DEFAULT, Settings
 from tests.conftest import gpu_available, relative_error
 from tests.emulate import EmulationError, emulated_gpu, run
-from tests.test_decode_kernels import PRODUCT_BOUND, assert_within_half_a_code, attention_case, q8x, weight
+from tests.test_decode_kernels import (ATTENTION_VARIANTS, PRODUCT_BOUND, assert_within_half_a_code, attention_case,
+                                       q8x, weight)
 from tests.test_models import FUSED_NUMERICS_BOUND, decode_one_by_one
 from tests.test_qk_norm_rope import reference as rope_reference
 
@@ -368,38 +369,41 @@ def test_product_glu(rng, activation, tokens):
 
 # A threadgroup writes a slice of ops.norm.SEAM_SLICE_BLOCKS blocks: 416 = 13 blocks (one partial
 # slice), 2880 = 90 blocks (a partial last slice, a whole-row pass that leaves the row early).
-@pytest.mark.parametrize("residual, branch_norm, hidden, tokens",
-                         [(True, True, 256, 2), (False, True, 6656, 2), (True, False, 416, 3), (True, True, 2880, 3)],
-                         ids=["sandwich-256", "embedding-6656", "plain-416x3", "sandwich-2880x3"])
-def test_residual_norm_quant(rng, residual, branch_norm, hidden, tokens):
+# post-only: OLMo 2's seam, no next norm (h is the sum, quantized).
+@pytest.mark.parametrize("residual, branch_norm, hidden, tokens, next_norm",
+                         [(True, True, 256, 2, True), (False, True, 6656, 2, True), (True, False, 416, 3, True),
+                          (True, True, 2880, 3, True), (True, True, 416, 3, False)],
+                         ids=["sandwich-256", "embedding-6656", "plain-416x3", "sandwich-2880x3", "post-only-416x3"])
+def test_residual_norm_quant(rng, residual, branch_norm, hidden, tokens, next_norm):
     x = rng.standard_normal((tokens, hidden)).astype(np.float32) * 3
     branch = rng.standard_normal((tokens, hidden)).astype(np.float32) * 40
     branch_weight, next_weight = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         total, normed = ops.residual_norm_quant(mx.array(x) if residual else None, mx.array(branch),
                                                 mx.array(branch_weight) if branch_norm else None,
-                                                mx.array(next_weight), 1e-8, 1e-5, 0.75)
+                                                mx.array(next_weight) if next_norm else None, 1e-8, 1e-5, 0.75)
     b = branch.astype(np.float64)
     if branch_norm:
         b = rms(b, 1e-8) * branch_weight
     expected = b * 0.75 + (x if residual else 0)
     assert kernel_names(launches) == ["residual_norm_quant"]
     assert relative_error(np.array(total), expected) <= 1e-5  # float32 sums of 6656 squares
-    assert_within_half_a_code(normed, rms(expected, 1e-5) * next_weight)
+    assert_within_half_a_code(normed, rms(expected, 1e-5) * next_weight if next_norm else expected)
 
 
 # A threadgroup a row: 6656 values over 256 threads (26 each, the last pass partial), 100 over
 # 128 (lanes past the row), 40000 over 1024 (ops.norm.ROWS_PER_THREAD raises the threads).
-@pytest.mark.parametrize("branch_norm", [True, False], ids=["sandwich", "plain"])
+@pytest.mark.parametrize("branch_norm, next_norm", [(True, True), (False, True), (True, False)],
+                         ids=["sandwich", "plain", "post-only"])  # post-only: OLMo 2's, normed is the sum
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
 @pytest.mark.parametrize("hidden, rows", [(6656, 3), (100, 5), (40000, 2)])
-def test_residual_norm_rows(rng, branch_norm, dtype, hidden, rows):
+def test_residual_norm_rows(rng, branch_norm, next_norm, dtype, hidden, rows):
     x = rng.standard_normal((1, rows, hidden)).astype(np.float32) * 3
     branch = (rng.standard_normal((1, rows, hidden)) * 40).astype(np.float16 if dtype == mx.float16 else np.float32)
     branch_weight, next_weight = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         total, normed = ops.residual_norm(mx.array(x), mx.array(branch), mx.array(branch_weight) if branch_norm else None,
-                                          mx.array(next_weight), 1e-8, 1e-5)
+                                          mx.array(next_weight) if next_norm else None, 1e-8, 1e-5)
     b = branch.astype(np.float64)
     if branch_norm:
         b = rms(b, 1e-8) * branch_weight
@@ -407,20 +411,17 @@ def test_residual_norm_rows(rng, branch_norm, dtype, hidden, rows):
     assert kernel_names(launches) == ["residual_norm_rows"]
     assert total.shape == normed.shape == x.shape and total.dtype == normed.dtype == mx.float32
     assert relative_error(np.array(total), expected) <= 1e-5  # float32 sums of up to 40000 squares
-    assert relative_error(np.array(normed), rms(expected, 1e-5) * next_weight) <= 1e-5
+    assert relative_error(np.array(normed), rms(expected, 1e-5) * next_weight if next_norm else expected) <= 1e-5
 
 
-@pytest.mark.parametrize("variant, capacity, position", [("muse", 8, 29), ("qwen2", 256, 200), ("llama", 4096, 3000)],
-                         ids=["muse-ring", "qwen2-bias", "llama-long"])
+@pytest.mark.parametrize("variant, capacity, position", [("muse", 8, 29), ("qwen2", 256, 200), ("llama", 4096, 3000),
+                                                       ("olmo2", 256, 200), ("gemma2", 8, 29)],
+                         ids=["muse-ring", "qwen2-bias", "llama-long", "olmo2-whole-norm", "gemma2-softcap-ring"])
 def test_attention_decode_and_combine(rng, variant, capacity, position):
     # Its key and value go into the cache in place (the emulator writes them back, as a GPU does).
-    heads, kv_heads, gate, bias, qk_norm, rope_spec = {
-        "muse": (8, 2, True, False, True, (64, True)),
-        "llama": (4, 2, False, False, False, (64, False)),
-        "qwen2": (4, 1, False, True, False, (32, False)),
-    }[variant]
+    heads, kv_heads, *rest = ATTENTION_VARIANTS[variant]
     inputs, expected, (slot, new_k, new_v, keys, values) = attention_case(
-        rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec)
+        rng, heads, kv_heads, capacity, position, *rest)
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         out, cache_keys, cache_values = ops.attention_decode(**inputs)
     assert kernel_names(launches) == ["attention_decode", "attention_combine"]
@@ -689,12 +690,17 @@ def test_an_endless_loop_is_reported(rng):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_a_tiny_model_decodes_on_the_emulated_gpu(tmp_path, rng):
+# Muse Glimmer's layer (QK norm, attention gate, sliding window); OLMo 2's (q/k norm over the
+# whole projections, no pre-norms); Gemma 2's (attention softcap, here one that bites).
+@pytest.mark.parametrize("architecture, metadata", [("muse-glimmer", {}), ("olmo2", {}),
+                                                    ("gemma2", {"gemma2.attn_logit_softcapping": 0.25})],
+                         ids=["muse-glimmer", "olmo2", "gemma2"])
+def test_a_tiny_model_decodes_on_the_emulated_gpu(tmp_path, rng, architecture, metadata):
     # The fused decode step (Transformer.decode_step: eight launches a layer, the LM head's
-    # epilogue and argmax) of Muse Glimmer's layer (QK norm, attention gate, sliding window) with
-    # Q4_K / Q6_K weights, 6 tokens one by one, against the float64 reference with the decode
-    # step's rounding (tests/test_models.py's bounds).
-    path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1)
+    # epilogue and argmax) with Q4_K / Q6_K weights, 6 tokens one by one, against the float64
+    # reference with the decode step's rounding (tests/test_models.py's bounds).
+    path = testing.tiny_model(tmp_path / "m.gguf", architecture, rng, weights="Q4_K_M", layers=1,
+                              extra_metadata=metadata)
     with gguf.read(path) as file, emulated_gpu() as launches, kernels.poisoned_outputs():
         model = build_model(file)
         ids = rng.integers(0, model.config.vocab, size=6)

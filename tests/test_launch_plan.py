@@ -109,7 +109,7 @@ def test_prefill_chunks_of_any_length_launch_the_same_kernels(tmp_path, rng, rec
         tokens: sorted(found - kernels_of[20]) for tokens, found in kernels_of.items()}
 
 
-@pytest.mark.parametrize("architecture", ["muse-glimmer", "llama", "gemma3", "qwen2"])
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "llama", "gemma3", "qwen2", "gemma2", "olmo2"])
 def test_a_fused_decode_step_launches_at_most_8_kernels_a_layer(tmp_path, rng, recorded, architecture):
     layers = 3
     path = tiny_model(tmp_path / "m.gguf", architecture, rng, weights="Q4_K_M", layers=layers)

@@ -18,9 +18,8 @@ from muser_mlx.testing import tiny_model
 
 from tests.conftest import random_ids, relative_error, tiny_models
 
-ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite", "phi3", "gemma2"]
-# Those with a fused decode step: Gemma 2's softcapped attention has none (every step is the general one).
-FUSED_ARCHITECTURES = [a for a in ARCHITECTURES if a != "gemma2"]
+ARCHITECTURES = ["muse-glimmer", "llama", "gemma3", "qwen2", "qwen3", "smollm3", "granite", "phi3", "gemma2",
+                 "olmo2"]
 WEIGHTS = ["F32", "F16", "Q8_0", "Q4_K", "Q4_K_M"]
 WINDOW = 8
 # CPU: the graph is float32 and the reference float64 over the same decoded weights, so only
@@ -456,6 +455,13 @@ def load(path):
     return config_for(file.metadata, file.tensors)
 
 
+def test_an_olmo2_file_with_a_sliding_window_is_refused_by_name(tmp_path, rng):
+    # OLMo 3 writes general.architecture olmo2 with sliding-window layers, which we do not run.
+    path = tiny_model(tmp_path / "m.gguf", "olmo2", rng, extra_metadata={"olmo2.attention.sliding_window": ("u32", 64)})
+    with gguf.read(path) as file, pytest.raises(ModelConfigError, match="olmo2.attention.sliding_window"):
+        config_for(file.metadata, file.tensors)
+
+
 @pytest.mark.parametrize("key", ["muse-glimmer.attention.sliding_window_pattern",
                                  "muse-glimmer.logit_scale",
                                  "muse-glimmer.attention.layer_norm_rms_epsilon",
@@ -539,7 +545,7 @@ def decode_one_by_one(model, ids, cache):
 
 
 @pytest.mark.parametrize("weights", ["Q4_K_M", "Q8_0"])
-@pytest.mark.parametrize("architecture", FUSED_ARCHITECTURES)
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_fused_decode_steps_match_the_reference(tiny, rng, architecture, weights):
     file, model = tiny(architecture, weights)
     assert model.decodes_fused()
@@ -552,7 +558,7 @@ def test_fused_decode_steps_match_the_reference(tiny, rng, architecture, weights
     np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))
 
 
-@pytest.mark.parametrize("architecture", FUSED_ARCHITECTURES)
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_fused_greedy_decoding_stays_within_the_bound_for_32_steps(tiny, rng, architecture):
     # The reference is fed the fused path's own tokens, so one near-tie (two logits closer than
     # the bound; common in these tiny random models) does not derail the comparison of the rest.
@@ -569,7 +575,7 @@ def test_fused_greedy_decoding_stays_within_the_bound_for_32_steps(tiny, rng, ar
 
 
 @pytest.mark.parametrize("step", [None, 3])  # 3: window caches grow (3, 6, then 8 slots) before they wrap
-@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3"])
+@pytest.mark.parametrize("architecture", ["muse-glimmer", "gemma3", "gemma2"])
 def test_fused_sliding_window_layers_see_exactly_window_keys(tiny, rng, monkeypatch, architecture, step):
     if step:
         monkeypatch.setattr(cache_module, "STEP", step)
@@ -632,23 +638,52 @@ def test_decode_step_refuses_a_float32_cache(tiny):
         model.decode_step(mx.array([[1]], dtype=mx.int32), model.make_cache(mx.float32))
 
 
-def test_softcapped_attention_is_the_general_steps_alone(tiny, rng):
-    """Gemma 2: its scores are softcapped (the reference without the cap is far off), which
-    neither the fused GPU step nor the CPU decode step computes: they refuse rather than
-    compute without it, and generate() takes the general step."""
-    from muser_mlx.models import cpu_decode
+def test_every_step_caps_gemma2s_attention_scores(tiny, rng):
+    """Gemma 2 with a cap that bites (0.25: the reference without it is 7-8 % off, as far as
+    these tiny models' final softcap lets it): the general step, the fused decode step and the
+    CPU decode step all softcap the scores."""
+    from muser_mlx.models.cpu_decode import CPUDecodeStep
+    from tests.test_cpu_decode import STEP_BOUND, run_steps
 
-    file, model = tiny("gemma2", "Q8_0", extra_metadata={"gemma2.attn_logit_softcapping": 1.0})  # it bites
-    assert model.config.attn_softcap == 1.0 and not model.decodes_fused() and not cpu_decode.serves(model)
-    with pytest.raises(ValueError, match="softcap"):
-        model.cpu_step(mx.array([[1]], dtype=mx.int32), model.make_cache())
-    with pytest.raises(ValueError, match="softcap"):
-        model.decode_step(mx.array([[1]], dtype=mx.int32), model.make_cache(mx.float16))
+    file, model = tiny("gemma2", "Q8_0", extra_metadata={"gemma2.attn_logit_softcapping": 0.25})
+    assert model.config.attn_softcap == 0.25 and model.decodes_fused()
     ids = random_ids(rng, model, 2 * WINDOW)
-    logits = np.array(model(ids[None]))[0]
-    uncapped = dataclasses.replace(model.config, attn_softcap=None)
-    assert relative_error(logits, Reference(model.config, file.tensors).forward(ids)) <= TOLERANCE["cpu" if mx.default_device() == mx.cpu else "gpu"]
-    assert relative_error(logits, Reference(uncapped, file.tensors).forward(ids)) > 1e-2
+    uncapped_config = dataclasses.replace(model.config, attn_softcap=None)
+    capped = Reference(model.config, file.tensors).forward(ids)
+    assert relative_error(Reference(uncapped_config, file.tensors).forward(ids), capped) > 2e-2
+    general = np.array(model(ids[None]))[0]
+    assert relative_error(general, capped) <= TOLERANCE["cpu" if mx.default_device() == mx.cpu else "gpu"]
+    fused, _ = decode_one_by_one(model, ids, model.make_cache(mx.float16))
+    rounded = relative_error(fused, Reference(model.config, file.tensors, decode_numerics=True).forward(ids))
+    assert rounded <= FUSED_NUMERICS_BOUND
+    assert relative_error(fused, Reference(uncapped_config, file.tensors, decode_numerics=True).forward(ids)) > 2 * rounded
+    with mx.stream(mx.cpu):
+        stepped = run_steps(CPUDecodeStep(model, rounded=False), ids, model.make_cache())
+    assert relative_error(stepped, capped) <= STEP_BOUND
+
+
+def test_every_step_norms_olmo2s_whole_q_and_k_projections(tiny, rng):
+    """OLMo 2: q and k RMS-normed each over its whole projection (weights [heads * head_dim],
+    [kv_heads * head_dim]) and no norm before a branch (tests/test_llama_cpp_logits.py holds the
+    form to llama.cpp's). The reference without the q/k norm is far off; the general step, the
+    fused decode step and the CPU decode step all follow the one with it."""
+    from muser_mlx.models.cpu_decode import CPUDecodeStep
+    from tests.test_cpu_decode import STEP_BOUND, run_steps
+
+    file, model = tiny("olmo2", "Q8_0")
+    c = model.config
+    assert c.qk_norm_whole and not c.pre_norms and model.layers[0].attn_norm is None and model.decodes_fused()
+    ids = random_ids(rng, model, 2 * WINDOW)
+    right = Reference(c, file.tensors).forward(ids)
+    unnormed = Reference(dataclasses.replace(c, qk_norm=False, qk_norm_whole=False), file.tensors).forward(ids)
+    assert relative_error(unnormed, right) > 10 * FUSED_BOUND
+    general = np.array(model(ids[None]))[0]
+    assert relative_error(general, right) <= TOLERANCE["cpu" if mx.default_device() == mx.cpu else "gpu"]
+    fused, _ = decode_one_by_one(model, ids, model.make_cache(mx.float16))
+    assert relative_error(fused, Reference(c, file.tensors, decode_numerics=True).forward(ids)) <= FUSED_NUMERICS_BOUND
+    with mx.stream(mx.cpu):
+        stepped = run_steps(CPUDecodeStep(model, rounded=False), ids, model.make_cache())
+    assert relative_error(stepped, right) <= STEP_BOUND
 
 
 def test_models_without_q8x_kernels_for_their_formats_do_not_decode_fused(tiny):

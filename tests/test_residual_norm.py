@@ -12,17 +12,18 @@ def reference(residual, branch, branch_weight, next_weight, branch_eps, next_eps
     rms = lambda v, e: v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + e)  # noqa: E731
     added = rms(branch, branch_eps) * branch_weight if branch_weight is not None else branch
     total = residual + added
-    return total, rms(total, next_eps) * next_weight
+    return total, total if next_weight is None else rms(total, next_eps) * next_weight
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0])  # at 1e-3, the fixed 1e-8 eps matters
-@pytest.mark.parametrize("sandwich", [True, False])
+# post_only: OLMo 2's seam, a post-norm and no next norm (the next branch reads the sum itself)
+@pytest.mark.parametrize("norms", ["sandwich", "plain", "post_only"])
 @pytest.mark.parametrize("rows, hidden", [(1, 6656), (7, 640), (3, 576), (2, 100)])
-def test_residual_norm_matches_numpy(backend, rng, sandwich, rows, hidden, scale):
+def test_residual_norm_matches_numpy(backend, rng, norms, rows, hidden, scale):
     residual = rng.standard_normal((rows, hidden)) * 3
     branch = rng.standard_normal((rows, hidden)) * scale
-    branch_weight = rng.uniform(0.5, 1.5, hidden) if sandwich else None
-    next_weight = rng.uniform(0.5, 1.5, hidden)
+    branch_weight = rng.uniform(0.5, 1.5, hidden) if norms != "plain" else None
+    next_weight = rng.uniform(0.5, 1.5, hidden) if norms != "post_only" else None
     as_mx = lambda v: None if v is None else mx.array(v.astype(np.float32))  # noqa: E731
     total, normed = ops.residual_norm(as_mx(residual), as_mx(branch), as_mx(branch_weight),
                                       as_mx(next_weight), 1e-8, 1e-5)

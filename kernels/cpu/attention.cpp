@@ -230,15 +230,33 @@ void rope_angles(int64_t position, const DecodeHeads& shape, std::vector<float>&
   }
 }
 
+// 1 / rms of a whole projection (y + offset, `size` values, its bias at bias + bias_offset):
+// the scale of a norm over the whole projection (DecodeHeads.qk_norm_whole).
+float projection_inverse_rms(const float* y, int64_t offset, const float* bias, int64_t bias_offset,
+                             int64_t size, float eps) {
+  float squares = 0;
+  for (int64_t i = 0; i < size; ++i) {
+    float value = y[offset + i] + (bias ? bias[bias_offset + i] : 0.0f);
+    squares += value * value;
+  }
+  return 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
+}
+
 // One head of a projection (y + offset, its bias at bias + bias_offset) into `head`:
-// biased, normed by `norm` unless null, rotated unless cos is empty.
+// biased, normed by `norm` unless null (per head; or, where whole_scale > 0, times whole_scale,
+// the projection's 1 / rms, and norm's values of this head), rotated unless cos is empty.
 void prepare_head(float* head, const float* y, int64_t offset, const float* bias,
-                  int64_t bias_offset, const float* norm, const std::vector<float>& cos,
-                  const std::vector<float>& sin, const DecodeHeads& shape) {
+                  int64_t bias_offset, const float* norm, float whole_scale,
+                  const std::vector<float>& cos, const std::vector<float>& sin,
+                  const DecodeHeads& shape) {
   for (int64_t d = 0; d < shape.head_dim; ++d) {
     head[d] = y[offset + d] + (bias ? bias[bias_offset + d] : 0.0f);
   }
-  if (norm) {
+  if (norm && whole_scale > 0.0f) {
+    for (int64_t d = 0; d < shape.head_dim; ++d) {
+      head[d] = head[d] * whole_scale * norm[d];
+    }
+  } else if (norm) {
     rms_norm_in_place(head, norm, shape.head_dim, shape.eps);
   }
   if (!cos.empty()) {
@@ -257,13 +275,15 @@ void write_cache(const float* y, const float* bias, const float* norm, int64_t p
   }
   const int64_t head_dim = shape.head_dim, slot = position % shape.capacity;
   const int64_t q_size = shape.heads * head_dim, kv_size = shape.kv_heads * head_dim;
+  const bool whole = key && norm && shape.qk_norm_whole;
+  const float whole_scale = whole ? projection_inverse_rms(y, shape.k_off, bias, q_size, kv_size, shape.eps) : 0.0f;
   for (int64_t h = 0; h < shape.kv_heads; ++h) {
     if (key) {
-      prepare_head(head.data(), y, shape.k_off + h * head_dim, bias, q_size + h * head_dim, norm, cos,
-                   sin, shape);
+      prepare_head(head.data(), y, shape.k_off + h * head_dim, bias, q_size + h * head_dim,
+                   whole ? norm + h * head_dim : norm, whole_scale, cos, sin, shape);
     } else {
       prepare_head(head.data(), y, shape.v_off + h * head_dim, bias, q_size + kv_size + h * head_dim,
-                   nullptr, cos, sin, shape);
+                   nullptr, 0.0f, cos, sin, shape);
     }
     C* row = cache + (h * shape.capacity + slot) * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) {
@@ -288,8 +308,8 @@ using FloatVector = std::conditional_t<VECTOR_FLOATS == 8, f32x8, f32x16>;
 // Scores of G heads (q [G, head_dim]) against keys [n, head_dim]: scores [G, n], each head's
 // largest in top[G].
 template <class C, int G>
-void group_scores(const float* q, const C* k, int64_t n, int64_t head_dim, float scale, float* scores,
-                  float* top) {
+void group_scores(const float* q, const C* k, int64_t n, int64_t head_dim, float scale, float softcap,
+                  float* scores, float* top) {
   for (int g = 0; g < G; ++g) {
     top[g] = -std::numeric_limits<float>::infinity();
   }
@@ -304,6 +324,7 @@ void group_scores(const float* q, const C* k, int64_t n, int64_t head_dim, float
     }
     for (int g = 0; g < G; ++g) {
       float score = scale * hsum(acc[g]);
+      score = softcap > 0.0f ? softcap * std::tanh(score / softcap) : score;
       scores[g * n + s] = score;
       top[g] = std::max(top[g], score);
     }
@@ -338,9 +359,9 @@ void group_values(const float* weights, const C* v, int64_t n, int64_t head_dim,
 
 template <class C, int G>
 void group_part(const float* q, const C* k, const C* v, int64_t n, int64_t head_dim, float scale,
-                float* top, float* total, float* out, std::vector<float>& scores) {
+                float softcap, float* top, float* total, float* out, std::vector<float>& scores) {
   scores.resize(G * n);
-  group_scores<C, G>(q, k, n, head_dim, scale, scores.data(), top);
+  group_scores<C, G>(q, k, n, head_dim, scale, softcap, scores.data(), top);
   for (int g = 0; g < G; ++g) {
     float* w = scores.data() + g * n;
     float sum = 0;
@@ -370,12 +391,13 @@ void group_part(const float* q, const C* k, const C* v, int64_t n, int64_t head_
 
 template <class C>
 void group_part_any(int heads, const float* q, const C* k, const C* v, int64_t n, int64_t head_dim,
-                    float scale, float* top, float* total, float* out, std::vector<float>& scores) {
+                    float scale, float softcap, float* top, float* total, float* out,
+                    std::vector<float>& scores) {
   switch (heads) {
-    case 1: return group_part<C, 1>(q, k, v, n, head_dim, scale, top, total, out, scores);
-    case 2: return group_part<C, 2>(q, k, v, n, head_dim, scale, top, total, out, scores);
-    case 3: return group_part<C, 3>(q, k, v, n, head_dim, scale, top, total, out, scores);
-    default: return group_part<C, 4>(q, k, v, n, head_dim, scale, top, total, out, scores);
+    case 1: return group_part<C, 1>(q, k, v, n, head_dim, scale, softcap, top, total, out, scores);
+    case 2: return group_part<C, 2>(q, k, v, n, head_dim, scale, softcap, top, total, out, scores);
+    case 3: return group_part<C, 3>(q, k, v, n, head_dim, scale, softcap, top, total, out, scores);
+    default: return group_part<C, 4>(q, k, v, n, head_dim, scale, softcap, top, total, out, scores);
   }
 }
 
@@ -387,9 +409,11 @@ void attention_decode(const float* y, const float* bias, const float* q_norm, in
   const int64_t seen = std::min(position + 1, capacity), group = heads / shape.kv_heads;
   std::vector<float> cos, sin, q(heads * head_dim);
   rope_angles(position, shape, cos, sin);
+  const bool whole = q_norm && shape.qk_norm_whole;
+  const float whole_scale = whole ? projection_inverse_rms(y, shape.q_off, bias, 0, heads * head_dim, shape.eps) : 0.0f;
   for (int64_t h = 0; h < heads; ++h) {
-    prepare_head(q.data() + h * head_dim, y, shape.q_off + h * head_dim, bias, h * head_dim, q_norm, cos,
-                 sin, shape);
+    prepare_head(q.data() + h * head_dim, y, shape.q_off + h * head_dim, bias, h * head_dim,
+                 whole ? q_norm + h * head_dim : q_norm, whole_scale, cos, sin, shape);
   }
   const int64_t chunks = (group + GROUP_HEADS - 1) / GROUP_HEADS;  // head chunks per kv head
   const int64_t units = shape.kv_heads * chunks;
@@ -407,7 +431,7 @@ void attention_decode(const float* y, const float* bias, const float* q_norm, in
     const int64_t first = seen * part / parts, last = seen * (part + 1) / parts;
     const int64_t offset = (kv * capacity + first) * head_dim;
     group_part_any<C>(count, q.data() + h0 * head_dim, keys + offset, values + offset, last - first,
-                      head_dim, shape.scale, tops.data() + part * heads + h0,
+                      head_dim, shape.scale, shape.softcap, tops.data() + part * heads + h0,
                       totals.data() + part * heads + h0, partial.data() + (part * heads + h0) * head_dim,
                       scores);
   });

@@ -55,22 +55,23 @@ Returns:
            [](muser::cpu::DecodeHeads* self, int64_t heads, int64_t kv_heads, int64_t head_dim,
               int64_t q_off, int64_t k_off, int64_t v_off, int64_t gate_off, int64_t rotary_dim,
               bool traditional, float rope_base, float eps, float scale,
-              std::vector<double> inv_freq) {
+              std::vector<double> inv_freq, bool qk_norm_whole, float softcap) {
              if (!inv_freq.empty() && static_cast<int64_t>(inv_freq.size()) != rotary_dim / 2) {
                throw std::invalid_argument("[DecodeHeads] inv_freq needs rotary_dim / 2 values");
              }
              new (self) muser::cpu::DecodeHeads{heads, kv_heads, head_dim, 0, q_off, k_off,
                                                 v_off, gate_off, rotary_dim, traditional,
-                                                rope_base, eps, scale, std::move(inv_freq)};
+                                                rope_base, eps, scale, std::move(inv_freq),
+                                                qk_norm_whole, softcap};
            },
            "heads"_a, "kv_heads"_a, "head_dim"_a, "q_off"_a, "k_off"_a, "v_off"_a, "gate_off"_a,
            "rotary_dim"_a, "traditional"_a, "rope_base"_a, "eps"_a, "scale"_a,
-           "inv_freq"_a = std::vector<double>{});
+           "inv_freq"_a = std::vector<double>{}, "qk_norm_whole"_a = false, "softcap"_a = 0.0f);
 
   // The ops, not the raw kernels of the same names (decode.h).
   using ResidualNormOp = std::vector<mx::array> (*)(
       const std::optional<mx::array>&, const mx::array&, const std::optional<mx::array>&,
-      const mx::array&, float, float, mx::StreamOrDevice);
+      const std::optional<mx::array>&, float, float, mx::StreamOrDevice);
   using WriteCacheOp = mx::array (*)(const mx::array&, const mx::array&, const mx::array&,
                                      const std::optional<mx::array>&,
                                      const std::optional<mx::array>&, muser::cpu::DecodeHeads,
@@ -80,11 +81,11 @@ Returns:
       const std::optional<mx::array>&, const std::optional<mx::array>&,
       muser::cpu::DecodeHeads, int, mx::StreamOrDevice);
   m.def("residual_norm", static_cast<ResidualNormOp>(&muser::cpu::residual_norm), "residual"_a.none(), "branch"_a,
-        "branch_weight"_a.none(), "next_weight"_a, "branch_eps"_a, "next_eps"_a, nb::kw_only(),
+        "branch_weight"_a.none(), "next_weight"_a.none(), "branch_eps"_a, "next_eps"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         R"(The seam between two branches of a decoder layer, on the CPU, in float32:
 b = rms(branch) * branch_weight (or branch), sum = residual + b (or b),
-normed = rms(sum) * next_weight. Returns [sum, normed], each [rows, hidden].)");
+normed = rms(sum) * next_weight (or sum). Returns [sum, normed], each [rows, hidden].)");
 
   m.def("write_cache", static_cast<WriteCacheOp>(&muser::cpu::write_cache), "y"_a, "cache"_a,
         "position"_a, "bias"_a.none(), "norm"_a.none(), "shape"_a, "key"_a, nb::kw_only(),
@@ -106,13 +107,13 @@ Returns o [1, heads * head_dim].)");
       const std::vector<muser::cpu::WeightOf>&, const muser::cpu::WeightOf&,
       const std::vector<muser::cpu::WeightOf>&, const muser::cpu::WeightOf&,
       const std::optional<mx::array>&, const std::optional<mx::array>&,
-      const std::optional<mx::array>&, const std::optional<mx::array>&, const mx::array&,
-      const std::optional<mx::array>&, const mx::array&, muser::cpu::DecodeHeads, float, float,
+      const std::optional<mx::array>&, const std::optional<mx::array>&, const std::optional<mx::array>&,
+      const std::optional<mx::array>&, const std::optional<mx::array>&, muser::cpu::DecodeHeads, float, float,
       bool, bool, int, mx::StreamOrDevice);
   m.def("decode_layer", static_cast<DecodeLayerOp>(&muser::cpu::decode_layer), "x"_a, "h"_a,
         "position"_a, "keys"_a, "values"_a, "attention_in"_a, "attention_out"_a, "ffn_in"_a,
         "ffn_out"_a, "bias"_a.none(), "q_norm"_a.none(), "k_norm"_a.none(),
-        "post_attention_norm"_a.none(), "ffn_norm"_a, "post_ffw_norm"_a.none(), "next_norm"_a,
+        "post_attention_norm"_a.none(), "ffn_norm"_a.none(), "post_ffw_norm"_a.none(), "next_norm"_a.none(),
         "shape"_a, "eps"_a, "post_eps"_a, "gelu"_a, "rounded"_a, "threads"_a = 0, nb::kw_only(),
         "stream"_a = nb::none(),
         R"(One decoder layer of a one-token decode step on the CPU, as one node: the products

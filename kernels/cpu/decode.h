@@ -15,8 +15,9 @@ namespace muser::cpu {
 // The seam between two branches of a decoder layer, for `rows` rows of `hidden` values:
 //   b      = branch_weight ? rms(branch, branch_eps) * branch_weight : branch
 //   sum    = residual ? residual + b : b
-//   normed = rms(sum, next_eps) * next_weight
-// with rms(x, eps) = x / sqrt(mean(x^2) + eps). residual and branch_weight may be null.
+//   normed = next_weight ? rms(sum, next_eps) * next_weight : sum
+// with rms(x, eps) = x / sqrt(mean(x^2) + eps). residual, branch_weight and next_weight may be
+// null (no next_weight: the next branch reads the stream unnormed, OLMo 2's).
 void residual_norm(const float* residual, const float* branch, const float* branch_weight,
                    const float* next_weight, float* sum, float* normed, int64_t rows,
                    int64_t hidden, float branch_eps, float next_eps);
@@ -41,20 +42,24 @@ struct DecodeHeads {
   // RoPE's angle per position of pair i: inv_freq[i] (rotary_dim / 2 values: scaled or
   // factored frequencies, Llama 3's and others'); empty: rope_base^(-2i / rotary_dim).
   std::vector<double> inv_freq;
+  // The q and k norms each over its whole projection (heads * head_dim, kv_heads * head_dim
+  // weights: OLMo 2's) rather than per head ([head_dim] weights).
+  bool qk_norm_whole;
+  float softcap;  // attention scores s -> softcap * tanh(s / softcap) (Gemma 2's); 0: none
 };
 
 // y: float32 [width], the q/k/v (and gate) projections of the token at `position`;
 // bias: float32 [(heads + 2 kv_heads) head_dim], q, k then v biases, or null.
-// write_cache: the token's keys (key: biased, normed by `norm` [head_dim] unless null,
-// rotated) or values (biased) into slot position % capacity of `cache` [kv_heads, capacity,
+// write_cache: the token's keys (key: biased, normed by `norm` unless null: [head_dim] per
+// head, or [kv_heads * head_dim] over the whole projection where qk_norm_whole, then rotated) or values (biased) into slot position % capacity of `cache` [kv_heads, capacity,
 // head_dim].
 // C: the cache's element type, float or half (below).
 template <class C>
 void write_cache(const float* y, const float* bias, const float* norm, int64_t position,
                  C* cache, const DecodeHeads& shape, bool key);
 
-// attention_decode: the token's q heads (biased, normed by q_norm unless null, rotated)
-// attend slots 0 .. min(position + 1, capacity) - 1 of keys and values (written first by
+// attention_decode: the token's q heads (biased, normed by q_norm unless null, as write_cache's
+// keys, rotated) attend slots 0 .. min(position + 1, capacity) - 1 of keys and values (written first by
 // write_cache); out: float32 [heads * head_dim], times sigmoid(gate) if gated.
 template <class C>
 void attention_decode(const float* y, const float* bias, const float* q_norm, int64_t position,
@@ -79,12 +84,13 @@ struct DecodeLayer {
   std::vector<LayerProduct> ffn_in;        // gate|up stacked (one), or gate then up (two)
   LayerProduct ffn_out;                    // [hidden, ffn]
   const float* bias;                 // q, k, v biases or null
-  const float* q_norm;               // [head_dim] or null
-  const float* k_norm;               // [head_dim] or null
+  const float* q_norm;               // [head_dim] (or the whole q's: qk_norm_whole) or null
+  const float* k_norm;               // [head_dim] (or the whole k's: qk_norm_whole) or null
   const float* post_attention_norm;  // [hidden] or null (no sandwich norm)
-  const float* ffn_norm;             // [hidden]
+  const float* ffn_norm;             // [hidden] or null (no pre-norm: the branch reads the stream)
   const float* post_ffw_norm;        // [hidden] or null
-  const float* next_norm;            // [hidden]: the next layer's attention norm or the output norm
+  const float* next_norm;            // [hidden]: the next layer's attention norm or the output
+                                     // norm; null: the next layer has no pre-norm
   float eps, post_eps;               // the norms', the post-norms'
   bool gelu;     // GELU's tanh form, else SiLU
   bool rounded;  // products on x rounded to int8 (linear_rounded_from_blocks)
@@ -93,7 +99,7 @@ struct DecodeLayer {
 
 // x, h: float32 [hidden], the residual stream and its normed copy entering the layer;
 // keys, values: [kv_heads, capacity, head_dim], written at slot position % capacity;
-// x_out, h_out: float32 [hidden] leaving it (h_out normed by next_norm).
+// x_out, h_out: float32 [hidden] leaving it (h_out normed by next_norm, or x_out's copy).
 template <class C>
 void decode_layer(const float* x, const float* h, int64_t position, C* keys, C* values,
                   const DecodeLayer& layer, float* x_out, float* h_out);

@@ -31,9 +31,9 @@ void residual_norm(const float* residual, const float* branch, const float* bran
       float value = branch_weight ? b[i] * branch_scale * branch_weight[i] : b[i];
       total[i] = residual ? residual[row * hidden + i] + value : value;
     }
-    float scale = inverse_rms(total, hidden, next_eps);
+    float scale = next_weight ? inverse_rms(total, hidden, next_eps) : 1.0f;
     for (int64_t i = 0; i < hidden; ++i) {
-      normed[row * hidden + i] = total[i] * scale * next_weight[i];
+      normed[row * hidden + i] = next_weight ? total[i] * scale * next_weight[i] : total[i];
     }
   }
 }

@@ -248,15 +248,18 @@ bool Attention::is_equivalent(const mx::Primitive& other) const {
 std::vector<mx::array> residual_norm(const std::optional<mx::array>& residual,
                                      const mx::array& branch,
                                      const std::optional<mx::array>& branch_weight,
-                                     const mx::array& next_weight, float branch_eps,
+                                     const std::optional<mx::array>& next_weight, float branch_eps,
                                      float next_eps, mx::StreamOrDevice s) {
   int64_t hidden = branch.ndim() == 2 ? branch.shape(1) : -1;
   auto vector_of = [&](const mx::array& w) { return w.ndim() == 1 && w.shape(0) == hidden; };
   if (hidden < 1 || (residual && residual->shape() != branch.shape()) ||
-      (branch_weight && !vector_of(*branch_weight)) || !vector_of(next_weight)) {
+      (branch_weight && !vector_of(*branch_weight)) || (next_weight && !vector_of(*next_weight))) {
     std::ostringstream message;
     message << "[residual_norm] expected branch (and residual) [rows, hidden] and weights "
-            << "[hidden], got branch " << branch.shape() << ", next weight " << next_weight.shape();
+            << "[hidden], got branch " << branch.shape();
+    if (next_weight) {
+      message << ", next weight " << next_weight->shape();
+    }
     throw std::invalid_argument(message.str());
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
@@ -268,11 +271,13 @@ std::vector<mx::array> residual_norm(const std::optional<mx::array>& residual,
   if (branch_weight) {
     inputs.push_back(as_f32(*branch_weight, stream));
   }
-  inputs.push_back(as_f32(next_weight, stream));
+  if (next_weight) {
+    inputs.push_back(as_f32(*next_weight, stream));
+  }
   return mx::array::make_arrays(
       {branch.shape(), branch.shape()}, {mx::float32, mx::float32},
       std::make_shared<ResidualNorm>(stream, residual.has_value(), branch_weight.has_value(),
-                                     branch_eps, next_eps),
+                                     next_weight.has_value(), branch_eps, next_eps),
       inputs);
 }
 
@@ -290,7 +295,7 @@ void ResidualNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   const mx::array& branch = inputs[i++];
   const float* branch_data = row_major<float>(branch, encoder);
   const float* branch_weight = branch_weight_ ? row_major<float>(inputs[i++], encoder) : nullptr;
-  const float* next_weight = row_major<float>(inputs[i], encoder);
+  const float* next_weight = next_weight_ ? row_major<float>(inputs[i], encoder) : nullptr;
   encoder.dispatch([=, sum = outputs[0].data<float>(),
                     normed = outputs[1].data<float>(), rows = branch.shape(0),
                     hidden = branch.shape(1), branch_eps = branch_eps_, next_eps = next_eps_]() {
@@ -306,7 +311,7 @@ void ResidualNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
 bool ResidualNorm::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const ResidualNorm&>(other);
   return residual_ == o.residual_ && branch_weight_ == o.branch_weight_ &&
-         branch_eps_ == o.branch_eps_ && next_eps_ == o.next_eps_;
+         next_weight_ == o.next_weight_ && branch_eps_ == o.branch_eps_ && next_eps_ == o.next_eps_;
 }
 
 namespace {
@@ -374,10 +379,11 @@ bool cache_dtype_supported(mx::Dtype dtype) {
 }
 
 // Refuses y, a cache and the optional vectors that do not fit `shape` (capacity from the
-// cache), naming the op.
+// cache), naming the op. norm: of the q projection's `norm_heads` heads (heads) or k's (kv_heads).
 void check_decode_inputs(const char* op, const mx::Shape& y, const mx::array& cache,
                          const mx::array& position, const std::optional<mx::array>& bias,
-                         const std::optional<mx::array>& norm, const DecodeHeads& shape) {
+                         const std::optional<mx::array>& norm, const DecodeHeads& shape,
+                         int64_t norm_heads) {
   const int64_t head_dim = shape.head_dim, q_size = shape.heads * head_dim;
   const int64_t kv_size = shape.kv_heads * head_dim;
   int64_t width = y.size() == 2 ? y[1] : -1;
@@ -387,12 +393,13 @@ void check_decode_inputs(const char* op, const mx::Shape& y, const mx::array& ca
   if (y.size() != 2 || y[0] != 1 || shape.kv_heads < 1 || shape.heads % shape.kv_heads ||
       head_dim % 16 || !cache_ok || !fits(shape.q_off, q_size) || !fits(shape.k_off, kv_size) ||
       !fits(shape.v_off, kv_size) || (shape.gate_off >= 0 && !fits(shape.gate_off, q_size)) ||
-      shape.rotary_dim % 2 || shape.rotary_dim > head_dim || shape.rotary_dim < 0) {
+      shape.rotary_dim % 2 || shape.rotary_dim > head_dim || shape.rotary_dim < 0 || shape.softcap < 0) {
     std::ostringstream message;
     message << "[" << op << "] expected y [1, width] holding q, k, v (and gate) at their "
             << "offsets, a " << (half_cache_supported() ? "float32 or float16" : "float32")
             << " cache [1, " << shape.kv_heads << ", capacity, " << head_dim
-            << "], heads a multiple of kv_heads, head_dim of 16, an even rotary_dim <= head_dim;"
+            << "], heads a multiple of kv_heads, head_dim of 16, an even rotary_dim <= head_dim, "
+            << "a softcap >= 0;"
             << " got y " << y << ", cache " << cache.shape() << " " << cache.dtype()
             << ", heads " << shape.heads << "/" << shape.kv_heads;
     throw std::invalid_argument(message.str());
@@ -400,9 +407,11 @@ void check_decode_inputs(const char* op, const mx::Shape& y, const mx::array& ca
   if (position.dtype() != mx::int32 || position.size() != 1) {
     throw std::invalid_argument(std::string("[") + op + "] position must be int32 [1]");
   }
-  if ((bias && bias->size() != q_size + 2 * kv_size) || (norm && norm->size() != head_dim)) {
+  const int64_t norm_size = shape.qk_norm_whole ? norm_heads * head_dim : head_dim;
+  if ((bias && bias->size() != q_size + 2 * kv_size) || (norm && norm->size() != norm_size)) {
     throw std::invalid_argument(std::string("[") + op + "] the bias must hold (heads + 2 "
-                                "kv_heads) * head_dim values, a norm weight head_dim");
+                                "kv_heads) * head_dim values, a norm weight head_dim (over the "
+                                "whole projection: its heads * head_dim)");
   }
 }
 
@@ -411,7 +420,7 @@ void check_decode_inputs(const char* op, const mx::Shape& y, const mx::array& ca
 mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::array& position,
                       const std::optional<mx::array>& bias, const std::optional<mx::array>& norm,
                       DecodeHeads shape, bool key, mx::StreamOrDevice s) {
-  check_decode_inputs("write_cache", y.shape(), cache, position, bias, norm, shape);
+  check_decode_inputs("write_cache", y.shape(), cache, position, bias, norm, shape, shape.kv_heads);
   shape.capacity = cache.shape(2);
   auto stream = mx::to_stream(s, mx::Device::cpu);
   std::vector<mx::array> inputs = {as_f32(y, stream), cache, as_shape(position, {1}, stream)};
@@ -462,7 +471,8 @@ static bool same_heads(const DecodeHeads& a, const DecodeHeads& b) {
          a.capacity == b.capacity && a.q_off == b.q_off && a.k_off == b.k_off &&
          a.v_off == b.v_off && a.gate_off == b.gate_off && a.rotary_dim == b.rotary_dim &&
          a.traditional == b.traditional && a.rope_base == b.rope_base && a.eps == b.eps &&
-         a.scale == b.scale && a.inv_freq == b.inv_freq;
+         a.scale == b.scale && a.inv_freq == b.inv_freq && a.qk_norm_whole == b.qk_norm_whole &&
+         a.softcap == b.softcap;
 }
 
 bool CacheWrite::is_equivalent(const mx::Primitive& other) const {
@@ -474,7 +484,7 @@ mx::array attention_decode(const mx::array& y, const mx::array& keys, const mx::
                            const mx::array& position, const std::optional<mx::array>& bias,
                            const std::optional<mx::array>& q_norm, DecodeHeads shape,
                            int threads, mx::StreamOrDevice s) {
-  check_decode_inputs("attention_decode", y.shape(), keys, position, bias, q_norm, shape);
+  check_decode_inputs("attention_decode", y.shape(), keys, position, bias, q_norm, shape, shape.heads);
   if (values.shape() != keys.shape() || values.dtype() != keys.dtype()) {
     throw std::invalid_argument("[attention_decode] keys and values must be alike");
   }
@@ -558,8 +568,8 @@ std::vector<mx::array> decode_layer(
     const WeightOf& attention_out, const std::vector<WeightOf>& ffn_in, const WeightOf& ffn_out,
     const std::optional<mx::array>& bias, const std::optional<mx::array>& q_norm,
     const std::optional<mx::array>& k_norm, const std::optional<mx::array>& post_attention_norm,
-    const mx::array& ffn_norm, const std::optional<mx::array>& post_ffw_norm,
-    const mx::array& next_norm, DecodeHeads shape, float eps, float post_eps, bool gelu,
+    const std::optional<mx::array>& ffn_norm, const std::optional<mx::array>& post_ffw_norm,
+    const std::optional<mx::array>& next_norm, DecodeHeads shape, float eps, float post_eps, bool gelu,
     bool rounded, int threads, mx::StreamOrDevice s) {
   const int64_t hidden = x.ndim() == 2 ? x.shape(1) : -1;
   if (x.ndim() != 2 || x.shape(0) != 1 || h.shape() != x.shape() || hidden < 1) {
@@ -598,8 +608,8 @@ std::vector<mx::array> decode_layer(
   check_layer_product("feed-forward output", ffn_out, ffn_width / 2, rounded);
   types.push_back(ffn_out.second);
   const mx::Shape y_shape = {1, static_cast<int>(y_width)};
-  check_decode_inputs("decode_layer", y_shape, keys, position, bias, q_norm, shape);
-  check_decode_inputs("decode_layer", y_shape, keys, position, std::nullopt, k_norm, shape);
+  check_decode_inputs("decode_layer", y_shape, keys, position, bias, q_norm, shape, shape.heads);
+  check_decode_inputs("decode_layer", y_shape, keys, position, std::nullopt, k_norm, shape, shape.kv_heads);
   if (values.shape() != keys.shape() || values.dtype() != keys.dtype()) {
     throw std::invalid_argument("[decode_layer] keys and values must be alike");
   }
@@ -609,8 +619,14 @@ std::vector<mx::array> decode_layer(
   if (!vector_of(post_attention_norm) || !vector_of(ffn_norm) || !vector_of(post_ffw_norm) ||
       !vector_of(next_norm)) {
     std::ostringstream message;
-    message << "[decode_layer] the norm weights must be [" << hidden << "], got ffn_norm "
-            << ffn_norm.shape() << ", next_norm " << next_norm.shape();
+    message << "[decode_layer] the norm weights must be [" << hidden << "]";
+    for (const auto& [name, norm] : {std::pair{"post_attention_norm", &post_attention_norm},
+                                     std::pair{"ffn_norm", &ffn_norm}, std::pair{"post_ffw_norm", &post_ffw_norm},
+                                     std::pair{"next_norm", &next_norm}}) {
+      if (*norm) {
+        message << ", " << name << " " << (*norm)->shape();
+      }
+    }
     throw std::invalid_argument(message.str());
   }
   shape.capacity = keys.shape(2);
@@ -625,16 +641,12 @@ std::vector<mx::array> decode_layer(
     inputs.push_back(product.first);
   }
   inputs.push_back(ffn_out.first);
-  for (const auto* vector : {&bias, &q_norm, &k_norm, &post_attention_norm}) {
+  for (const auto* vector : {&bias, &q_norm, &k_norm, &post_attention_norm, &ffn_norm, &post_ffw_norm,
+                             &next_norm}) {
     if (*vector) {
       inputs.push_back(as_f32(**vector, stream));
     }
   }
-  inputs.push_back(as_f32(ffn_norm, stream));
-  if (post_ffw_norm) {
-    inputs.push_back(as_f32(*post_ffw_norm, stream));
-  }
-  inputs.push_back(as_f32(next_norm, stream));
   return mx::array::make_arrays(
       {x.shape(), x.shape(), keys.shape(), values.shape()},
       {mx::float32, mx::float32, keys.dtype(), values.dtype()},
@@ -642,8 +654,9 @@ std::vector<mx::array> decode_layer(
                                     static_cast<int>(attention_in.size()),
                                     static_cast<int>(ffn_in.size()), bias.has_value(),
                                     q_norm.has_value(), k_norm.has_value(),
-                                    post_attention_norm.has_value(), post_ffw_norm.has_value(),
-                                    eps, post_eps, gelu, rounded, threads),
+                                    post_attention_norm.has_value(), ffn_norm.has_value(),
+                                    post_ffw_norm.has_value(), next_norm.has_value(), eps, post_eps,
+                                    gelu, rounded, threads),
       inputs);
 }
 
@@ -695,9 +708,9 @@ void LayerDecode::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   layer.q_norm = vector(q_norm_);
   layer.k_norm = vector(k_norm_);
   layer.post_attention_norm = vector(post_attention_norm_);
-  layer.ffn_norm = vector(true);
+  layer.ffn_norm = vector(ffn_norm_);
   layer.post_ffw_norm = vector(post_ffw_norm_);
-  layer.next_norm = vector(true);
+  layer.next_norm = vector(next_norm_);
   layer.eps = eps_;
   layer.post_eps = post_eps_;
   layer.gelu = gelu_;
@@ -731,7 +744,8 @@ bool LayerDecode::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const LayerDecode&>(other);
   return same_heads(shape_, o.shape_) && types_ == o.types_ && attention_in_ == o.attention_in_ &&
          ffn_in_ == o.ffn_in_ && bias_ == o.bias_ && q_norm_ == o.q_norm_ && k_norm_ == o.k_norm_ &&
-         post_attention_norm_ == o.post_attention_norm_ && post_ffw_norm_ == o.post_ffw_norm_ &&
+         post_attention_norm_ == o.post_attention_norm_ && ffn_norm_ == o.ffn_norm_ &&
+         post_ffw_norm_ == o.post_ffw_norm_ && next_norm_ == o.next_norm_ &&
          eps_ == o.eps_ && post_eps_ == o.post_eps_ && gelu_ == o.gelu_ && rounded_ == o.rounded_ &&
          threads_ == o.threads_;
 }

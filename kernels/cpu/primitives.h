@@ -69,19 +69,20 @@ class Attention : public mx::Primitive {
 };
 
 // (sum, normed) of the seam in decode.h: residual (or none), branch: float [rows, hidden];
-// branch_weight (or none), next_weight: float [hidden]. Both outputs float32 [rows, hidden].
+// branch_weight (or none), next_weight (or none: normed is sum): float [hidden]. Both outputs
+// float32 [rows, hidden].
 std::vector<mx::array> residual_norm(const std::optional<mx::array>& residual,
                                      const mx::array& branch,
                                      const std::optional<mx::array>& branch_weight,
-                                     const mx::array& next_weight, float branch_eps,
+                                     const std::optional<mx::array>& next_weight, float branch_eps,
                                      float next_eps, mx::StreamOrDevice s = {});
 
 class ResidualNorm : public mx::Primitive {
  public:
-  ResidualNorm(mx::Stream stream, bool residual, bool branch_weight, float branch_eps,
-               float next_eps)
+  ResidualNorm(mx::Stream stream, bool residual, bool branch_weight, bool next_weight,
+               float branch_eps, float next_eps)
       : mx::Primitive(stream), residual_(residual), branch_weight_(branch_weight),
-        branch_eps_(branch_eps), next_eps_(next_eps) {}
+        next_weight_(next_weight), branch_eps_(branch_eps), next_eps_(next_eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -90,7 +91,7 @@ class ResidualNorm : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
-  bool residual_, branch_weight_;
+  bool residual_, branch_weight_, next_weight_;
   float branch_eps_, next_eps_;
 };
 
@@ -171,7 +172,8 @@ class AttentionDecode : public mx::Primitive {
 // attention_decode's; each product a weight uint8 [out, row_bytes] of GGUF blocks and its ggml
 // type: attention_in the q/k/v(/gate) groups whose outputs side by side are attention_decode's y,
 // ffn_in gate|up stacked or gate then up; the norm weights float [hidden] (q_norm, k_norm
-// [head_dim]), the optional ones none where the architecture has none.
+// [head_dim], or their whole projections' where shape.qk_norm_whole), the optional ones none
+// where the architecture has none (ffn_norm and next_norm: no pre-norm, OLMo 2's).
 // Returns [x, h, keys, values]: x, h float32 [1, hidden] leaving the layer (h normed by
 // next_norm), the caches with the token written (their memory reused as write_cache's).
 using WeightOf = std::pair<mx::array, int>;
@@ -181,8 +183,8 @@ std::vector<mx::array> decode_layer(
     const WeightOf& attention_out, const std::vector<WeightOf>& ffn_in, const WeightOf& ffn_out,
     const std::optional<mx::array>& bias, const std::optional<mx::array>& q_norm,
     const std::optional<mx::array>& k_norm, const std::optional<mx::array>& post_attention_norm,
-    const mx::array& ffn_norm, const std::optional<mx::array>& post_ffw_norm,
-    const mx::array& next_norm, DecodeHeads shape, float eps, float post_eps, bool gelu,
+    const std::optional<mx::array>& ffn_norm, const std::optional<mx::array>& post_ffw_norm,
+    const std::optional<mx::array>& next_norm, DecodeHeads shape, float eps, float post_eps, bool gelu,
     bool rounded, int threads, mx::StreamOrDevice s = {});
 
 class LayerDecode : public mx::Primitive {
@@ -190,11 +192,12 @@ class LayerDecode : public mx::Primitive {
   // types: the products' ggml types in input order (attention_in, attention_out, ffn_in, ffn_out).
   LayerDecode(mx::Stream stream, DecodeHeads shape, std::vector<int> types, int attention_in,
               int ffn_in, bool bias, bool q_norm, bool k_norm, bool post_attention_norm,
-              bool post_ffw_norm, float eps, float post_eps, bool gelu, bool rounded, int threads)
+              bool ffn_norm, bool post_ffw_norm, bool next_norm, float eps, float post_eps,
+              bool gelu, bool rounded, int threads)
       : mx::Primitive(stream), shape_(shape), types_(std::move(types)),
         attention_in_(attention_in), ffn_in_(ffn_in), bias_(bias), q_norm_(q_norm),
-        k_norm_(k_norm), post_attention_norm_(post_attention_norm),
-        post_ffw_norm_(post_ffw_norm), eps_(eps), post_eps_(post_eps), gelu_(gelu),
+        k_norm_(k_norm), post_attention_norm_(post_attention_norm), ffn_norm_(ffn_norm),
+        post_ffw_norm_(post_ffw_norm), next_norm_(next_norm), eps_(eps), post_eps_(post_eps), gelu_(gelu),
         rounded_(rounded), threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -207,7 +210,7 @@ class LayerDecode : public mx::Primitive {
   DecodeHeads shape_;
   std::vector<int> types_;
   int attention_in_, ffn_in_;
-  bool bias_, q_norm_, k_norm_, post_attention_norm_, post_ffw_norm_;
+  bool bias_, q_norm_, k_norm_, post_attention_norm_, ffn_norm_, post_ffw_norm_, next_norm_;
   float eps_, post_eps_;
   bool gelu_, rounded_;
   int threads_;

@@ -1,5 +1,6 @@
 // lib/attention.metal — attention_decode's helpers: its value-row loads, RoPE's channel
-// pairs, and the preparation of q and k heads (bias, per-head RMS norm, RoPE, scale).
+// pairs, and the preparation of q and k heads (bias, RMS norm per head or over the whole
+// projection, RoPE, scale).
 // Includes no other lib file.
 
 // attention_decode's value rows of one block of 32 slots, base .. base + 31: lane l's channels
@@ -43,20 +44,38 @@ inline bool muser_rope_rotates(uint pair) {
   return TRADITIONAL ? 2u * pair < uint(ROTARY) : pair < uint(ROTARY / 2);
 }
 
+// 1 / rms of a whole projection, (source + bias) over WIDTH values, summed by one SIMD group
+// (lane l: values l, l + 32, ...; every lane gets the result): muser_heads_prepare's
+// whole_norm for QK_NORM 2.
+template <int WIDTH, int BIAS>
+inline float muser_projection_inverse_rms(const device float* source, const device float* bias, float eps,
+                                          uint lane) {
+  float squares = 0.0f;
+  for (uint i = lane; i < uint(WIDTH); i += 32u) {
+    float value = source[i] + (BIAS ? bias[i] : 0.0f);
+    squares += value * value;
+  }
+  return 1.0f / sqrt(simd_sum(squares) / float(WIDTH) + eps);
+}
+
 // COUNT consecutive heads of a projection made ready for attention by one SIMD group:
-// (source + bias), RMS-normed with norm_weight when QK_NORM, rotated by RoPE at `position`
-// (ROTARY 0: none), times `scale`, into out[COUNT * HEAD_DIM]. Lane l takes pairs l, l + 32, ...
-// (HEAD_DIM / 64 each) of every head: all loads are issued before any use, and the angles'
-// sines and cosines are computed once for all the heads.
+// (source + bias), RMS-normed (QK_NORM 1: each head by its own rms, weights norm_weight
+// [HEAD_DIM]; QK_NORM 2: times whole_norm, the whole projection's 1 / rms, weights
+// norm_weight[i * HEAD_DIM ...] of head i, the first head's at norm_weight), rotated by RoPE at
+// `position` (ROTARY 0: none), times `scale`, into out[COUNT * HEAD_DIM]. Lane l takes pairs
+// l, l + 32, ... (HEAD_DIM / 64 each) of every head: all loads are issued before any use, and
+// the angles' sines and cosines are computed once for all the heads.
 template <int COUNT, int HEAD_DIM, int ROTARY, int TRADITIONAL, int QK_NORM, int BIAS>
 inline void muser_heads_prepare(const device float* source, const device float* bias,
                                 const device float* norm_weight, const device float* inv_freq,
-                                float position, float eps, float scale, uint lane, threadgroup float* out) {
+                                float position, float eps, float whole_norm, float scale, uint lane,
+                                threadgroup float* out) {
   const int PAIRS = HEAD_DIM / 64;
+  const int WEIGHTS = QK_NORM == 2 ? COUNT : 1;  // heads with weights of their own
   float first[COUNT * PAIRS];
   float second[COUNT * PAIRS];
-  float weight_first[PAIRS];
-  float weight_second[PAIRS];
+  float weight_first[WEIGHTS * PAIRS];
+  float weight_second[WEIGHTS * PAIRS];
   float cosine[PAIRS];
   float sine[PAIRS];
   for (int k = 0; k < PAIRS; ++k) {
@@ -66,8 +85,10 @@ inline void muser_heads_prepare(const device float* source, const device float* 
       first[i * PAIRS + k] = source[i * HEAD_DIM + int(channels.x)] + (BIAS ? bias[i * HEAD_DIM + int(channels.x)] : 0.0f);
       second[i * PAIRS + k] = source[i * HEAD_DIM + int(channels.y)] + (BIAS ? bias[i * HEAD_DIM + int(channels.y)] : 0.0f);
     }
-    weight_first[k] = QK_NORM ? norm_weight[channels.x] : 1.0f;
-    weight_second[k] = QK_NORM ? norm_weight[channels.y] : 1.0f;
+    for (int i = 0; i < WEIGHTS; ++i) {
+      weight_first[i * PAIRS + k] = QK_NORM ? norm_weight[i * HEAD_DIM + int(channels.x)] : 1.0f;
+      weight_second[i * PAIRS + k] = QK_NORM ? norm_weight[i * HEAD_DIM + int(channels.y)] : 1.0f;
+    }
     float angle = muser_rope_rotates<ROTARY, TRADITIONAL>(pair) ? position * inv_freq[pair] : 0.0f;
     cosine[k] = cos(angle);
     sine[k] = sin(angle);
@@ -77,11 +98,13 @@ inline void muser_heads_prepare(const device float* source, const device float* 
     for (int k = 0; k < PAIRS; ++k) {
       squares += first[i * PAIRS + k] * first[i * PAIRS + k] + second[i * PAIRS + k] * second[i * PAIRS + k];
     }
-    float norm = QK_NORM ? 1.0f / sqrt(simd_sum(squares) / float(HEAD_DIM) + eps) : 1.0f;
+    float norm = QK_NORM == 1 ? 1.0f / sqrt(simd_sum(squares) / float(HEAD_DIM) + eps)
+                 : QK_NORM == 2 ? whole_norm : 1.0f;
+    int w = QK_NORM == 2 ? i : 0;
     for (int k = 0; k < PAIRS; ++k) {
       uint2 channels = muser_rope_pair<ROTARY, TRADITIONAL>(lane + 32u * uint(k));
-      float x0 = first[i * PAIRS + k] * norm * weight_first[k];
-      float x1 = second[i * PAIRS + k] * norm * weight_second[k];
+      float x0 = first[i * PAIRS + k] * norm * weight_first[w * PAIRS + k];
+      float x1 = second[i * PAIRS + k] * norm * weight_second[w * PAIRS + k];
       out[i * HEAD_DIM + int(channels.x)] = (x0 * cosine[k] - x1 * sine[k]) * scale;
       out[i * HEAD_DIM + int(channels.y)] = (x0 * sine[k] + x1 * cosine[k]) * scale;
     }

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from muser_mlx.models import gemma2, gemma3, granite, llama, muse_glimmer, phi3, qwen2, qwen3, smollm3
+from muser_mlx.models import gemma2, gemma3, granite, llama, muse_glimmer, olmo2, phi3, qwen2, qwen3, smollm3
 from muser_mlx.models.config import ModelConfig, ModelConfigError, UnsupportedArchitectureError
 from muser_mlx.models.transformer import Transformer
 from muser_mlx.settings import DEFAULT, Settings
 
 ARCHITECTURES = {module.ARCHITECTURE: module for module in (muse_glimmer, llama, gemma3, qwen2, qwen3, smollm3, granite, phi3,
-                                                            gemma2)}
+                                                            gemma2, olmo2)}
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "ModelConfigError", "Transformer", "config_for",
            "build_model", "graph_tensors"]

@@ -55,6 +55,8 @@ class ModelConfig:
     swa_layers: tuple[bool, ...]  # per layer: sees only the last `sliding_window` positions
     attention_scale: float
     qk_norm: bool = False
+    qk_norm_whole: bool = False  # the q/k norm over each whole projection (OLMo 2), not per head
+    pre_norms: bool = True  # attn_norm / ffn_norm before each branch (False: it reads the stream itself)
     sandwich_norms: bool = False  # post_attention_norm / post_ffw_norm on each branch output
     post_norm_eps: float | None = None  # eps of the sandwich norms; None: `eps`
     attn_gate: bool = False  # o = attention ⊙ sigmoid(W_gate h) before W_o
@@ -80,16 +82,17 @@ class ModelConfig:
             shapes["output.weight"] = (H, self.vocab)
         for i in range(self.layers):
             layer = {
-                "attn_norm.weight": (H,), "attn_q.weight": (H, q), "attn_k.weight": (H, kv),
-                "attn_v.weight": (H, kv), "attn_output.weight": (q, H), "ffn_norm.weight": (H,),
-                "ffn_gate.weight": (H, self.ff), "ffn_up.weight": (H, self.ff),
-                "ffn_down.weight": (self.ff, H),
+                "attn_q.weight": (H, q), "attn_k.weight": (H, kv), "attn_v.weight": (H, kv),
+                "attn_output.weight": (q, H), "ffn_gate.weight": (H, self.ff),
+                "ffn_up.weight": (H, self.ff), "ffn_down.weight": (self.ff, H),
             }
+            if self.pre_norms:
+                layer.update({"attn_norm.weight": (H,), "ffn_norm.weight": (H,)})
             if self.qkv_bias:
                 layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
             if self.qk_norm:
-                layer.update({"attn_q_norm.weight": (self.head_dim,),
-                              "attn_k_norm.weight": (self.head_dim,)})
+                layer.update({"attn_q_norm.weight": (q,) if self.qk_norm_whole else (self.head_dim,),
+                              "attn_k_norm.weight": (kv,) if self.qk_norm_whole else (self.head_dim,)})
             if self.attn_gate:
                 layer["attn_gate.weight"] = (H, q)
             if self.sandwich_norms:
@@ -166,11 +169,12 @@ class Metadata:
                                    f"got {value!r}")
         return float(value)
 
-    def block_count(self, tensors: dict) -> int:
+    def block_count(self, tensors: dict, every_layer: str = "attn_norm.weight") -> int:
         """`block_count`, checked against the tensors before anything loops over layers (a
-        hostile 2^40 must be an error, not an hour of work)."""
+        hostile 2^40 must be an error, not an hour of work): the last layer has tensor
+        `every_layer`, the one after it none."""
         layers = self.int("block_count")
-        last, next_one = f"blk.{layers - 1}.attn_norm.weight", f"blk.{layers}.attn_norm.weight"
+        last, next_one = f"blk.{layers - 1}.{every_layer}", f"blk.{layers}.{every_layer}"
         if last not in tensors:
             raise MissingTensorError(f"{self.key('block_count')} = {layers}, but the file has no "
                                      f"tensor {last!r}")
@@ -208,9 +212,11 @@ class Metadata:
         return tuple(layer % pattern < pattern - 1 for layer in range(layers))
 
 
-def common_config(meta: Metadata, tensors: dict, **overrides) -> ModelConfig:
-    """The keys every architecture shares; `overrides` states what the architecture changes."""
-    layers = meta.block_count(tensors)
+def common_config(meta: Metadata, tensors: dict, every_layer: str = "attn_norm.weight",
+                  **overrides) -> ModelConfig:
+    """The keys every architecture shares; `overrides` states what the architecture changes;
+    every_layer: a tensor each layer has (Metadata.block_count)."""
+    layers = meta.block_count(tensors, every_layer)
     hidden = meta.int("embedding_length")
     heads = meta.int("attention.head_count")
     kv_heads = meta.int("attention.head_count_kv", default=heads)

@@ -56,9 +56,6 @@ class CPUDecodeStep:
         generation_cache(model) (float16).
         Returns float32 logits [vocab]; the caches hold the token afterwards."""
         c = self.model.config
-        if c.attn_softcap is not None:
-            raise ValueError(f"this {c.architecture} model has no CPU decode step: its attention is "
-                             f"softcapped (the general step serves it)")
         position = cache[0].offset
         c.check_context(position + 1)
         if len(cache) != c.layers:
@@ -115,13 +112,13 @@ class CPUDecodeStep:
         return dict(heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
                     offsets=(offsets["q"], offsets["k"], offsets["v"]), gate=offsets.get("gate"),
                     bias=attention.qkv_bias if c.qkv_bias else None, rope=c.rope(index), eps=c.eps,
-                    scale=c.attention_scale)
+                    scale=c.attention_scale, qk_norm_whole=c.qk_norm_whole, softcap=c.attn_softcap)
 
     def _layer_node(self, index, block, x, h, position, keys, values, next_norm):
         """The layer as one node (cpu_ext.decode_layer)."""
         c = self.model.config
         attention, feed_forward = block.attention, block.feed_forward
-        norms = {"ffn": block.ffn_norm, "next": next_norm}
+        norms = {name: norm for name, norm in (("ffn", block.ffn_norm), ("next", next_norm)) if norm is not None}
         if c.qk_norm:
             norms.update(q=attention.q_norm, k=attention.k_norm)
         if c.sandwich_norms:
@@ -183,7 +180,5 @@ def rounds(model) -> bool:
 
 def serves(model) -> bool:
     """Whether generate()'s one-token steps of `model` run CPUDecodeStep: on the CPU, with
-    the extension available and head_dim a multiple of 16 (its attention's vectors), for
-    attention without a softcap (Gemma 2's runs the general step)."""
-    return (kernels.backend() == "cpu" and cpu_ext.available() and model.config.head_dim % 16 == 0
-            and model.config.attn_softcap is None)
+    the extension available and head_dim a multiple of 16 (its attention's vectors)."""
+    return kernels.backend() == "cpu" and cpu_ext.available() and model.config.head_dim % 16 == 0

@@ -5,7 +5,8 @@ unless the file lists its own pattern; attention scores and logits softcapped (s
 tanh(s / cap)); LM head tied to the embedding; the 27B's (46 layers') attention scale is
 (hidden / heads)^-0.5, as llama.cpp sets it.
 
-No fused GPU or CPU decode step takes a softcapped attention: every step is the general one."""
+Every step caps the scores: the general step's attention (ops.attention), the fused GPU step's
+attention_decode (SOFTCAP) and the CPU decode step's (DecodeHeads.softcap)."""
 
 import math
 

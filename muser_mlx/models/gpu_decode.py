@@ -38,7 +38,7 @@ class GPUDecodeStep:
         self._compiled = {}  # thread id -> the traced graph (it runs on the tracing thread's streams)
         self._next_position = {}  # id(cache[0]) -> (offset, the position array the last step computed)
         self.layers = None
-        if c.head_dim % 64 or c.hidden % 32 or c.attn_softcap is not None:  # no softcap in attention_decode
+        if c.head_dim % 64 or c.hidden % 32:
             return
         try:
             self.layers = [self._launches(block, settings) for block in model.layers]
@@ -70,7 +70,7 @@ class GPUDecodeStep:
         c = self.model.config
         if not self.available:
             raise ValueError(f"this {c.architecture} model has no fused decode step (a format without a q8x "
-                             f"kernel, head_dim {c.head_dim} not a multiple of 64, or attention softcapping)")
+                             f"kernel, or head_dim {c.head_dim} not a multiple of 64)")
         position = cache[0].offset
         c.check_context(position + 1)
         if len(cache) != c.layers or any(layer_cache.dtype != mx.float16 for layer_cache in cache):
@@ -143,7 +143,8 @@ class GPUDecodeStep:
             offsets=(offsets["q"], offsets["k"], offsets["v"]), gate=offsets.get("gate"),
             q_weight=attention.q_norm if c.qk_norm else None, k_weight=attention.k_norm if c.qk_norm else None,
             bias=attention.qkv_bias if c.qkv_bias else None, rope=c.rope(index), eps=c.eps,
-            scale=c.attention_scale, woven=launches["output"].x_woven,
+            scale=c.attention_scale, woven=launches["output"].x_woven, qk_norm_whole=c.qk_norm_whole,
+            softcap=c.attn_softcap,
             splits=self.model.settings.attention_splits, head_group=self.model.settings.attention_head_group)
         return launches["output"](o), (keys, values, position, after)
 

@@ -114,13 +114,15 @@ class Attention(nn.Module):
         fused = prefill_fused(h, self.o_proj.weight_tensor)
         columns = self.input_proj.columns(h, keep_float16=fused)
         y = self.input_proj.parts(columns)
-        if fused and not c.qk_norm:  # float16 outputs: q and k as float32 for RoPE; v and the gate as they are
+        if c.qk_norm_whole:  # OLMo 2: each projection normed whole, in float32, before the head split
+            y["q"], y["k"] = rms_norm(y["q"], self.q_norm, c.eps), rms_norm(y["k"], self.k_norm, c.eps)
+        elif fused and not c.qk_norm:  # float16 outputs: q and k as float32 for RoPE; v and the gate as they are
             y["q"], y["k"] = y["q"].astype(mx.float32), y["k"].astype(mx.float32)
         v = ops.split_heads(y["v"], c.kv_heads, c.head_dim)  # [B, kv_heads, T, head_dim]
         start = cache.offset
         rope = self.rope
         dtype = ops.attention_dtype(tokens, c.head_dim)
-        if c.qk_norm:  # the norm, the head split and RoPE in one op (one kernel on a GPU)
+        if c.qk_norm and not c.qk_norm_whole:  # the norm, the head split and RoPE in one op (one kernel on a GPU)
             (q, q_first, _), (k, k_first, _) = columns["q"], columns["k"]
             # A fused prefill chunk: q and k written as attention and the cache take them.
             qk_dtype = dtype if fused and cache.dtype == dtype else mx.float32
@@ -183,14 +185,14 @@ class FeedForward(nn.Module):
 
 class Block(nn.Module):
     """One decoder layer's weights: its norms (the sandwich post-norms None where the model has
-    none), attention and feed-forward. The general step runs it for any number of tokens."""
+    none, the pre-norms None where it has none), attention and feed-forward. The general step runs it for any number of tokens."""
 
     def __init__(self, config: ModelConfig, layer: int, tensors: dict, settings: Settings = DEFAULT):
         super().__init__()
         self.config = config
         norm = lambda name: vector(tensors[f"blk.{layer}.{name}.weight"])  # noqa: E731
-        self.attn_norm = norm("attn_norm")
-        self.ffn_norm = norm("ffn_norm")
+        self.attn_norm = norm("attn_norm") if config.pre_norms else None  # None: the branch reads x
+        self.ffn_norm = norm("ffn_norm") if config.pre_norms else None
         sandwich = config.sandwich_norms
         self.post_attention_norm = norm("post_attention_norm") if sandwich else None
         self.post_ffw_norm = norm("post_ffw_norm") if sandwich else None
@@ -239,7 +241,8 @@ class Transformer(nn.Module):
 
     @property
     def next_norms(self) -> list:
-        """The norm after each layer: the next layer's attn_norm, output_norm after the last."""
+        """The norm after each layer: the next layer's attn_norm (None where layers have no
+        pre-norm: the seam's h is then the stream itself), output_norm after the last."""
         return [layer.attn_norm for layer in self.layers[1:]] + [self.output_norm]
 
     def make_cache(self, dtype=None) -> list:
@@ -300,7 +303,7 @@ class Transformer(nn.Module):
             raise ValueError(f"cache has {len(cache)} layers; the model has {c.layers}")
         c.check_context(cache[0].offset + ids.shape[1])
         x = self.embed(ids)
-        h = rms_norm(x, self.layers[0].attn_norm, c.eps)
+        h = x if self.layers[0].attn_norm is None else rms_norm(x, self.layers[0].attn_norm, c.eps)
         # A GPU prefill chunk decodes each weight to float16 for the matmul (~1 GB a Muse
         # Glimmer layer): its products are paced (ops.paced_products) so that few of those
         # temporaries are alive at once.

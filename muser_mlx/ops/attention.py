@@ -196,13 +196,16 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                      kv_heads: int, head_dim: int, offsets: tuple[int, int, int], gate: int | None,
                      q_weight: mx.array | None, k_weight: mx.array | None, bias: mx.array | None,
                      rope: dict | None, eps: float, scale: float, woven: bool = False,
-                     splits: int = DEFAULT.attention_splits, head_group: int = DEFAULT.attention_head_group):
+                     splits: int = DEFAULT.attention_splits, head_group: int = DEFAULT.attention_head_group,
+                     qk_norm_whole: bool = False, softcap: float | None = None):
     """One decode token's attention from its projections to the output projection's input.
 
     y: float32 [1, width], the q/k/v (and gate) projections' output: q at offsets[0]
     (heads * head_dim), k at offsets[1], v at offsets[2] (kv_heads * head_dim each), the gate's
     sigmoid input at `gate` (None: no attention gate). q_weight/k_weight [head_dim]: per-head norm
-    (None: none); bias: q, k, v biases concatenated (None: none); rope: dict(dims, base,
+    (None: none), or with qk_norm_whole [heads * head_dim] / [kv_heads * head_dim]: each norm
+    over its whole projection (OLMo 2); softcap: each score s becomes softcap * tanh(s /
+    softcap) (Gemma 2), None: not; bias: q, k, v biases concatenated (None: none); rope: dict(dims, base,
     traditional) or None; position: int32 [1] (or padded: kernels.padded_array), the token's position p; after: an output of the
     last launch that wrote these caches in place (any array where none did): MLX orders a launch
     only by the arrays it reads and writes, and sees no write of the caches.
@@ -224,7 +227,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     q_off, k_off, v_off = offsets
     if kernels.backend() == "cpu":
         o, keys, values = _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, offsets, gate,
-                                                q_weight, k_weight, bias, rope, eps, scale)
+                                                q_weight, k_weight, bias, rope, eps, scale, qk_norm_whole, softcap)
         return (weave(o) if woven else o), keys, values
     group = heads // kv_heads
     head_group = max(g for g in range(1, min(group, head_group) + 1) if group % g == 0)
@@ -242,10 +245,11 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
         "attention_decode",
         inputs=[y, q_weight if q_weight is not None else unused, k_weight if k_weight is not None else unused,
                 bias if bias is not None else unused, rope_inverse_frequencies(rope),
-                position, keys, values, kernels.parameters(eps, scale), after],
+                position, keys, values, kernels.parameters(eps, scale, softcap or 0.0), after],
         template=[("HEADS", heads), ("KV_HEADS", kv_heads), ("HEAD_DIM", head_dim), ("ROTARY", dims),
-                  ("TRADITIONAL", int(bool(rope and rope["traditional"]))), ("QK_NORM", int(q_weight is not None)),
-                  ("BIAS", int(bias is not None)), ("MAX_SPLITS", max_splits), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],
+                  ("TRADITIONAL", int(bool(rope and rope["traditional"]))),
+                  ("QK_NORM", 0 if q_weight is None else 2 if qk_norm_whole else 1),
+                  ("SOFTCAP", int(softcap is not None)), ("BIAS", int(bias is not None)), ("MAX_SPLITS", max_splits), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],
         grid=(32 * kv_heads * (group // head_group) * splits, 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=[(heads * splits * (head_dim + 2),)],  # o [heads, splits, head_dim], then (m, l)
@@ -265,7 +269,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
 
 
 def _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, offsets, gate,
-                          q_weight, k_weight, bias, rope, eps, scale):
+                          q_weight, k_weight, bias, rope, eps, scale, qk_norm_whole, softcap):
     """attention_decode's CPU rendering: the same steps as MLX ops on the same cache layout."""
     q_off, k_off, v_off = offsets
     capacity = keys.shape[2]
@@ -278,6 +282,9 @@ def _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, 
         k = k + bias[heads * head_dim : (heads + kv_heads) * head_dim]
         v = v + bias[(heads + kv_heads) * head_dim :]
     offset = position[0]
+    if qk_norm_whole and q_weight is not None:  # each projection normed whole, then split without a norm
+        q, k = mx.fast.rms_norm(q, q_weight, eps), mx.fast.rms_norm(k, k_weight, eps)
+        q_weight = k_weight = None
     q = split_heads(q[None], heads, head_dim, q_weight, eps, rope, offset)  # [1, heads, 1, hd]
     k = split_heads(k[None], kv_heads, head_dim, k_weight, eps, rope, offset)
     v = v.reshape(1, kv_heads, 1, head_dim)
@@ -287,8 +294,11 @@ def _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, 
     values = mx.slice_update(values, v.astype(values.dtype), mx.concatenate([mx.zeros((2,), mx.int32), slot,
                                                                              mx.zeros((1,), mx.int32)]), (0, 1, 2, 3))
     visible = mx.arange(capacity) < mx.minimum(position + 1, capacity)
-    o = mx.fast.scaled_dot_product_attention(q, keys.astype(mx.float32), values.astype(mx.float32),
-                                             scale=scale, mask=visible[None, None, None, :])
+    if softcap is None:
+        o = mx.fast.scaled_dot_product_attention(q, keys.astype(mx.float32), values.astype(mx.float32),
+                                                 scale=scale, mask=visible[None, None, None, :])
+    else:
+        o = _softcapped_attention(q, keys, values, scale, visible[None, :], softcap)
     o = o.reshape(1, heads * head_dim)
     if gate is not None:
         o = o * mx.sigmoid(y[:, gate : gate + heads * head_dim])

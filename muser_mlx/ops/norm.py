@@ -29,7 +29,9 @@ def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weig
         sum    = residual + rms(branch, branch_eps) * branch_weight   (branch_weight given:
                                                                         a sandwich post-norm)
         sum    = residual + branch                                    (branch_weight None)
-        normed = rms(sum, next_eps) * next_weight
+        normed = rms(sum, next_eps) * next_weight                     (next_weight None: sum,
+                                                                        for a branch without
+                                                                        a pre-norm: OLMo 2)
 
     residual: float32 [..., hidden]; branch: [..., hidden], float32 (or, on a GPU, float16: a
     prefill product's output as it is); weights: float32 [hidden]. Returns (sum, normed), float32.
@@ -49,7 +51,7 @@ def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weig
     if branch_weight is not None:
         branch = mx.fast.rms_norm(branch, branch_weight, branch_eps)
     total = residual + branch
-    return total, mx.fast.rms_norm(total, next_weight, next_eps)
+    return total, total if next_weight is None else mx.fast.rms_norm(total, next_weight, next_eps)
 
 
 def _residual_norm_rows(residual, branch, branch_weight, next_weight, branch_eps, next_eps):
@@ -68,9 +70,10 @@ def _residual_norm_rows(residual, branch, branch_weight, next_weight, branch_eps
     total, normed = kernels.launch(
         "residual_norm_rows",
         inputs=[residual.reshape(rows, hidden), branch.reshape(rows, hidden),
-                next_weight if branch_weight is None else branch_weight, next_weight,
+                *(weight if weight is not None else residual for weight in (branch_weight, next_weight)),
                 kernels.parameters(branch_eps, next_eps)],
-        template=[("HIDDEN", hidden), ("BRANCH_NORM", int(branch_weight is not None)), ("THREADS", threads)],
+        template=[("HIDDEN", hidden), ("BRANCH_NORM", int(branch_weight is not None)),
+                  ("NEXT_NORM", int(next_weight is not None)), ("THREADS", threads)],
         grid=(rows * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(rows, hidden), (rows, hidden)],
@@ -80,13 +83,13 @@ def _residual_norm_rows(residual, branch, branch_weight, next_weight, branch_eps
 
 
 def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weight: mx.array | None,
-                        next_weight: mx.array, branch_eps: float, next_eps: float,
+                        next_weight: mx.array | None, branch_eps: float, next_eps: float,
                         branch_scale: float = 1.0):
     """The seam of a decode step, ready for the next products (kernel residual_norm_quant):
 
         total  = residual + b * branch_scale      (residual None: total = b * branch_scale)
         b      = rms(branch, branch_eps) * branch_weight   (branch_weight None: b = branch)
-        normed = rms(total, next_eps) * next_weight, as q8x
+        normed = rms(total, next_eps) * next_weight, as q8x   (next_weight None: total, as q8x)
 
     residual, branch: float32 [T, hidden] (T <= 8); weights float32 [hidden]. Returns (total,
     normed as ops.Q8X). The first seam of a step has no residual (the embedding row becomes
@@ -99,7 +102,7 @@ def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weig
         if branch_weight is not None:
             b = mx.fast.rms_norm(b, branch_weight, branch_eps)
         total = b * branch_scale if residual is None else residual + b * branch_scale
-        return total, quantize_rows_mlx(mx.fast.rms_norm(total, next_weight, next_eps))
+        return total, quantize_rows_mlx(total if next_weight is None else mx.fast.rms_norm(total, next_weight, next_eps))
     if SEAM_SLICE_BLOCKS * 8 > SEAM_THREADS or SEAM_THREADS % 32:
         raise ValueError(f"residual_norm_quant: {SEAM_THREADS} threads cannot hold a slice of "
                          f"{SEAM_SLICE_BLOCKS} blocks (8 threads a block, whole SIMD groups)")
@@ -108,10 +111,10 @@ def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weig
     total, codes, scales, sums = kernels.launch(
         "residual_norm_quant",
         inputs=[branch if residual is None else residual, branch,
-                next_weight if branch_weight is None else branch_weight, next_weight,
+                *(weight if weight is not None else branch for weight in (branch_weight, next_weight)),
                 kernels.parameters(branch_eps, next_eps, branch_scale)],
         template=[("HIDDEN", hidden), ("RESIDUAL", int(residual is not None)),
-                  ("BRANCH_NORM", int(branch_weight is not None)),
+                  ("BRANCH_NORM", int(branch_weight is not None)), ("NEXT_NORM", int(next_weight is not None)),
                   ("SLICE_BLOCKS", SEAM_SLICE_BLOCKS), ("THREADS", SEAM_THREADS)],
         grid=(math.prod(lead) * slices * SEAM_THREADS, 1, 1),
         threadgroup=(SEAM_THREADS, 1, 1),
