@@ -18,7 +18,7 @@ constexpr int PANEL_MIN_TOKENS = 16;
 constexpr int DECODE_ROWS = 4;
 // Panels decode each row in slices of at most this many values.
 constexpr int64_t PANEL_SLICE = 2048;
-// Decode tiles ask for each weight row's bytes this far ahead of the block they read: the
+// Tiles and panels ask for each weight row's bytes this far ahead of the block they read: the
 // hardware prefetcher alone left each block's first load waiting on memory. Against no
 // prefetch, 0.5-16 KB measured best at 4-8 KB (decode products with x rounded, 2 threads:
 // SmolLM2's 14.1 -> 9.4 ms a step; bench/RESULTS.md, issue 13).

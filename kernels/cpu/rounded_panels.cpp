@@ -179,6 +179,9 @@ void linear_panels(const float* x, const uint8_t* weight, float* out, int64_t to
                   std::memset(rows_codes[r] + u * F::VALUES, 0, F::VALUES);
                   continue;
                 }
+                // As the tiles do: without it the build waited on memory for each of the 16
+                // rows (SmolLM2's products for 8 tokens, one thread: 21.3 -> 13.4 ms).
+                prefetch_block<F>(row + b * F::BYTES + PREFETCH_BYTES);
                 block_codes<F>(row + b * F::BYTES, rows_codes[r] + u * F::VALUES, bd, bm);
                 for (int j = 0; j < BLOCK_GROUPS; ++j) {
                   d[(b * BLOCK_GROUPS + j) * IPANEL_ROWS + r] = bd[j];
