@@ -2,7 +2,8 @@
 // whether x is rounded), and what they share. Each takes every format of formats.h.
 //   float_tiles.cpp     float x, fewer than PANEL_MIN_TOKENS tokens: decode tiles
 //   float_panels.cpp    float x, PANEL_MIN_TOKENS tokens or more: rows decoded to float panels
-//   rounded_tiles.cpp   x rounded to int8, at most ROUNDED_MAX_TOKENS tokens: integer tiles
+//   rounded_tiles.cpp   x rounded to int8, at most rounded_tile_tokens (<= ROUNDED_MAX_TOKENS)
+//                       tokens: integer tiles
 //   rounded_panels.cpp  x rounded to int8, more tokens: integer panels
 // Each is called as linear_from_blocks is (products.h): x float32 [tokens, in_features], weight
 // uint8 [out_features, row_bytes] of ggml_type's blocks, out float32 [tokens, out_features].

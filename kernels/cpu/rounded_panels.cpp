@@ -1,4 +1,5 @@
-// Rounded products at prefill (more than ROUNDED_MAX_TOKENS tokens), integer panels: x rounded as the decode tiles
+// Rounded products of batched decode steps and prefill (more than rounded_tile_tokens(format)
+// tokens, products.cpp), integer panels: x rounded as the decode tiles
 // round it (per 32 values, per 256 for the K-quants), weights as unsigned byte codes, and the
 // products as integer dot products with one weight row per int32 lane: a panel of
 // IPANEL_ROWS rows holds a slice of their codes as [slice / 4][row][4 bytes], so one 64-byte
