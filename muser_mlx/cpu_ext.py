@@ -111,8 +111,8 @@ def linear(rows: mx.array, weight_bytes: mx.array, ggml_type, out_features: int,
     shape holding [out, row_bytes]); returns float32 [T, out], multiplied in float32.
     rounded: rows rounded to int8 blocks (one scale max|x|/127 each, half away from zero) of
     32 values (formats.quantize_activations), or of 256 for Q4_K, Q5_K and Q6_K
-    (formats.quantize_activations_super), and multiplied with integer dot products (for
-    T > 8 as integer panels, the prefill's).
+    (formats.quantize_activations_super), and multiplied with integer dot products (beyond
+    a few rows, 4 to 8 by format, as integer panels: products.cpp's rounded_tile_tokens).
     threads: 0 for all cores."""
     if weight_bytes.ndim != 2 or weight_bytes.shape[0] != out_features:
         weight_bytes = weight_bytes.reshape(out_features, -1)  # a graph node: only where needed

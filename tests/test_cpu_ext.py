@@ -234,6 +234,24 @@ def test_rounded_panels_over_several_slices_match_the_decode_tiles(rng, ggml_typ
     assert relative_error(out, alone) <= BOUND
 
 
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 64])
+def test_a_batch_of_rows_gives_each_row_its_one_row_product(rng, ggml_type, tokens):
+    # A batched decode step multiplies B rows of x at once, as decode tiles (a few rows) or
+    # integer panels (more: products.cpp's rounded_tile_tokens, by format); every row must get
+    # what its one-row product (the single-sequence decode's) gives it: the same rounding of x,
+    # the same integer sums, only float32 scaling in another order apart. Fresh random bytes,
+    # an odd count of 32-value blocks where the format has them, a short last tile of rows.
+    in_features = BLOCK[ggml_type] * (7 if BLOCK[ggml_type] == 32 else 3)
+    out_features = 53
+    raw = random_byte_blocks(rng, ggml_type, out_features, in_features)
+    x = (rng.standard_normal((tokens, in_features)) * rng.choice([1e-2, 1.0, 30.0], size=(tokens, 1))).astype(np.float32)
+    batch = product(x, raw, ggml_type, out_features, 2, rounded=True)
+    rows = np.concatenate([product(x[t : t + 1], raw, ggml_type, out_features, 2, rounded=True) for t in range(tokens)])
+    assert np.isfinite(batch).all(), "an output left unwritten"
+    assert max(relative_error(batch[t], rows[t]) for t in range(tokens)) <= BOUND  # rows of every scale
+
+
 @pytest.mark.parametrize("rounded_x", [False, True])
 def test_a_strided_x_is_read_in_its_strides(rng, rounded_x):
     # The primitive takes x as it comes (no copy node in the graph): a slice of wider rows and

@@ -23,8 +23,7 @@ namespace mx = mlx::core;
 // weight: uint8 [out_features, row_bytes], raw blocks of `ggml_type`
 // threads: threads inside the product (0: all the machine's cores)
 // returns float32 [tokens, out_features]
-// rounded: x rounded to int8 blocks first (products.h, linear_rounded_from_blocks);
-// tokens <= ROUNDED_MAX_TOKENS
+// rounded: x rounded to int8 blocks first (products.h, linear_rounded_from_blocks)
 mx::array linear(const mx::array& x, const mx::array& weight, int ggml_type, int threads,
                  bool rounded, mx::StreamOrDevice s = {});
 

@@ -2,7 +2,8 @@
 // whether x is rounded), and what they share. Each takes every format of formats.h.
 //   float_tiles.cpp     float x, fewer than PANEL_MIN_TOKENS tokens: decode tiles
 //   float_panels.cpp    float x, PANEL_MIN_TOKENS tokens or more: rows decoded to float panels
-//   rounded_tiles.cpp   x rounded to int8, at most ROUNDED_MAX_TOKENS tokens: integer tiles
+//   rounded_tiles.cpp   x rounded to int8, at most rounded_tile_tokens (<= ROUNDED_MAX_TOKENS)
+//                       tokens: integer tiles
 //   rounded_panels.cpp  x rounded to int8, more tokens: integer panels
 // Each is called as linear_from_blocks is (products.h): x float32 [tokens, in_features], weight
 // uint8 [out_features, row_bytes] of ggml_type's blocks, out float32 [tokens, out_features].
@@ -18,7 +19,7 @@ constexpr int PANEL_MIN_TOKENS = 16;
 constexpr int DECODE_ROWS = 4;
 // Panels decode each row in slices of at most this many values.
 constexpr int64_t PANEL_SLICE = 2048;
-// Decode tiles ask for each weight row's bytes this far ahead of the block they read: the
+// Tiles and panels ask for each weight row's bytes this far ahead of the block they read: the
 // hardware prefetcher alone left each block's first load waiting on memory. Against no
 // prefetch, 0.5-16 KB measured best at 4-8 KB (decode products with x rounded, 2 threads:
 // SmolLM2's 14.1 -> 9.4 ms a step; bench/RESULTS.md, issue 13).

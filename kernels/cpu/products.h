@@ -38,8 +38,10 @@ void linear_from_blocks(const float* x, const uint8_t* weight, float* out, int g
                         int64_t tokens, int64_t in_features, int64_t out_features,
                         int threads);
 
-// Rounded products of at most this many rows of x run as decode tiles; more as integer panels.
+// Rounded products of at most rounded_tile_tokens(ggml_type) rows of x (at most
+// ROUNDED_MAX_TOKENS) run as decode tiles; more as integer panels (products.cpp says why).
 constexpr int ROUNDED_MAX_TOKENS = 8;
+int rounded_tile_tokens(int ggml_type);
 
 // As linear_from_blocks for in_features a multiple of 32,
 // with x rounded first: each block of x to int8 codes round(x / d), half away from zero, with

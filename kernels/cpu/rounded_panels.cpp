@@ -1,4 +1,5 @@
-// Rounded products at prefill (more than ROUNDED_MAX_TOKENS tokens), integer panels: x rounded as the decode tiles
+// Rounded products of batched decode steps and prefill (more than rounded_tile_tokens(format)
+// tokens, products.cpp), integer panels: x rounded as the decode tiles
 // round it (per 32 values, per 256 for the K-quants), weights as unsigned byte codes, and the
 // products as integer dot products with one weight row per int32 lane: a panel of
 // IPANEL_ROWS rows holds a slice of their codes as [slice / 4][row][4 bytes], so one 64-byte
@@ -179,6 +180,9 @@ void linear_panels(const float* x, const uint8_t* weight, float* out, int64_t to
                   std::memset(rows_codes[r] + u * F::VALUES, 0, F::VALUES);
                   continue;
                 }
+                // As the tiles do: without it the build waited on memory for each of the 16
+                // rows (SmolLM2's products for 8 tokens, one thread: 21.3 -> 13.4 ms).
+                prefetch_block<F>(row + b * F::BYTES + PREFETCH_BYTES);
                 block_codes<F>(row + b * F::BYTES, rows_codes[r] + u * F::VALUES, bd, bm);
                 for (int j = 0; j < BLOCK_GROUPS; ++j) {
                   d[(b * BLOCK_GROUPS + j) * IPANEL_ROWS + r] = bd[j];

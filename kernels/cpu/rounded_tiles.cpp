@@ -1,4 +1,5 @@
-// Rounded products at decode (at most ROUNDED_MAX_TOKENS tokens): integer tiles. Weights are
+// Rounded products at decode (at most rounded_tile_tokens(format) tokens, products.cpp):
+// integer tiles. Weights are
 // read as unsigned byte codes (value = d * code + m; Q8_0's signed) and multiplied by x's int8
 // codes with integer dot products (arch.h: dot_unsigned, dot_signed, dot_scaled, dot_scaled8).
 // - 32-value formats: x rounded to int8 blocks of 32 values with one scale each (llama.cpp's
