@@ -21,7 +21,8 @@ WINDOW = 8  # the tiny models' sliding window: 32 steps wrap it several times
 STEP_BOUND = {"cpu": 5e-3, "gpu": 2e-2}
 
 ARCHITECTURES = [("llama", "Q8_0"), ("muse-glimmer", "Q4_K_M"), ("gemma3", "Q8_0"), ("qwen2", "Q8_0"),
-                 ("gemma2", "F32"), ("phi3", "Q8_0"), ("qwen3", "Q4_K_M")]
+                 ("gemma2", "F32"), ("phi3", "Q8_0"), ("qwen3", "Q4_K_M"), ("olmo2", "Q8_0"),
+                 ("granite", "Q8_0"), ("smollm3", "Q8_0")]
 
 
 @pytest.fixture

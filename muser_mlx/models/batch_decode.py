@@ -169,7 +169,8 @@ class BatchStep:
         else:
             with ops.rounded_products(self.rounded):
                 x = model.embed(tokens.reshape(batch, 1).astype(mx.int32))
-                h = rms_norm(x, model.layers[0].attn_norm, c.eps)
+                first = model.layers[0].attn_norm
+                h = x if first is None else rms_norm(x, first, c.eps)
                 for i, (block, next_norm) in enumerate(zip(model.layers, model.next_norms)):
                     x, h, _ = decoder_layer(_FloatPieces(self), i, block, x, h, next_norm, kv)
                 logits = model.logits(h)[:, 0]
@@ -204,11 +205,14 @@ class BatchStep:
         batch = len(step.lengths)
         attention = block.attention
         rope = c.rope(index)
-        norm = c.qk_norm
+        q, k = parts["q"], parts["k"]
+        if c.qk_norm_whole:  # OLMo 2: each projection normed whole before the head split
+            q, k = rms_norm(q, attention.q_norm, c.eps), rms_norm(k, attention.k_norm, c.eps)
+        norm = c.qk_norm and not c.qk_norm_whole
         split = lambda y, heads, weight: ops.split_heads(  # noqa: E731
             y.reshape(batch, 1, -1), heads, c.head_dim, weight, c.eps, rope, start=step.positions)
-        q = split(parts["q"], c.heads, attention.q_norm if norm else None)
-        k = split(parts["k"], c.kv_heads, attention.k_norm if norm else None)
+        q = split(q, c.heads, attention.q_norm if norm else None)
+        k = split(k, c.kv_heads, attention.k_norm if norm else None)
         v = parts["v"].reshape(batch, 1, c.kv_heads, c.head_dim).transpose(0, 2, 1, 3)
         window = kv.windows[index]
         slots = step.slots(window)
