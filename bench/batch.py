@@ -91,6 +91,44 @@ def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng) -> 
     return time.perf_counter() - tic
 
 
+def products_ms(model, batch: int, runs: int = 3) -> float:
+    """ms for the batched step's products alone (every layer's grouped launches and the head) on
+    fixed q8x x of the step's padded rows, evaluated once: what the weights' reads and the
+    products' arithmetic cost without attention and the seams."""
+    from muser_mlx import ops
+    from muser_mlx.models.batch_decode import GROUP
+    step = BatchStep(model)
+    if not step.q8x:
+        return float("nan")
+    layers, head = step.launches()
+    rows = -(-batch // GROUP) * GROUP
+    cache = {}
+
+    def x(n):
+        if n not in cache:
+            cache[n] = ops.quantize_rows(mx.random.normal((rows, n)))
+            mx.eval(*cache[n])
+        return cache[n]
+    outs = []
+
+    def run():
+        outs.clear()
+        for launches in layers:
+            outs.extend(p(x(p.in_features)) for p in launches["inputs"])
+            outs.append(launches["output"](x(launches["output"].in_features)))
+            glu = launches["gate_up"]
+            outs.append(launches["down"](glu(x(glu.in_features))))
+        outs.append(head(x(head.in_features)))
+        mx.eval(outs)
+    run()
+    times = []
+    for _ in range(runs):
+        tic = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - tic)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="a GGUF file, or 'default' (the packaged SmolLM2)")
@@ -99,6 +137,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--parts", action="store_true", help="also the products alone at each B >= 2")
     args = parser.parse_args()
     written = None
     if args.model == "default":
@@ -132,7 +171,9 @@ def main() -> None:
             floor = (weights + batch * kv_bytes_read(model, middle, dtype_bytes)) / bandwidth
             ms = 1e3 * seconds / args.steps
             print(f"{batch:>3} {ms:>8.2f} {batch * args.steps / seconds:>9.1f} {1e3 * floor:>8.2f} "
-                  f"{batch / floor:>11.1f} {BUILD_MS.get(batch, float('nan')):>8.2f}", flush=True)
+                  f"{batch / floor:>11.1f} {BUILD_MS.get(batch, float('nan')):>8.2f}"
+                  + (f"  products alone {products_ms(model, batch):.2f} ms" if args.parts and batch > 1 else ""),
+                  flush=True)
     finally:
         if written is not None and not args.keep:
             written.unlink()

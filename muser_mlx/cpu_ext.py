@@ -170,16 +170,17 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     """One decode token's attention from its projections: three primitives (the key and
     value writes, each one output so that MLX can hand it the cache's memory, then attention).
 
-    y: float32 [1, width]: q at offsets[0] (heads * head_dim), k at offsets[1], v at
+    y: float32 [B, width] (B rows: a batched decode step's; row b at position[b], in the
+    cache's row b; the cache may hold more rows): q at offsets[0] (heads * head_dim), k at offsets[1], v at
     offsets[2] (kv_heads * head_dim each), the gate's sigmoid input at `gate` (None: no gate);
     bias: q, k, v biases concatenated, or None; q_norm/k_norm [head_dim] or None (qk_norm_whole:
     [heads * head_dim] / [kv_heads * head_dim], each over its whole projection); softcap: the
     scores' s -> softcap * tanh(s / softcap), or None; rope:
-    dict(dims, base, traditional) or None; position: int32 [1]. keys/values: float32 (or
-    float16 where half_cache()) [1, kv_heads, capacity, head_dim]: slot position % capacity
+    dict(dims, base, traditional) or None; position: int32 [B]. keys/values: float32 (or
+    float16 where half_cache()) [>= B, kv_heads, capacity, head_dim]: slot position % capacity
     receives the token's key and value (rounded to the cache's dtype), slots 0 .. min(position
     + 1, capacity) - 1 are attended.
-    Returns (o float32 [1, heads * head_dim], keys, values): new cache arrays, which reuse
+    Returns (o float32 [B, heads * head_dim], keys, values): new cache arrays, which reuse
     the old ones' memory when nothing else holds them."""
     shape = _decode_heads(heads, kv_heads, head_dim, offsets, gate, rope, eps, scale, qk_norm_whole, softcap)
     keys = _cpu_kernels.write_cache(y, keys, position, bias, k_norm, shape, True)

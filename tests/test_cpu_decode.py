@@ -460,6 +460,39 @@ def test_attention_decode_matches_numpy(rng, heads, kv_heads, position, capacity
     np.testing.assert_array_equal(written_values, expected_values.astype(cache_dtype))
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+def test_attention_decode_rows_are_each_rows_own_call(rng, cache_dtype):
+    """B rows of y, each at its own position, over the rows of a cache that holds one row
+    more (the batched decode step's store): every row's output and written slot equal the
+    one-row call on that row alone, bit for bit; the extra row is left as it was."""
+    if cache_dtype == "float16" and not cpu_ext.half_cache():
+        pytest.skip("the extension was built without _Float16")
+    heads, kv_heads, head_dim, capacity = 4, 2, 32, 16
+    positions = [0, 15, 3, 40]  # 40 wraps a ring of 16
+    width = (heads + 2 * kv_heads) * head_dim
+    y = mx.array(rng.standard_normal((len(positions), width)).astype(np.float32))
+    keys = mx.array(rng.standard_normal((len(positions) + 1, kv_heads, capacity, head_dim)).astype(cache_dtype))
+    values = mx.array(rng.standard_normal(keys.shape).astype(cache_dtype))
+    settings = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, offsets=(0, heads * head_dim,
+                    (heads + kv_heads) * head_dim), gate=None, bias=None, q_norm=None, k_norm=None,
+                    rope=dict(dims=head_dim, base=10000.0, traditional=False), eps=1e-6, scale=0.3)
+    o, new_keys, new_values = cpu_ext.attention_decode(y, keys, values, mx.array(positions, dtype=mx.int32),
+                                                       **settings)
+    o, new_keys, new_values = np.array(o), np.array(new_keys), np.array(new_values)
+    assert o.shape == (len(positions), heads * head_dim) and np.isfinite(o).all()
+    for b, position in enumerate(positions):
+        one, one_keys, one_values = cpu_ext.attention_decode(y[b : b + 1], keys[b : b + 1], values[b : b + 1],
+                                                             mx.array([position], dtype=mx.int32), **settings)
+        np.testing.assert_array_equal(o[b], np.array(one)[0])
+        np.testing.assert_array_equal(new_keys[b], np.array(one_keys)[0])
+        np.testing.assert_array_equal(new_values[b], np.array(one_values)[0])
+    np.testing.assert_array_equal(new_keys[-1], np.array(keys)[-1])
+    with pytest.raises(ValueError, match="one per row"):
+        cpu_ext.attention_decode(y, keys, values, mx.array(positions[:2], dtype=mx.int32), **settings)
+    with pytest.raises(ValueError, match="at least B"):
+        cpu_ext.attention_decode(y, keys[:2], values[:2], mx.array(positions, dtype=mx.int32), **settings)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(head_dim=24), "head_dim of 16"),
     (dict(cache_dtype=mx.bfloat16), "a float32 or float16 cache"),

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "thread_pool.h"
 #include "mlx/utils.h"
 
 #include "attention.h"
@@ -380,32 +381,37 @@ bool cache_dtype_supported(mx::Dtype dtype) {
 
 // Refuses y, a cache and the optional vectors that do not fit `shape` (capacity from the
 // cache), naming the op. norm: of the q projection's `norm_heads` heads (heads) or k's (kv_heads).
+// y holds B rows (1 unless `rows`: a batched decode step), each with its position and the
+// cache's row of the same index (the cache may hold more rows).
 void check_decode_inputs(const char* op, const mx::Shape& y, const mx::array& cache,
                          const mx::array& position, const std::optional<mx::array>& bias,
                          const std::optional<mx::array>& norm, const DecodeHeads& shape,
-                         int64_t norm_heads) {
+                         int64_t norm_heads, bool rows = false) {
   const int64_t head_dim = shape.head_dim, q_size = shape.heads * head_dim;
   const int64_t kv_size = shape.kv_heads * head_dim;
   int64_t width = y.size() == 2 ? y[1] : -1;
   auto fits = [&](int64_t offset, int64_t size) { return offset >= 0 && offset + size <= width; };
-  bool cache_ok = cache.ndim() == 4 && cache.shape(0) == 1 && cache.shape(1) == shape.kv_heads &&
+  const int64_t batch = y.size() == 2 ? y[0] : -1;
+  bool cache_ok = cache.ndim() == 4 && cache.shape(0) >= std::max<int64_t>(batch, 1) &&
+                  (rows || cache.shape(0) == 1) && cache.shape(1) == shape.kv_heads &&
                   cache.shape(3) == head_dim && cache.shape(2) > 0 && cache_dtype_supported(cache.dtype());
-  if (y.size() != 2 || y[0] != 1 || shape.kv_heads < 1 || shape.heads % shape.kv_heads ||
+  if (y.size() != 2 || y[0] < 1 || (!rows && y[0] != 1) || shape.kv_heads < 1 || shape.heads % shape.kv_heads ||
       head_dim % 16 || !cache_ok || !fits(shape.q_off, q_size) || !fits(shape.k_off, kv_size) ||
       !fits(shape.v_off, kv_size) || (shape.gate_off >= 0 && !fits(shape.gate_off, q_size)) ||
       shape.rotary_dim % 2 || shape.rotary_dim > head_dim || shape.rotary_dim < 0 || shape.softcap < 0) {
     std::ostringstream message;
-    message << "[" << op << "] expected y [1, width] holding q, k, v (and gate) at their "
-            << "offsets, a " << (half_cache_supported() ? "float32 or float16" : "float32")
-            << " cache [1, " << shape.kv_heads << ", capacity, " << head_dim
+    message << "[" << op << "] expected y [" << (rows ? "B" : "1") << ", width] holding q, k, v (and gate) "
+            << "at their offsets, a " << (half_cache_supported() ? "float32 or float16" : "float32")
+            << " cache [" << (rows ? "at least B" : "1") << ", " << shape.kv_heads << ", capacity, " << head_dim
             << "], heads a multiple of kv_heads, head_dim of 16, an even rotary_dim <= head_dim, "
             << "a softcap >= 0;"
             << " got y " << y << ", cache " << cache.shape() << " " << cache.dtype()
             << ", heads " << shape.heads << "/" << shape.kv_heads;
     throw std::invalid_argument(message.str());
   }
-  if (position.dtype() != mx::int32 || position.size() != 1) {
-    throw std::invalid_argument(std::string("[") + op + "] position must be int32 [1]");
+  if (position.dtype() != mx::int32 || static_cast<int64_t>(position.size()) != batch) {
+    throw std::invalid_argument(std::string("[") + op + "] position must be int32 [" +
+                                (rows ? "B]: one per row of y" : "1]"));
   }
   const int64_t norm_size = shape.qk_norm_whole ? norm_heads * head_dim : head_dim;
   if ((bias && bias->size() != q_size + 2 * kv_size) || (norm && norm->size() != norm_size)) {
@@ -420,10 +426,10 @@ void check_decode_inputs(const char* op, const mx::Shape& y, const mx::array& ca
 mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::array& position,
                       const std::optional<mx::array>& bias, const std::optional<mx::array>& norm,
                       DecodeHeads shape, bool key, mx::StreamOrDevice s) {
-  check_decode_inputs("write_cache", y.shape(), cache, position, bias, norm, shape, shape.kv_heads);
+  check_decode_inputs("write_cache", y.shape(), cache, position, bias, norm, shape, shape.kv_heads, true);
   shape.capacity = cache.shape(2);
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  std::vector<mx::array> inputs = {as_f32(y, stream), cache, as_shape(position, {1}, stream)};
+  std::vector<mx::array> inputs = {as_f32(y, stream), cache, as_shape(position, {y.shape(0)}, stream)};
   if (bias) {
     inputs.push_back(as_f32(*bias, stream));
   }
@@ -448,10 +454,14 @@ void CacheWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   const float* norm = norm_ ? row_major<float>(inputs[i++], encoder) : nullptr;
   const float* y = row_major<float>(inputs[0], encoder);
   const int32_t* position = inputs[2].data<int32_t>();
+  const int64_t rows = inputs[0].shape(0), width = inputs[0].shape(1);
+  const int64_t row_size = shape_.kv_heads * shape_.capacity * shape_.head_dim;
   auto write = [&](auto* cache) {
     encoder.dispatch([=, shape = shape_, key = key_]() {
       copy();
-      write_cache(y, bias, norm, position[0], cache, shape, key);
+      for (int64_t b = 0; b < rows; ++b) {  // row b of y into row b of the cache
+        write_cache(y + b * width, bias, norm, position[b], cache + b * row_size, shape, key);
+      }
     });
   };
 #ifdef MUSER_HALF_CACHE
@@ -484,20 +494,20 @@ mx::array attention_decode(const mx::array& y, const mx::array& keys, const mx::
                            const mx::array& position, const std::optional<mx::array>& bias,
                            const std::optional<mx::array>& q_norm, DecodeHeads shape,
                            int threads, mx::StreamOrDevice s) {
-  check_decode_inputs("attention_decode", y.shape(), keys, position, bias, q_norm, shape, shape.heads);
+  check_decode_inputs("attention_decode", y.shape(), keys, position, bias, q_norm, shape, shape.heads, true);
   if (values.shape() != keys.shape() || values.dtype() != keys.dtype()) {
     throw std::invalid_argument("[attention_decode] keys and values must be alike");
   }
   shape.capacity = keys.shape(2);
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  std::vector<mx::array> inputs = {as_f32(y, stream), keys, values, as_shape(position, {1}, stream)};
+  std::vector<mx::array> inputs = {as_f32(y, stream), keys, values, as_shape(position, {y.shape(0)}, stream)};
   if (bias) {
     inputs.push_back(as_f32(*bias, stream));
   }
   if (q_norm) {
     inputs.push_back(as_f32(*q_norm, stream));
   }
-  return mx::array({1, static_cast<int>(shape.heads * shape.head_dim)}, mx::float32,
+  return mx::array({y.shape(0), static_cast<int>(shape.heads * shape.head_dim)}, mx::float32,
                    std::make_shared<AttentionDecode>(stream, shape, bias.has_value(),
                                                      q_norm.has_value(), threads),
                    inputs);
@@ -517,9 +527,20 @@ void AttentionDecode::eval_cpu(const std::vector<mx::array>& inputs,
   int threads = threads_ > 0 ? threads_ : all_cores();
   const float* y = row_major<float>(inputs[0], encoder);
   const int32_t* position = inputs[3].data<int32_t>();
+  const int64_t rows = inputs[0].shape(0), width = inputs[0].shape(1);
+  const int64_t row_size = shape_.kv_heads * shape_.capacity * shape_.head_dim;
   auto attend = [&](const auto* keys, const auto* values) {
     encoder.dispatch([=, out = outputs[0].data<float>(), shape = shape_]() {
-      attention_decode(y, bias, q_norm, position[0], keys, values, out, shape, threads);
+      if (rows == 1) {
+        attention_decode(y, bias, q_norm, position[0], keys, values, out, shape, threads);
+        return;
+      }
+      // A batched step's rows: one row a task, each over its own keys.
+      const int64_t out_size = shape.heads * shape.head_dim;
+      ThreadPool::instance().run(static_cast<int>(rows), threads, [&](int b) {
+        attention_decode(y + b * width, bias, q_norm, position[b], keys + b * row_size,
+                         values + b * row_size, out + b * out_size, shape, 1);
+      });
     });
   };
 #ifdef MUSER_HALF_CACHE
