@@ -655,6 +655,18 @@ def _glibc():
 
 
 _LIBC = _glibc()
+MMAP_THRESHOLD = 1 << 20  # bytes: an allocation this large or larger is its own mapping
+
+
+def _fixed_mmap_threshold() -> None:
+    """glibc serves an allocation below its mmap threshold from its heaps, and raises that
+    threshold to the size of each mapped block freed (up to 32 MB): after a load the KV caches'
+    and products' MB-sized buffers came from the heaps, and a heap page that one small live
+    block pins stays after malloc_trim (the tiny-model test kept 28 MB of 103 in about one run
+    of six). A fixed threshold keeps such buffers mapped, and freeing them (mx.clear_cache)
+    unmaps them; MLX's own buffer cache still reuses them while the server works."""
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        _LIBC.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, items: asyncio.Queue, item) -> None:
@@ -978,6 +990,7 @@ def serve(path=None, host: str = "127.0.0.1", port: int = 8080, limits: Limits =
     The address is printed once the socket listens (connections wait until uvicorn runs)."""
     import uvicorn
 
+    _fixed_mmap_threshold()
     service = ModelService(path, limits)
     listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     # Accepted connections inherit this: without it a response's second write (its body, an
