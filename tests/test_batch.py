@@ -206,6 +206,29 @@ def test_a_finished_sequences_cache_continues_the_conversation(tiny, rng):
     assert relative_error(continued[0][1], fresh[0][1]) <= STEP_BOUND[backend_name()]
 
 
+def test_kept_caches_hold_only_their_own_memory(tiny, rng):
+    """A finished sequence's cache is its own copy, not a lazy slice of the batch's store: a
+    server keeps such caches for later prompts, and lazy ones held a whole store each (16 kept
+    caches counted 100 MB and held 816)."""
+    import gc
+
+    model, tokenizer = load_tiny(tiny, "llama", "Q8_0")
+    mx.eval(model.parameters())
+    generator = BatchGenerator(model, tokenizer, max_batch=8)
+    uids = [generator.insert(random_ids(rng, model, n).tolist(), steps, temperature=0)
+            for n, steps in zip((5, 12, 3, 20, 7, 9, 4, 15), (3, 9, 5, 12, 4, 7, 6, 10))]
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    got = run(generator, uids)
+    caches = [responses[-1].cache for responses in got.values()]
+    del generator, got
+    gc.collect()
+    held = mx.get_active_memory() - before
+    counted = sum(layer.nbytes for cache in caches for layer in cache)
+    assert counted > 0 and held <= 1.5 * counted, (held, counted)
+
+
 def test_bad_inserts_are_refused_by_name(tiny, rng):
     model, tokenizer = load_tiny(tiny, "llama", "F32")
     generator = BatchGenerator(model, tokenizer)
