@@ -54,12 +54,14 @@ def _value(value, value_type: int) -> bytes:
 def gguf_header(metadata: dict, infos, alignment: int = 32, version: int = 3) -> tuple[bytes, list[int]]:
     """The bytes before the tensor data, and each tensor's padded size. infos: a list of
     (name, ggml_type, GGUF shape, nbytes). A metadata value given as (type_name, value),
-    e.g. ("u32", 7), fixes its integer type."""
+    e.g. ("u32", 7), fixes its integer type; a token id (a key ending in _token_id) is u32."""
     head = b"GGUF" + struct.pack("<IQQ", version, len(infos), len(metadata))
     for key, value in metadata.items():
         if isinstance(value, tuple) and len(value) == 2 and value[0] in _INT_TYPES:
             value_type = _INT_TYPES[value[0]]
             value = value[1]
+        elif key.endswith("_token_id") and isinstance(value, int):
+            value_type = _INT_TYPES["u32"]  # as the GGUF spec has them: llama.cpp refuses an i32 one
         else:
             value_type = _value_type(value)
         head += _string(key) + struct.pack("<I", value_type) + _value(value, value_type)
