@@ -1,13 +1,14 @@
 """`muser serve` under load, and its prompt cache.
 
 `load` (the default): the server (default model: the packaged SmolLM2-135M-Instruct) on a free
-port; at each concurrency (1, 8, 16, 64) that many clients stream chat answers at once, each
-`--rounds` requests back to back (16 requests in all at least). Per request: time to the
-first token (TTFT) and the gaps between streamed tokens (inter-token latency); per level:
-their p50 / p95, the aggregate generated tokens/s (all requests' tokens over the level's wall
-time) and the server's resident memory before, at peak and after (idle again).
+port; at each concurrency (1, 8, 16, 64) that many clients stream greedy chat answers at once,
+each taking the next of `--requests` requests (64) from a shared pool as its last one ends.
+Per request: time to the first token (TTFT) and the gaps between streamed tokens (inter-token
+latency); per level: their p50 / p95, the aggregate generated tokens/s (all requests' tokens
+over the level's wall time, ramp and tail included), the steady tokens/s (while all clients
+were at work) and the server's resident memory before, at peak and after (idle again).
 
-    python bench/serve.py load [--model FILE] [--concurrency 1,8,16,64] [--max-tokens 64] [-- SERVE OPTIONS]
+    python bench/serve.py load [--model FILE] [--concurrency 1,8,16,64] [--max-tokens 256] [-- SERVE OPTIONS]
 
 `cache`: a chat's next turn with and without the prompt cache. A conversation whose system
 message is long (--history tokens of text; plain-text turns through /v1/completions where the
@@ -140,9 +141,9 @@ def rss(pid: int) -> int:
     return int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text()).group(1)) * 1024
 
 
-def stream_chat(url: str, question: str, max_tokens: int) -> tuple[float, list[float], int]:
-    """(seconds to the first token, seconds between successive tokens' events, tokens generated)
-    of one streamed chat request."""
+def stream_chat(url: str, question: str, max_tokens: int) -> tuple[float, list[float], int, list[float]]:
+    """(seconds to the first token, seconds between successive tokens' events, tokens generated,
+    the clock times of the token events) of one streamed chat request."""
     body = json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
                        "stream": True, "temperature": 0, "stream_options": {"include_usage": True},
                        "cache_prompt": False}).encode()
@@ -159,34 +160,51 @@ def stream_chat(url: str, question: str, max_tokens: int) -> tuple[float, list[f
                 tokens = event["usage"]["completion_tokens"]
             elif event["choices"] and event["choices"][0]["delta"].get("content"):
                 times.append(time.perf_counter())
-    return times[0] - tic, list(np.diff(times)), tokens
+    return times[0] - tic, list(np.diff(times)), tokens, times
 
 
-def level(url: str, pid: int, clients: int, rounds: int, max_tokens: int) -> dict:
-    """`clients` clients at once, each `rounds` requests back to back."""
+def level(url: str, pid: int, clients: int, requests: int, max_tokens: int) -> dict:
+    """`clients` clients at once, each taking the next of `requests` requests from a shared pool
+    as soon as its last one ends. Steady tokens/s: the token events while all `clients` were
+    still at work (from the last client's first token to the first client finding the pool
+    empty) over that window; the whole level's figure also holds the ramp and the tail, where
+    fewer requests run than there are clients."""
     peak, done = [rss(pid)], threading.Event()
+    pool, lock = iter(range(requests)), threading.Lock()
+    firsts, empties = [], []
 
     def watch():
         while not done.wait(0.02):
             peak.append(rss(pid))
 
     def client(i: int):
-        return [stream_chat(url, QUESTIONS[(i + r * clients) % len(QUESTIONS)], max_tokens) for r in range(rounds)]
+        out = []
+        while True:
+            with lock:
+                r = next(pool, None)
+            if r is None:
+                empties.append(time.perf_counter())
+                return out
+            out.append(stream_chat(url, QUESTIONS[r % len(QUESTIONS)], max_tokens))
+            if len(out) == 1:
+                firsts.append(out[0][3][0])
 
     before = rss(pid)
     watcher = threading.Thread(target=watch)
     watcher.start()
     tic = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = [one for many in pool.map(client, range(clients)) for one in many]
+    with ThreadPoolExecutor(clients) as executor:
+        results = [one for many in executor.map(client, range(clients)) for one in many]
     wall = time.perf_counter() - tic
     done.set()
     watcher.join()
     time.sleep(1.0)  # the model thread gives memory back once idle
     ttft = [r[0] for r in results]
     gaps = [g for r in results for g in r[1]]
+    start, end = max(firsts), min(empties)
+    steady = sum(start <= t < end for r in results for t in r[3]) / (end - start) if end > start else float("nan")
     return {"clients": clients, "requests": len(results), "tokens": sum(r[2] for r in results), "wall": wall,
-            "ttft": np.percentile(ttft, [50, 95]), "itl": np.percentile(gaps, [50, 95]),
+            "ttft": np.percentile(ttft, [50, 95]), "itl": np.percentile(gaps, [50, 95]), "steady": steady,
             "rss": (before, max(peak), rss(pid))}
 
 
@@ -197,20 +215,24 @@ def load(args, serve_options: list[str]) -> None:
         process, url = start(model, Path(folder), serve_options)
         try:
             stream_chat(url, "Hello!", 8)  # warm-up: the first step builds what later ones reuse
-            rows = [level(url, process.pid, c, max(1, args.requests // c), args.max_tokens) for c in levels]
+            rows = [level(url, process.pid, c, max(args.requests, c), args.max_tokens) for c in levels]
         finally:
             process.terminate()
             process.wait(timeout=30)
     print(f"{model.name}: streamed chats of up to {args.max_tokens} tokens (greedy), "
           f"muser serve {' '.join(serve_options) or '(defaults)'}")
     print("| clients | requests | TTFT p50 / p95 (ms) | inter-token p50 / p95 (ms) | aggregate tokens/s | "
-          "RSS before / peak / after (MB) |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+          "steady tokens/s (x one client) | RSS before / peak / after (MB) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    one = next((row["steady"] for row in rows if row["clients"] == 1), None)
     for row in rows:
         before, peak, after = (value / 1e6 for value in row["rss"])
+        steady = row["steady"]
+        ratio = f" ({steady / one:.2f}x)" if one and steady == steady else ""
+        steady = f"{steady:.1f}" if steady == steady else "-"
         print(f"| {row['clients']} | {row['requests']} | {row['ttft'][0] * 1e3:,.0f} / {row['ttft'][1] * 1e3:,.0f} | "
               f"{row['itl'][0] * 1e3:.1f} / {row['itl'][1] * 1e3:.1f} | {row['tokens'] / row['wall']:.1f} | "
-              f"{before:.0f} / {peak:.0f} / {after:.0f} |")
+              f"{steady}{ratio} | {before:.0f} / {peak:.0f} / {after:.0f} |")
 
 
 def main() -> None:
@@ -221,8 +243,8 @@ def main() -> None:
     modes = parser.add_subparsers(dest="mode")
     load_parser = modes.add_parser("load", help="TTFT, inter-token latency and tokens/s at several concurrencies")
     load_parser.add_argument("--concurrency", default="1,8,16,64")
-    load_parser.add_argument("--max-tokens", type=int, default=64)
-    load_parser.add_argument("--requests", type=int, default=16, help="requests a level at least")
+    load_parser.add_argument("--max-tokens", type=int, default=256)
+    load_parser.add_argument("--requests", type=int, default=64, help="requests a level (at least one a client)")
     cache_parser = modes.add_parser("cache", help="a chat's second turn with and without the prompt cache")
     cache_parser.add_argument("--history", type=int, default=1500, help="about this many tokens of system text")
     cache_parser.add_argument("--runs", type=int, default=3)
