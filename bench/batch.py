@@ -129,6 +129,12 @@ def products_ms(model, batch: int, runs: int = 3) -> float:
     return 1e3 * sorted(times)[len(times) // 2]
 
 
+def form(step) -> str:
+    if step.q8x:
+        return "q8x grouped products"
+    return "one node a layer (CPUDecodeStep.rows)" if step.layer_nodes else "float rows (ops.linear)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="a GGUF file, or 'default' (the packaged SmolLM2)")
@@ -157,7 +163,7 @@ def main() -> None:
         rng = np.random.default_rng(0)
         bandwidth = copy_rate()
         print(f"device {kernels.backend()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s; {path.name}; "
-              f"batched step form: {'q8x grouped products' if BatchStep(model).q8x else 'float rows (ops.linear)'}",
+              f"batched step form: {form(BatchStep(model))}",
               flush=True)
         prompt_cache = cpu_decode.generation_cache(model)
         feed(model, rng.integers(0, model.config.vocab, size=args.prompt).tolist(), prompt_cache)

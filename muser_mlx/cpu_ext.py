@@ -195,19 +195,20 @@ def decode_layer(x: mx.array, h: mx.array, keys: mx.array, values: mx.array, pos
                  gate: int | None, bias: mx.array | None, rope: dict | None, eps: float,
                  post_eps: float, scale: float, activation: str, rounded: bool,
                  qk_norm_whole: bool = False, softcap: float | None = None, threads: int = 0):
-    """One decoder layer of a one-token decode step as one primitive: the ~10 nodes of
+    """One decoder layer of a decode step of B rows (a token each) as one primitive: the ~10 nodes of
     residual_norm, attention_decode, gated_activation and the products between them, their
     functions called in the same order on the same values (the same result, bit for bit), with
     MLX paying for one node and the thread pool kept awake between phases.
 
-    x, h: float32 [1, hidden], the residual stream and its normed copy; keys, values, position,
-    heads ... scale: as attention_decode's. Products as (uint8 weight [out, row_bytes], ggml
+    x, h: float32 [B, hidden], the residual stream and its normed copy; keys, values [at least
+    B, kv_heads, capacity, head_dim], position int32 [B], heads ... scale: as attention_decode's
+    rows (row b of the caches is row b's). Products as (uint8 weight [out, row_bytes], ggml
     type): attention_in the groups whose outputs side by side hold q, k, v (and the gate) at
     `offsets`; ffn_in gate|up stacked, or gate then up. norms: "ffn" and "next" (the next
     layer's attention norm, or the output norm) [hidden], each absent where there is none (the
     branch reads the stream itself: OLMo 2); optional "q", "k" (as attention_decode's) and the
     sandwich's "post_attention", "post_ffw" [hidden]. activation: "silu" or "gelu_tanh".
-    Returns (x, h, keys, values): x, h float32 [1, hidden] leaving the layer."""
+    Returns (x, h, keys, values): x, h float32 [B, hidden] leaving the layer."""
     if activation not in ("silu", "gelu_tanh"):
         raise ValueError(f"no compiled gated activation {activation!r} (silu, gelu_tanh)")
     shape = _decode_heads(heads, kv_heads, head_dim, offsets, gate, rope, eps, scale, qk_norm_whole, softcap)

@@ -589,7 +589,8 @@ def test_decode_layer_matches_the_separate_nodes(rng, variant, cache_dtype, roun
 @pytest.mark.parametrize("change, message", [
     (dict(attention_out_type=0), "attention output product needs a uint8 weight"),
     (dict(ffn_in_rows=(64, 32)), "gate and up must be of one width"),
-    (dict(x_shape=(2, 64)), "expected x and h"),
+    (dict(x_shape=(64,)), "expected x and h"),
+    (dict(x_shape=(2, 64)), r"cache \[at least B"),
     (dict(ffn_in_count=3), "one or two feed-forward input products"),
     (dict(next_norm=32), r"the norm weights must be \[64\]"),
     (dict(offsets=(0, 64, 200)), "at their offsets"),
@@ -615,6 +616,57 @@ def test_decode_layer_refuses_inputs_that_do_not_fit(change, message):
             norms={"ffn": mx.ones(hidden), "next": mx.ones(change.get("next_norm", hidden))},
             heads=4, kv_heads=2, head_dim=head_dim, offsets=change.get("offsets", (0, 64, 96)), gate=None,
             bias=None, rope=None, eps=1e-6, post_eps=1e-6, scale=1.0, activation="silu", rounded=True)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+def test_decode_layer_rows_are_each_rows_own_call(rng, cache_dtype):
+    """B rows (a batched step's), each at its own position over its own row of caches that hold
+    one row more: every row's x, h and written cache row as the one-row call on that row alone
+    gives them (the products take the rows together: LAYER_BOUND), the extra row left as it was;
+    as the separate nodes over the rows give them too."""
+    if cache_dtype == "float16" and not cpu_ext.half_cache():
+        pytest.skip("the extension was built without _Float16")
+    from gguf import GGMLQuantizationType as GGMLType
+    hidden, heads, kv_heads, head_dim, ffn, capacity = 256, 4, 2, 32, 512, 16
+    positions = [0, 15, 3, 40]  # 40 wraps a ring of 16
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+
+    def weight(ggml_type, rows, row_length):
+        return mx.array(random_byte_blocks(rng, ggml_type, rows, row_length)), ggml_type
+
+    layer = dict(attention_in=[weight(GGMLType.Q4_K, q_size, hidden), weight(GGMLType.Q8_0, 2 * kv_size, hidden)],
+                 attention_out=weight(GGMLType.Q4_1, hidden, q_size),
+                 ffn_in=[weight(GGMLType.Q6_K, ffn, hidden), weight(GGMLType.Q5_0, ffn, hidden)],
+                 ffn_out=weight(GGMLType.Q5_K, hidden, ffn),
+                 norms={"ffn": mx.array(rng.uniform(0.5, 1.5, hidden).astype(np.float32)),
+                        "next": mx.array(rng.uniform(0.5, 1.5, hidden).astype(np.float32))},
+                 heads=heads, kv_heads=kv_heads, head_dim=head_dim, offsets=(0, q_size, q_size + kv_size),
+                 gate=None, bias=None, rope=dict(dims=head_dim, base=10000.0, traditional=False), eps=1e-6,
+                 post_eps=1e-6, scale=0.2, activation="silu", rounded=True)
+    x = rng.standard_normal((len(positions), hidden)).astype(np.float32)
+    h = rng.standard_normal((len(positions), hidden)).astype(np.float32)
+    cache = rng.standard_normal((2, len(positions) + 1, kv_heads, capacity, head_dim)).astype(cache_dtype)
+    poison = [mx.full((len(positions), hidden), float("nan")) for _ in range(2)]
+    mx.eval(poison)
+    del poison
+    out = cpu_ext.decode_layer(mx.array(x), mx.array(h), mx.array(cache[0]), mx.array(cache[1]),
+                               mx.array(positions, dtype=mx.int32), **layer)
+    out = [np.array(a) for a in out]
+    assert all(np.isfinite(a).all() for a in out[:2]), "an output row left unwritten"
+    for b, position in enumerate(positions):
+        one = cpu_ext.decode_layer(mx.array(x[b : b + 1]), mx.array(h[b : b + 1]), mx.array(cache[0, b : b + 1]),
+                                   mx.array(cache[1, b : b + 1]), mx.array([position], dtype=mx.int32), **layer)
+        for got, want in zip(out, (np.array(a)[0] for a in one)):
+            assert relative_error(got[b].astype(np.float64), want.astype(np.float64)) <= LAYER_BOUND, b
+    np.testing.assert_array_equal(out[2][-1], cache[0, -1])
+    np.testing.assert_array_equal(out[3][-1], cache[1, -1])
+    settings = {k: v for k, v in layer.items() if k in ("heads", "kv_heads", "head_dim", "offsets", "gate", "bias",
+                                                        "rope", "eps", "scale")}
+    separate = separate_layer(mx.array(x), mx.array(h), mx.array(cache[0]), mx.array(cache[1]),
+                              mx.array(positions, dtype=mx.int32), layer["attention_in"], layer["attention_out"],
+                              layer["ffn_in"], layer["ffn_out"], layer["norms"], settings, 1e-6, "silu", True)
+    for got, want in zip(out, separate):
+        assert relative_error(got.astype(np.float64), np.array(want).astype(np.float64)) <= LAYER_BOUND
 
 
 def buffer_address(a: mx.array) -> int:

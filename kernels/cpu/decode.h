@@ -97,12 +97,13 @@ struct DecodeLayer {
   int threads;
 };
 
-// x, h: float32 [hidden], the residual stream and its normed copy entering the layer;
-// keys, values: [kv_heads, capacity, head_dim], written at slot position % capacity;
-// x_out, h_out: float32 [hidden] leaving it (h_out normed by next_norm, or x_out's copy).
+// x, h: float32 [rows, hidden], the residual stream and its normed copy entering the layer,
+// row r the token at positions[r]; keys, values: [at least rows, kv_heads, capacity, head_dim],
+// row r's written at slot positions[r] % capacity; x_out, h_out: float32 [rows, hidden] leaving
+// it (h_out normed by next_norm, or x_out's copy).
 template <class C>
-void decode_layer(const float* x, const float* h, int64_t position, C* keys, C* values,
-                  const DecodeLayer& layer, float* x_out, float* h_out);
+void decode_layer(const float* x, const float* h, const int32_t* positions, int64_t rows, C* keys,
+                  C* values, const DecodeLayer& layer, float* x_out, float* h_out);
 
 // A prompt's heads as attention takes them: rows of y (row r of `rows` = batch x tokens at
 // y + r * stride, head h at offset + h * head_dim) into out [batch, heads, tokens, head_dim],

@@ -593,9 +593,9 @@ std::vector<mx::array> decode_layer(
     const std::optional<mx::array>& next_norm, DecodeHeads shape, float eps, float post_eps, bool gelu,
     bool rounded, int threads, mx::StreamOrDevice s) {
   const int64_t hidden = x.ndim() == 2 ? x.shape(1) : -1;
-  if (x.ndim() != 2 || x.shape(0) != 1 || h.shape() != x.shape() || hidden < 1) {
+  if (x.ndim() != 2 || x.shape(0) < 1 || h.shape() != x.shape() || hidden < 1) {
     std::ostringstream message;
-    message << "[decode_layer] expected x and h [1, hidden], got x " << x.shape() << " and h "
+    message << "[decode_layer] expected x and h [B, hidden], got x " << x.shape() << " and h "
             << h.shape();
     throw std::invalid_argument(message.str());
   }
@@ -628,9 +628,9 @@ std::vector<mx::array> decode_layer(
   }
   check_layer_product("feed-forward output", ffn_out, ffn_width / 2, rounded);
   types.push_back(ffn_out.second);
-  const mx::Shape y_shape = {1, static_cast<int>(y_width)};
-  check_decode_inputs("decode_layer", y_shape, keys, position, bias, q_norm, shape, shape.heads);
-  check_decode_inputs("decode_layer", y_shape, keys, position, std::nullopt, k_norm, shape, shape.kv_heads);
+  const mx::Shape y_shape = {x.shape(0), static_cast<int>(y_width)};
+  check_decode_inputs("decode_layer", y_shape, keys, position, bias, q_norm, shape, shape.heads, true);
+  check_decode_inputs("decode_layer", y_shape, keys, position, std::nullopt, k_norm, shape, shape.kv_heads, true);
   if (values.shape() != keys.shape() || values.dtype() != keys.dtype()) {
     throw std::invalid_argument("[decode_layer] keys and values must be alike");
   }
@@ -652,7 +652,7 @@ std::vector<mx::array> decode_layer(
   }
   shape.capacity = keys.shape(2);
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  std::vector<mx::array> inputs = {as_f32(x, stream), as_f32(h, stream), as_shape(position, {1}, stream),
+  std::vector<mx::array> inputs = {as_f32(x, stream), as_f32(h, stream), as_shape(position, {x.shape(0)}, stream),
                                    keys, values};
   for (const auto& product : attention_in) {
     inputs.push_back(product.first);
@@ -740,12 +740,13 @@ void LayerDecode::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   const float* x = row_major<float>(inputs[0], encoder);
   const float* h = row_major<float>(inputs[1], encoder);
   const int32_t* position = inputs[2].data<int32_t>();
+  const int64_t rows = inputs[0].shape(0);
   auto run = [&](auto* keys, auto* values) {
     encoder.dispatch([=, layer = std::move(layer), x_out = outputs[0].data<float>(),
                       h_out = outputs[1].data<float>()]() {
       copy_keys();
       copy_values();
-      decode_layer(x, h, position[0], keys, values, layer, x_out, h_out);
+      decode_layer(x, h, position, rows, keys, values, layer, x_out, h_out);
     });
   };
 #ifdef MUSER_HALF_CACHE

@@ -166,14 +166,14 @@ class AttentionDecode : public mx::Primitive {
   int threads_;
 };
 
-// One decoder layer of a one-token decode step as one node (decode.h's decode_layer): x, h float
-// [1, hidden] (the residual stream and its normed copy); keys, values and position as
-// attention_decode's; each product a weight uint8 [out, row_bytes] of GGUF blocks and its ggml
+// One decoder layer of a decode step of B rows as one node (decode.h's decode_layer): x, h float
+// [B, hidden] (the residual stream and its normed copy, a token a row); keys, values [at least B,
+// kv_heads, capacity, head_dim] and position int32 [B] as attention_decode's rows; each product a weight uint8 [out, row_bytes] of GGUF blocks and its ggml
 // type: attention_in the q/k/v(/gate) groups whose outputs side by side are attention_decode's y,
 // ffn_in gate|up stacked or gate then up; the norm weights float [hidden] (q_norm, k_norm
 // [head_dim], or their whole projections' where shape.qk_norm_whole), the optional ones none
 // where the architecture has none (ffn_norm and next_norm: no pre-norm, OLMo 2's).
-// Returns [x, h, keys, values]: x, h float32 [1, hidden] leaving the layer (h normed by
+// Returns [x, h, keys, values]: x, h float32 [B, hidden] leaving the layer (h normed by
 // next_norm), the caches with the token written (their memory reused as write_cache's).
 using WeightOf = std::pair<mx::array, int>;
 std::vector<mx::array> decode_layer(

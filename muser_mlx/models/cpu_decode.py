@@ -73,6 +73,39 @@ class CPUDecodeStep:
             layer_cache.advance(1)
         return logits
 
+    @property
+    def takes_rows(self) -> bool:
+        """Whether rows() serves this model: every layer one node (each product's format
+        compiled, the activation SiLU or GELU's tanh form)."""
+        for block in self.model.layers:
+            attention_in, attention_out, ffn_in, ffn_out = self._layer_weights(block)
+            if not (self.layer_primitive and block.feed_forward.activation_name in ("silu", "gelu_tanh")
+                    and all(w.ggml_type in cpu_ext.FORMATS for w in [*attention_in, attention_out, *ffn_in, ffn_out])):
+                return False
+        return True
+
+    def rows(self, tokens: mx.array, positions: mx.array, keys: list, values: list):
+        """A batched step's B rows (models/batch_decode.py), compiled as the one-token step
+        (once per thread and shape): tokens int32 [B] (in range, may be lazy), positions int32
+        [B], each layer's keys and values [at least B, kv_heads, capacity, head_dim], row b the
+        cache of row b. Returns (logits float32 [B, vocab], each layer's keys, values), row b's
+        token written at slot positions[b] % capacity (the arrays' memory reused where no one
+        else holds them). Needs takes_rows."""
+        key = (threading.get_ident(), "rows")
+        if key not in self._compiled:
+            self._compiled[key] = mx.compile(self._rows_graph)
+        return self._compiled[key](tokens.astype(mx.int32), positions, list(keys), list(values))
+
+    def _rows_graph(self, tokens: mx.array, positions: mx.array, keys: list, values: list):
+        model, c = self.model, self.model.config
+        batch = tokens.shape[0]
+        x = model.embed(tokens.reshape(batch, 1)).reshape(batch, c.hidden)
+        x, h = cpu_ext.residual_norm(None, x, None, model.layers[0].attn_norm, c.eps, c.eps)
+        keys, values = list(keys), list(values)
+        for i, (block, next_norm) in enumerate(zip(model.layers, model.next_norms)):
+            x, h, keys[i], values[i] = self._layer_node(i, block, x, h, positions, keys[i], values[i], next_norm)
+        return model.logits(h, rounded=self.rounded), keys, values
+
     def _graph(self, token: mx.array, position: mx.array, keys: list, values: list):
         """token int32 [1, 1], position int32 [1], each layer's keys/values [1, kv_heads,
         capacity, head_dim] -> (logits [vocab], new keys, new values)."""
