@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU machine's work for a session, in three calls back to back (../shared/device/README.md;
+# the machine stays warm ~30 s between calls, and a session has 30 device minutes):
+#
+#   call 1, carry [".device/a"]:  bash bench/gpu_round.sh start   # wheels' first half copied; llama.cpp's
+#                                                                 # CUDA build starts in the background (~280 s)
+#   call 2, carry [".device/b"]:  bash bench/gpu_round.sh tests   # wheels installed; make test-gpu alone
+#   call 3, no carry:             bash bench/gpu_round.sh bench   # bench/batch.py and llama-batched-bench on
+#                                                                 # the same file in the same run
+#
+# What comes back (under $OUT): test-gpu.tgz (every shard's log in one file: a reply brings back a
+# few files only), test-gpu.summary, batch.txt, llama-batched.jsonl. Learnt the hard way
+# (bench/history/session-37-38.md): the suite beside llama.cpp's build reached a quarter of its
+# shards in 200 s; time benches only once the build has ended.
+set -uo pipefail
+what=${1:?start, tests or bench}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+case "$what" in
+start)
+  mkdir -p /tmp/w && cp .device/a/* /tmp/w/ && bash .device/a/llamacpp.sh build /tmp/lcpp
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  ;;
+tests)
+  cp .device/b/* /tmp/w/ && cat /tmp/w/mlxcuda.part.* > "/tmp/w/$(cat /tmp/w/WHEEL_NAME)" && rm /tmp/w/mlxcuda.part.* \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl || exit 1
+  mkdir -p /tmp/gpulogs
+  timeout "${TESTS_SECONDS:-520}" make test-gpu SHARDS="${SHARDS:-16}" GPU_LOGS=/tmp/gpulogs > "$OUT/test-gpu.summary" 2>&1
+  echo "make test-gpu exit $?" >> "$OUT/test-gpu.summary"
+  tar -czf "$OUT/test-gpu.tgz" -C /tmp gpulogs
+  cat /tmp/gpulogs/test-gpu.failed 2>/dev/null | head -40
+  tail -n 20 "$OUT/test-gpu.summary"
+  ;;
+bench)
+  for _ in $(seq 1 120); do [ -f /tmp/lcpp/build.rc ] && break; sleep 1; done
+  echo "llama.cpp build: $(cat /tmp/lcpp/build.rc 2>/dev/null || echo 'not done')"
+  timeout "${BATCH_SECONDS:-300}" python3 bench/batch.py --keep --batches 1,8,32,64 2>&1 | tee "$OUT/batch.txt"
+  bin=/tmp/lcpp/llama.cpp/build/bin
+  LD_LIBRARY_PATH=$bin timeout 200 "$bin/llama-batched-bench" -m /dev/shm/muse-glimmer-random-52.gguf -ngl 99 -fa 1 \
+    -c 20480 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,8,32,64 --output-format jsonl \
+    > "$OUT/llama-batched.jsonl" 2> "$OUT/llama-batched.err"
+  grep -v '^$' "$OUT/llama-batched.jsonl" | tail -n 4
+  tail -n 3 "$OUT/llama-batched.err"
+  ;;
+*)
+  echo "start, tests or bench" >&2
+  exit 2
+  ;;
+esac
