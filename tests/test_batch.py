@@ -229,6 +229,31 @@ def test_kept_caches_hold_only_their_own_memory(tiny, rng):
     assert counted > 0 and held <= 1.5 * counted, (held, counted)
 
 
+@pytest.mark.parametrize("architecture, weights", [("llama", "Q8_0"), ("gemma2", "F32")], ids=["one-node-layers", "ops"])
+def test_the_batched_step_writes_the_store_in_its_own_memory(tiny, rng, architecture, weights):
+    """The store's keys and values stay in their buffers step after step (the writes take them:
+    a copy of the whole store a layer a step otherwise), in both CPU forms of the step."""
+    if kernels.backend() != "cpu":
+        pytest.skip("buffer addresses read through the host: the CPU forms")
+    model, _ = load_tiny(tiny, architecture, weights)
+    step = BatchStep(model)
+    kv = BatchKV(model, mx.float32)
+    for n in (3, 7, 5):
+        cache = model.make_cache()
+        mx.eval(model.hidden(random_ids(rng, model, n)[None], cache))
+        kv.add(cache)
+
+    def addresses():
+        return [np.frombuffer(memoryview(a), dtype=np.uint8).__array_interface__["data"][0]
+                for a in kv.keys + kv.values]
+
+    mx.eval(step(mx.array(random_ids(rng, model, 3), dtype=mx.int32), kv))
+    before = addresses()
+    for _ in range(3):
+        mx.eval(step(mx.array(random_ids(rng, model, 3), dtype=mx.int32), kv))
+    assert addresses() == before
+
+
 def test_bad_inserts_are_refused_by_name(tiny, rng):
     model, tokenizer = load_tiny(tiny, "llama", "F32")
     generator = BatchGenerator(model, tokenizer)
