@@ -1,8 +1,9 @@
 """Aggregate decode tokens/s of B sequences at once (muser_mlx.batch's steps), the shape of
 llama.cpp's `llama-batched-bench -npp P -ntg N -npl B...`: B sequences of a P-token prompt each,
 then N decode steps of all B, timed (S_TG = B * N / time). Each step is what BatchGenerator.next()
-runs: B = 1 generate()'s own step for one sequence, B >= 2 the batched step, one evaluation a
-step (tokens read back to the host, as the generator does).
+runs: B = 1 generate()'s own step for one sequence, B >= 2 the batched step; pipelined as the
+generator and generate() run them (the next step built and queued from the tokens still on the
+device, then the last step's tokens read back), so the host's build overlaps the device's step.
 
 Floor = bytes one step reads (every weight once, plus each row's keys and values up to its
 position, mid-run) / copy bandwidth measured in the same run.
@@ -68,10 +69,13 @@ def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng) -> 
             token = (greedy if greedy is not None else mx.argmax(logits)).reshape(1, 1).astype(mx.int32)
             token.item()
         tic = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(steps):  # pipelined: the next step queued before the last one's token is read
             logits, greedy = decode(model, token, cache)
-            token = (greedy if greedy is not None else mx.argmax(logits)).reshape(1, 1).astype(mx.int32)
+            queued = (greedy if greedy is not None else mx.argmax(logits)).reshape(1, 1).astype(mx.int32)
+            mx.async_eval(queued)
             token.item()
+            token = queued
+        token.item()
         return time.perf_counter() - tic
     step = BatchStep(model)
     kv = BatchKV(model, prompt_cache[0].dtype)
@@ -82,11 +86,14 @@ def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng) -> 
         tokens = mx.argmax(step(tokens, kv), axis=-1).astype(mx.int32)
         tokens.tolist()
     tic, built = time.perf_counter(), 0.0
-    for _ in range(steps):
+    for _ in range(steps):  # pipelined as BatchGenerator.next(): queue, then read the last step's tokens
         start = time.perf_counter()
-        tokens = mx.argmax(step(tokens, kv), axis=-1).astype(mx.int32)
+        queued = mx.argmax(step(tokens, kv), axis=-1).astype(mx.int32)
         built += time.perf_counter() - start
+        mx.async_eval(queued)
         tokens.tolist()
+        tokens = queued
+    tokens.tolist()
     BUILD_MS[batch] = 1e3 * built / steps
     return time.perf_counter() - tic
 

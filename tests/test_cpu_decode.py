@@ -673,7 +673,7 @@ def buffer_address(a: mx.array) -> int:
     return np.frombuffer(memoryview(a), dtype=np.uint8).__array_interface__["data"][0]
 
 
-def small_layer(rng, keys, values):
+def small_layer(rng, keys, values, in_place=False):
     """cpu_ext.decode_layer on one small Q8_0 layer (hidden 64, 4 heads of 32, 2 kv heads) at
     position 3: (x, h, keys, values)."""
     from gguf import GGMLQuantizationType as GGMLType
@@ -688,7 +688,7 @@ def small_layer(rng, keys, values):
         ffn_in=[weight(128, 64)], ffn_out=weight(64, 64), norms={"ffn": mx.ones(64), "next": mx.ones(64)},
         heads=4, kv_heads=2, head_dim=32, offsets=(0, 128, 192), gate=None, bias=None,
         rope=dict(dims=32, base=10000.0, traditional=False), eps=1e-6, post_eps=1e-6, scale=1.0,
-        activation="silu", rounded=True)
+        activation="silu", rounded=True, in_place=in_place)
 
 
 def test_decode_layer_writes_the_caches_in_their_own_memory(rng):
@@ -701,6 +701,20 @@ def test_decode_layer_writes_the_caches_in_their_own_memory(rng):
     mx.eval(keys, values)
     assert (buffer_address(keys), buffer_address(values)) == addresses
     assert np.abs(np.array(keys)[0, :, 3]).min() > 0 and np.abs(np.array(values)[0, :, 3]).min() > 0
+
+
+def test_decode_layer_in_place_writes_a_cache_held_elsewhere_in_its_memory(rng):
+    # in_place (the batched step's store, which no one else reads): the caches' buffers are
+    # written even while another array holds them, as a step in flight does; the holder sees it.
+    held_keys, held_values = (mx.array(rng.standard_normal((1, 2, 8, 32)).astype(np.float32)) for _ in range(2))
+    before = np.array(held_keys), np.array(held_values)
+    addresses = buffer_address(held_keys), buffer_address(held_values)
+    _, _, keys, values = small_layer(rng, held_keys, held_values, in_place=True)
+    mx.eval(keys, values)
+    assert (buffer_address(keys), buffer_address(values)) == addresses
+    np.testing.assert_array_equal(np.array(held_keys), np.array(keys))
+    assert not np.array_equal(np.array(keys)[0, :, 3], before[0][0, :, 3])
+    np.testing.assert_array_equal(np.array(keys)[0, :, :3], before[0][0, :, :3])  # the other slots kept
 
 
 def test_decode_layer_leaves_a_cache_held_elsewhere_as_it_was(rng):

@@ -75,7 +75,7 @@ Returns:
   using WriteCacheOp = mx::array (*)(const mx::array&, const mx::array&, const mx::array&,
                                      const std::optional<mx::array>&,
                                      const std::optional<mx::array>&, muser::cpu::DecodeHeads,
-                                     bool, mx::StreamOrDevice);
+                                     bool, bool, mx::StreamOrDevice);
   using AttentionDecodeOp = mx::array (*)(
       const mx::array&, const mx::array&, const mx::array&, const mx::array&,
       const std::optional<mx::array>&, const std::optional<mx::array>&,
@@ -88,11 +88,12 @@ b = rms(branch) * branch_weight (or branch), sum = residual + b (or b),
 normed = rms(sum) * next_weight (or sum). Returns [sum, normed], each [rows, hidden].)");
 
   m.def("write_cache", static_cast<WriteCacheOp>(&muser::cpu::write_cache), "y"_a, "cache"_a,
-        "position"_a, "bias"_a.none(), "norm"_a.none(), "shape"_a, "key"_a, nb::kw_only(),
-        "stream"_a = nb::none(),
+        "position"_a, "bias"_a.none(), "norm"_a.none(), "shape"_a, "key"_a, "in_place"_a = false,
+        nb::kw_only(), "stream"_a = nb::none(),
         R"(The cache [1, kv_heads, capacity, head_dim] with one decode token's keys (key=True:
 from y [1, width] at shape's k offset, plus bias, per-head norm, RoPE at `position`) or values
-written at slot position % capacity. Reuses the cache's memory when nothing else holds it.)");
+written at slot position % capacity. Reuses the cache's memory when nothing else holds it
+(in_place: even then, for caches no one else reads).)");
 
   m.def("attention_decode", static_cast<AttentionDecodeOp>(&muser::cpu::attention_decode),
         "y"_a, "keys"_a, "values"_a, "position"_a, "bias"_a.none(), "q_norm"_a.none(),
@@ -109,17 +110,18 @@ Returns o [1, heads * head_dim].)");
       const std::optional<mx::array>&, const std::optional<mx::array>&,
       const std::optional<mx::array>&, const std::optional<mx::array>&, const std::optional<mx::array>&,
       const std::optional<mx::array>&, const std::optional<mx::array>&, muser::cpu::DecodeHeads, float, float,
-      bool, bool, int, mx::StreamOrDevice);
+      bool, bool, int, bool, mx::StreamOrDevice);
   m.def("decode_layer", static_cast<DecodeLayerOp>(&muser::cpu::decode_layer), "x"_a, "h"_a,
         "position"_a, "keys"_a, "values"_a, "attention_in"_a, "attention_out"_a, "ffn_in"_a,
         "ffn_out"_a, "bias"_a.none(), "q_norm"_a.none(), "k_norm"_a.none(),
         "post_attention_norm"_a.none(), "ffn_norm"_a.none(), "post_ffw_norm"_a.none(), "next_norm"_a.none(),
-        "shape"_a, "eps"_a, "post_eps"_a, "gelu"_a, "rounded"_a, "threads"_a = 0, nb::kw_only(),
-        "stream"_a = nb::none(),
+        "shape"_a, "eps"_a, "post_eps"_a, "gelu"_a, "rounded"_a, "threads"_a = 0, "in_place"_a = false,
+        nb::kw_only(), "stream"_a = nb::none(),
         R"(One decoder layer of a one-token decode step on the CPU, as one node: the products
 (each a (uint8 weight [out, row_bytes], ggml type) pair), the cache writes, attention_decode,
 the residual seams and the gated activation of models/cpu_decode.py's layer, in its order.
-x, h [1, hidden]: the residual stream and its normed copy. Returns [x, h, keys, values].)");
+x, h [B, hidden]: the residual stream and its normed copy, a token a row. Returns [x, h, keys,
+values]; in_place: the caches' memory written even where MLX still holds them.)");
 
   using GatedActivationOp = mx::array (*)(const mx::array&, const mx::array&, bool,
                                           mx::StreamOrDevice);

@@ -116,6 +116,19 @@ std::function<void()> reuse_or_copy(const mx::array& in, mx::array& out) {
   return in.dtype() == mx::float16 ? reuse_or_copy_as<uint16_t>(in, out) : reuse_or_copy_as<float>(in, out);
 }
 
+// As reuse_or_copy; where `in_place` (a cache that no one else reads: the batched step's store),
+// `out` takes `in`'s buffer even while MLX still holds `in`. MLX holds the buffers of a node's
+// inputs and outputs until its work has run, and a pipelined loop builds the next step while the
+// last one runs: without this every layer whose last step had not run yet was copied whole (8
+// rows of SmolLM2: 18.3 against 16.1 ms a step). The writes stay in order: one stream runs them.
+std::function<void()> take_or_copy(const mx::array& in, mx::array& out, bool in_place) {
+  if (in_place && in.flags().row_contiguous) {
+    out.copy_shared_buffer(in);
+    return [] {};
+  }
+  return reuse_or_copy(in, out);
+}
+
 } // namespace
 
 mx::array linear(const mx::array& x, const mx::array& weight, int ggml_type, int threads,
@@ -425,7 +438,7 @@ void check_decode_inputs(const char* op, const mx::Shape& y, const mx::array& ca
 
 mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::array& position,
                       const std::optional<mx::array>& bias, const std::optional<mx::array>& norm,
-                      DecodeHeads shape, bool key, mx::StreamOrDevice s) {
+                      DecodeHeads shape, bool key, bool in_place, mx::StreamOrDevice s) {
   check_decode_inputs("write_cache", y.shape(), cache, position, bias, norm, shape, shape.kv_heads, true);
   shape.capacity = cache.shape(2);
   auto stream = mx::to_stream(s, mx::Device::cpu);
@@ -438,7 +451,7 @@ mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::arra
     inputs.push_back(as_f32(*norm, stream));
   }
   return mx::array(cache.shape(), cache.dtype(),
-                   std::make_shared<CacheWrite>(stream, shape, key, bias.has_value(), normed),
+                   std::make_shared<CacheWrite>(stream, shape, key, bias.has_value(), normed, in_place),
                    inputs);
 }
 
@@ -447,7 +460,7 @@ void CacheWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   for (const auto& input : inputs) {
     encoder.set_input_array(input);
   }
-  auto copy = reuse_or_copy(inputs[1], outputs[0]);
+  auto copy = take_or_copy(inputs[1], outputs[0], in_place_);
   encoder.set_output_array(outputs[0]);
   size_t i = 3;
   const float* bias = bias_ ? row_major<float>(inputs[i++], encoder) : nullptr;
@@ -487,7 +500,8 @@ static bool same_heads(const DecodeHeads& a, const DecodeHeads& b) {
 
 bool CacheWrite::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const CacheWrite&>(other);
-  return same_heads(shape_, o.shape_) && key_ == o.key_ && bias_ == o.bias_ && norm_ == o.norm_;
+  return same_heads(shape_, o.shape_) && key_ == o.key_ && bias_ == o.bias_ && norm_ == o.norm_ &&
+         in_place_ == o.in_place_;
 }
 
 mx::array attention_decode(const mx::array& y, const mx::array& keys, const mx::array& values,
@@ -591,7 +605,7 @@ std::vector<mx::array> decode_layer(
     const std::optional<mx::array>& k_norm, const std::optional<mx::array>& post_attention_norm,
     const std::optional<mx::array>& ffn_norm, const std::optional<mx::array>& post_ffw_norm,
     const std::optional<mx::array>& next_norm, DecodeHeads shape, float eps, float post_eps, bool gelu,
-    bool rounded, int threads, mx::StreamOrDevice s) {
+    bool rounded, int threads, bool in_place, mx::StreamOrDevice s) {
   const int64_t hidden = x.ndim() == 2 ? x.shape(1) : -1;
   if (x.ndim() != 2 || x.shape(0) < 1 || h.shape() != x.shape() || hidden < 1) {
     std::ostringstream message;
@@ -677,7 +691,7 @@ std::vector<mx::array> decode_layer(
                                     q_norm.has_value(), k_norm.has_value(),
                                     post_attention_norm.has_value(), ffn_norm.has_value(),
                                     post_ffw_norm.has_value(), next_norm.has_value(), eps, post_eps,
-                                    gelu, rounded, threads),
+                                    gelu, rounded, threads, in_place),
       inputs);
 }
 
@@ -695,8 +709,8 @@ void LayerDecode::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       output.inputs().clear();
     }
   }
-  auto copy_keys = reuse_or_copy(inputs[3], outputs[2]);
-  auto copy_values = reuse_or_copy(inputs[4], outputs[3]);
+  auto copy_keys = take_or_copy(inputs[3], outputs[2], in_place_);
+  auto copy_values = take_or_copy(inputs[4], outputs[3], in_place_);
   for (auto& output : outputs) {
     if (&output.inputs() != &inputs) {
       output.inputs() = inputs;
@@ -769,7 +783,7 @@ bool LayerDecode::is_equivalent(const mx::Primitive& other) const {
          post_attention_norm_ == o.post_attention_norm_ && ffn_norm_ == o.ffn_norm_ &&
          post_ffw_norm_ == o.post_ffw_norm_ && next_norm_ == o.next_norm_ &&
          eps_ == o.eps_ && post_eps_ == o.post_eps_ && gelu_ == o.gelu_ && rounded_ == o.rounded_ &&
-         threads_ == o.threads_;
+         threads_ == o.threads_ && in_place_ == o.in_place_;
 }
 
 mx::array norm_rope_heads(const mx::array& y, const std::optional<mx::array>& norm, int heads,

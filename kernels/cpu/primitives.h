@@ -120,15 +120,16 @@ bool half_cache_supported();
 // with this token's keys (key) or
 // values written at slot position % capacity (decode.h's write_cache): y float [1, width],
 // position int32 [1], bias and norm (keys only) float or none. The output reuses the cache's
-// buffer when nothing else holds it (MLX's donation), else copies it first.
+// buffer when nothing else holds it (MLX's donation), else copies it first; in_place: it takes
+// the buffer even then (take_or_copy in primitives.cpp: for caches no one else reads).
 mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::array& position,
                       const std::optional<mx::array>& bias, const std::optional<mx::array>& norm,
-                      DecodeHeads shape, bool key, mx::StreamOrDevice s = {});
+                      DecodeHeads shape, bool key, bool in_place = false, mx::StreamOrDevice s = {});
 
 class CacheWrite : public mx::Primitive {
  public:
-  CacheWrite(mx::Stream stream, DecodeHeads shape, bool key, bool bias, bool norm)
-      : mx::Primitive(stream), shape_(shape), key_(key), bias_(bias), norm_(norm) {}
+  CacheWrite(mx::Stream stream, DecodeHeads shape, bool key, bool bias, bool norm, bool in_place)
+      : mx::Primitive(stream), shape_(shape), key_(key), bias_(bias), norm_(norm), in_place_(in_place) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -138,7 +139,7 @@ class CacheWrite : public mx::Primitive {
 
  private:
   DecodeHeads shape_;
-  bool key_, bias_, norm_;
+  bool key_, bias_, norm_, in_place_;
 };
 
 // o float32 [1, heads * head_dim] of decode.h's attention_decode: y float [1, width]; keys,
@@ -184,7 +185,7 @@ std::vector<mx::array> decode_layer(
     const std::optional<mx::array>& k_norm, const std::optional<mx::array>& post_attention_norm,
     const std::optional<mx::array>& ffn_norm, const std::optional<mx::array>& post_ffw_norm,
     const std::optional<mx::array>& next_norm, DecodeHeads shape, float eps, float post_eps, bool gelu,
-    bool rounded, int threads, mx::StreamOrDevice s = {});
+    bool rounded, int threads, bool in_place = false, mx::StreamOrDevice s = {});
 
 class LayerDecode : public mx::Primitive {
  public:
@@ -192,12 +193,12 @@ class LayerDecode : public mx::Primitive {
   LayerDecode(mx::Stream stream, DecodeHeads shape, std::vector<int> types, int attention_in,
               int ffn_in, bool bias, bool q_norm, bool k_norm, bool post_attention_norm,
               bool ffn_norm, bool post_ffw_norm, bool next_norm, float eps, float post_eps,
-              bool gelu, bool rounded, int threads)
+              bool gelu, bool rounded, int threads, bool in_place)
       : mx::Primitive(stream), shape_(shape), types_(std::move(types)),
         attention_in_(attention_in), ffn_in_(ffn_in), bias_(bias), q_norm_(q_norm),
         k_norm_(k_norm), post_attention_norm_(post_attention_norm), ffn_norm_(ffn_norm),
         post_ffw_norm_(post_ffw_norm), next_norm_(next_norm), eps_(eps), post_eps_(post_eps), gelu_(gelu),
-        rounded_(rounded), threads_(threads) {}
+        rounded_(rounded), threads_(threads), in_place_(in_place) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -213,6 +214,7 @@ class LayerDecode : public mx::Primitive {
   float eps_, post_eps_;
   bool gelu_, rounded_;
   int threads_;
+  bool in_place_;
 };
 
 // A prompt's heads (decode.h's norm_rope_heads): y float [batch, tokens, width] (a slice of a

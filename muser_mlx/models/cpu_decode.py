@@ -89,8 +89,8 @@ class CPUDecodeStep:
         (once per thread and shape): tokens int32 [B] (in range, may be lazy), positions int32
         [B], each layer's keys and values [at least B, kv_heads, capacity, head_dim], row b the
         cache of row b. Returns (logits float32 [B, vocab], each layer's keys, values), row b's
-        token written at slot positions[b] % capacity (the arrays' memory reused where no one
-        else holds them). Needs takes_rows."""
+        token written at slot positions[b] % capacity in the arrays' own memory (a store that no
+        one else reads: cpu_ext.decode_layer's in_place). Needs takes_rows."""
         key = (threading.get_ident(), "rows")
         if key not in self._compiled:
             self._compiled[key] = mx.compile(self._rows_graph)
@@ -103,7 +103,8 @@ class CPUDecodeStep:
         x, h = cpu_ext.residual_norm(None, x, None, model.layers[0].attn_norm, c.eps, c.eps)
         keys, values = list(keys), list(values)
         for i, (block, next_norm) in enumerate(zip(model.layers, model.next_norms)):
-            x, h, keys[i], values[i] = self._layer_node(i, block, x, h, positions, keys[i], values[i], next_norm)
+            x, h, keys[i], values[i] = self._layer_node(i, block, x, h, positions, keys[i], values[i], next_norm,
+                                                         in_place=True)
         return model.logits(h, rounded=self.rounded), keys, values
 
     def _graph(self, token: mx.array, position: mx.array, keys: list, values: list):
@@ -147,8 +148,9 @@ class CPUDecodeStep:
                     bias=attention.qkv_bias if c.qkv_bias else None, rope=c.rope(index), eps=c.eps,
                     scale=c.attention_scale, qk_norm_whole=c.qk_norm_whole, softcap=c.attn_softcap)
 
-    def _layer_node(self, index, block, x, h, position, keys, values, next_norm):
-        """The layer as one node (cpu_ext.decode_layer)."""
+    def _layer_node(self, index, block, x, h, position, keys, values, next_norm, in_place: bool = False):
+        """The layer as one node (cpu_ext.decode_layer; in_place: the caches are a store no one
+        else reads, written in their memory even while a step in flight holds them)."""
         c = self.model.config
         attention, feed_forward = block.attention, block.feed_forward
         norms = {name: norm for name, norm in (("ffn", block.ffn_norm), ("next", next_norm)) if norm is not None}
@@ -165,7 +167,7 @@ class CPUDecodeStep:
             x, h, keys, values, position, attention_in=[product(w) for w in attention_in],
             attention_out=product(attention_out), ffn_in=[product(w) for w in ffn_in],
             ffn_out=product(ffn_out), norms=norms, post_eps=c.post_eps,
-            activation=feed_forward.activation_name, rounded=self.rounded,
+            activation=feed_forward.activation_name, rounded=self.rounded, in_place=in_place,
             **self._attention_settings(index, attention))
 
     # -- layers.LayerPieces: the separate nodes --
