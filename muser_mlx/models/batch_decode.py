@@ -325,7 +325,7 @@ class _FloatPieces:
         c = self.config
         o, kv.keys[index], kv.values[index] = cpu_ext.attention_decode(
             y, keys, values, self.step._step.positions, q_norm=attention.q_norm if c.qk_norm else None,
-            k_norm=attention.k_norm if c.qk_norm else None, in_place=True,
+            k_norm=attention.k_norm if c.qk_norm else None,
             **self.step.model.cpu_step._attention_settings(index, attention))
         return o
 
