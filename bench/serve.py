@@ -202,7 +202,9 @@ def level(url: str, pid: int, clients: int, requests: int, max_tokens: int) -> d
     ttft = [r[0] for r in results]
     gaps = [g for r in results for g in r[1]]
     start, end = max(firsts), min(empties)
-    steady = sum(start <= t < end for r in results for t in r[3]) / (end - start) if end > start else float("nan")
+    # A window shorter than a quarter of the level (one request a client) says nothing steady.
+    steady = sum(start <= t < end for r in results for t in r[3]) / (end - start) \
+        if end - start > wall / 4 else float("nan")
     return {"clients": clients, "requests": len(results), "tokens": sum(r[2] for r in results), "wall": wall,
             "ttft": np.percentile(ttft, [50, 95]), "itl": np.percentile(gaps, [50, 95]), "steady": steady,
             "rss": (before, max(peak), rss(pid))}

@@ -1,9 +1,10 @@
 """Many sequences at once: `BatchGenerator` (what the server runs) and `batch_generate` (mlx-lm's
 name and shape).
 
-Sequences join and leave at step boundaries. Each `next()` runs at most one prefill chunk of
-one waiting sequence (in its own cache, as generate() does: generate.feed / decode) and then
-one decode step for every running sequence: one sequence alone runs generate()'s own step
+Sequences join and leave at step boundaries. Each `next()` reads at most one prefill chunk's
+worth of prompt tokens (prefill_step_size) of the waiting sequences, in order: several short
+prompts, or one chunk of a long one (each in its own cache, as generate() does: generate.feed /
+decode), and then one decode step for every running sequence: one sequence alone runs generate()'s own step
 (the fused GPU step, the compiled CPU step) in its own cache; two or more share one batched
 step (models/batch_decode.py), their caches copied into its slotted store when they join it
 and out again when they leave. So a running stream waits for at most one chunk of someone
@@ -187,8 +188,10 @@ class BatchGenerator:
     # --- steps
 
     def next(self) -> list[BatchResponse]:
-        """One prefill chunk of the first waiting sequence (if a place is free), then one token
-        for every running sequence.
+        """Prompt chunks of the waiting sequences, in order, while places are free, up to one
+        chunk's worth of tokens in all (prefill_step_size: several short prompts, or one chunk
+        of a long one; a running sequence never waits for more), then one token for every
+        running sequence.
 
         Pipelined as generate()'s loop and mlx-lm's BatchGenerator: the step that gives the
         running sequences' next tokens is built and queued, from the tokens still on the device,
@@ -196,10 +199,14 @@ class BatchGenerator:
         end had a step too many, which its cache gives back (`_finish`)."""
         out = []
         with MODEL_LOCK:
-            if self._waiting and len(self._running) < self.max_batch:
+            budget = self.step_size  # prompt tokens read this iteration: one chunk's worth
+            while self._waiting and len(self._running) < self.max_batch:
                 sequence = next(iter(self._waiting.values()))
-                if self._fits(sequence):
-                    self._prefill_chunk(sequence, out)
+                size = sequence.chunks[0][1] - sequence.chunks[0][0] if sequence.chunks else 1
+                if not self._fits(sequence) or (budget < self.step_size and size > budget):
+                    break
+                self._prefill_chunk(sequence, out)
+                budget -= size
             flight, self._flight = self._flight, None
             unread = set(id(s) for s in flight[0]) if flight else set()
             members = []

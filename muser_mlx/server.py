@@ -387,8 +387,8 @@ class ModelService:
     """The one model of this process and the thread that runs it. The model thread loads the
     model (MLX streams belong to the thread that made them) and then runs the scheduler loop:
     it takes the event loop's commands (a sequence to insert, one whose client went away), runs
-    one generator iteration (at most one prefill chunk of a waiting sequence, then one batched
-    decode step of the running ones) and hands each sequence's token to its request. When
+    one generator iteration (at most one prefill chunk's worth of waiting prompts, then one
+    batched decode step of the running ones) and hands each sequence's token to its request. When
     nothing has run for IDLE_SECONDS, the memory freed goes back to the system
     (_give_back_memory): after the requests' last objects are gone, on every thread, and not
     between one user's back-to-back requests."""

@@ -262,6 +262,22 @@ def test_the_batched_step_writes_the_store_in_its_own_memory(tiny, rng, architec
     assert addresses() == before
 
 
+def test_an_iteration_reads_at_most_one_chunk_of_prompts(tiny, rng):
+    """next() reads waiting prompts up to prefill_step_size tokens in all: four short prompts
+    start together in one iteration; a long one goes a chunk an iteration while the running
+    sequences get a token each time."""
+    model, tokenizer = load_tiny(tiny, "llama", "Q8_0")
+    generator = BatchGenerator(model, tokenizer, max_batch=8, prefill_step_size=16)
+    short = [generator.insert(random_ids(rng, model, 3).tolist(), 20, temperature=0) for _ in range(4)]
+    assert sorted(r.uid for r in generator.next()) == short  # 4 x (2 + 1) prompt tokens <= 16
+    long = generator.insert(random_ids(rng, model, 50).tolist(), 4, temperature=0)  # chunks 16, 16, 16, 1, then its last
+    for _ in range(3):
+        got = generator.next()
+        assert sorted(r.uid for r in got) == short  # the running ones each get their token; the long one waits
+    got = generator.next()  # its last chunk (1) and its last token (1) fit one budget together
+    assert sorted(r.uid for r in got) == sorted(short + [long])
+
+
 def test_bad_inserts_are_refused_by_name(tiny, rng):
     model, tokenizer = load_tiny(tiny, "llama", "F32")
     generator = BatchGenerator(model, tokenizer)
