@@ -676,7 +676,9 @@ def test_every_step_norms_olmo2s_whole_q_and_k_projections(tiny, rng):
     ids = random_ids(rng, model, 2 * WINDOW)
     right = Reference(c, file.tensors).forward(ids)
     unnormed = Reference(dataclasses.replace(c, qk_norm=False, qk_norm_whole=False), file.tensors).forward(ids)
-    assert relative_error(unnormed, right) > 10 * FUSED_BOUND
+    # Without the norm the logits move by 0.47-0.58 (40 seeds; median 0.52): far past every
+    # bound below (the largest, FUSED_BOUND, is 0.05).
+    assert relative_error(unnormed, right) > 4 * FUSED_BOUND
     general = np.array(model(ids[None]))[0]
     assert relative_error(general, right) <= TOLERANCE["cpu" if mx.default_device() == mx.cpu else "gpu"]
     fused, _ = decode_one_by_one(model, ids, model.make_cache(mx.float16))
