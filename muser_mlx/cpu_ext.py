@@ -166,8 +166,7 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                      heads: int, kv_heads: int, head_dim: int, offsets: tuple[int, int, int],
                      gate: int | None, bias: mx.array | None, q_norm: mx.array | None,
                      k_norm: mx.array | None, rope: dict | None, eps: float, scale: float,
-                     qk_norm_whole: bool = False, softcap: float | None = None, threads: int = 0,
-                     in_place: bool = False):
+                     qk_norm_whole: bool = False, softcap: float | None = None, threads: int = 0):
     """One decode token's attention from its projections: three primitives (the key and
     value writes, each one output so that MLX can hand it the cache's memory, then attention).
 
@@ -182,13 +181,10 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     receives the token's key and value (rounded to the cache's dtype), slots 0 .. min(position
     + 1, capacity) - 1 are attended.
     Returns (o float32 [B, heads * head_dim], keys, values): new cache arrays, which reuse
-    the old ones' memory when nothing else holds them. in_place: they take it even while MLX
-    still holds the old ones (a pipelined loop's step in flight: MLX keeps a node's buffers until
-    its work has run): only for caches that no one else reads (the batched step's store); the
-    old arrays then change too."""
+    the old ones' memory when nothing else holds them."""
     shape = _decode_heads(heads, kv_heads, head_dim, offsets, gate, rope, eps, scale, qk_norm_whole, softcap)
-    keys = _cpu_kernels.write_cache(y, keys, position, bias, k_norm, shape, True, in_place)
-    values = _cpu_kernels.write_cache(y, values, position, bias, None, shape, False, in_place)
+    keys = _cpu_kernels.write_cache(y, keys, position, bias, k_norm, shape, True)
+    values = _cpu_kernels.write_cache(y, values, position, bias, None, shape, False)
     o = _cpu_kernels.attention_decode(y, keys, values, position, bias, q_norm, shape, threads)
     return o, keys, values
 
@@ -213,8 +209,10 @@ def decode_layer(x: mx.array, h: mx.array, keys: mx.array, values: mx.array, pos
     layer's attention norm, or the output norm) [hidden], each absent where there is none (the
     branch reads the stream itself: OLMo 2); optional "q", "k" (as attention_decode's) and the
     sandwich's "post_attention", "post_ffw" [hidden]. activation: "silu" or "gelu_tanh".
-    Returns (x, h, keys, values): x, h float32 [B, hidden] leaving the layer; in_place as
-    attention_decode's."""
+    Returns (x, h, keys, values): x, h float32 [B, hidden] leaving the layer. in_place: the
+    caches' memory is written even while MLX still holds the arrays given (a pipelined loop's
+    step in flight: MLX keeps a node's buffers until its work has run), so the old arrays change
+    too: only for caches no one else reads."""
     if activation not in ("silu", "gelu_tanh"):
         raise ValueError(f"no compiled gated activation {activation!r} (silu, gelu_tanh)")
     shape = _decode_heads(heads, kv_heads, head_dim, offsets, gate, rope, eps, scale, qk_norm_whole, softcap)

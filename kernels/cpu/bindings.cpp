@@ -75,7 +75,7 @@ Returns:
   using WriteCacheOp = mx::array (*)(const mx::array&, const mx::array&, const mx::array&,
                                      const std::optional<mx::array>&,
                                      const std::optional<mx::array>&, muser::cpu::DecodeHeads,
-                                     bool, bool, mx::StreamOrDevice);
+                                     bool, mx::StreamOrDevice);
   using AttentionDecodeOp = mx::array (*)(
       const mx::array&, const mx::array&, const mx::array&, const mx::array&,
       const std::optional<mx::array>&, const std::optional<mx::array>&,
@@ -88,12 +88,11 @@ b = rms(branch) * branch_weight (or branch), sum = residual + b (or b),
 normed = rms(sum) * next_weight (or sum). Returns [sum, normed], each [rows, hidden].)");
 
   m.def("write_cache", static_cast<WriteCacheOp>(&muser::cpu::write_cache), "y"_a, "cache"_a,
-        "position"_a, "bias"_a.none(), "norm"_a.none(), "shape"_a, "key"_a, "in_place"_a = false,
-        nb::kw_only(), "stream"_a = nb::none(),
+        "position"_a, "bias"_a.none(), "norm"_a.none(), "shape"_a, "key"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
         R"(The cache [1, kv_heads, capacity, head_dim] with one decode token's keys (key=True:
 from y [1, width] at shape's k offset, plus bias, per-head norm, RoPE at `position`) or values
-written at slot position % capacity. Reuses the cache's memory when nothing else holds it
-(in_place: even then, for caches no one else reads).)");
+written at slot position % capacity. Reuses the cache's memory when nothing else holds it.)");
 
   m.def("attention_decode", static_cast<AttentionDecodeOp>(&muser::cpu::attention_decode),
         "y"_a, "keys"_a, "values"_a, "position"_a, "bias"_a.none(), "q_norm"_a.none(),

@@ -116,8 +116,8 @@ std::function<void()> reuse_or_copy(const mx::array& in, mx::array& out) {
   return in.dtype() == mx::float16 ? reuse_or_copy_as<uint16_t>(in, out) : reuse_or_copy_as<float>(in, out);
 }
 
-// As reuse_or_copy; where `in_place` (a cache that no one else reads: the batched step's store),
-// `out` takes `in`'s buffer even while MLX still holds `in`. MLX holds the buffers of a node's
+// As reuse_or_copy; where `in_place` (caches no one else reads: decode_layer's, which writes and
+// attends in one node), `out` takes `in`'s buffer even while MLX still holds `in`. MLX holds the buffers of a node's
 // inputs and outputs until its work has run, and a pipelined loop builds the next step while the
 // last one runs: without this every layer whose last step had not run yet was copied whole (8
 // rows of SmolLM2: 18.3 against 16.1 ms a step). The writes stay in order: one stream runs them.
@@ -438,7 +438,7 @@ void check_decode_inputs(const char* op, const mx::Shape& y, const mx::array& ca
 
 mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::array& position,
                       const std::optional<mx::array>& bias, const std::optional<mx::array>& norm,
-                      DecodeHeads shape, bool key, bool in_place, mx::StreamOrDevice s) {
+                      DecodeHeads shape, bool key, mx::StreamOrDevice s) {
   check_decode_inputs("write_cache", y.shape(), cache, position, bias, norm, shape, shape.kv_heads, true);
   shape.capacity = cache.shape(2);
   auto stream = mx::to_stream(s, mx::Device::cpu);
@@ -451,7 +451,7 @@ mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::arra
     inputs.push_back(as_f32(*norm, stream));
   }
   return mx::array(cache.shape(), cache.dtype(),
-                   std::make_shared<CacheWrite>(stream, shape, key, bias.has_value(), normed, in_place),
+                   std::make_shared<CacheWrite>(stream, shape, key, bias.has_value(), normed),
                    inputs);
 }
 
@@ -460,7 +460,7 @@ void CacheWrite::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   for (const auto& input : inputs) {
     encoder.set_input_array(input);
   }
-  auto copy = take_or_copy(inputs[1], outputs[0], in_place_);
+  auto copy = reuse_or_copy(inputs[1], outputs[0]);
   encoder.set_output_array(outputs[0]);
   size_t i = 3;
   const float* bias = bias_ ? row_major<float>(inputs[i++], encoder) : nullptr;
@@ -500,8 +500,7 @@ static bool same_heads(const DecodeHeads& a, const DecodeHeads& b) {
 
 bool CacheWrite::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const CacheWrite&>(other);
-  return same_heads(shape_, o.shape_) && key_ == o.key_ && bias_ == o.bias_ && norm_ == o.norm_ &&
-         in_place_ == o.in_place_;
+  return same_heads(shape_, o.shape_) && key_ == o.key_ && bias_ == o.bias_ && norm_ == o.norm_;
 }
 
 mx::array attention_decode(const mx::array& y, const mx::array& keys, const mx::array& values,

@@ -120,16 +120,15 @@ bool half_cache_supported();
 // with this token's keys (key) or
 // values written at slot position % capacity (decode.h's write_cache): y float [1, width],
 // position int32 [1], bias and norm (keys only) float or none. The output reuses the cache's
-// buffer when nothing else holds it (MLX's donation), else copies it first; in_place: it takes
-// the buffer even then (take_or_copy in primitives.cpp: for caches no one else reads).
+// buffer when nothing else holds it (MLX's donation), else copies it first.
 mx::array write_cache(const mx::array& y, const mx::array& cache, const mx::array& position,
                       const std::optional<mx::array>& bias, const std::optional<mx::array>& norm,
-                      DecodeHeads shape, bool key, bool in_place = false, mx::StreamOrDevice s = {});
+                      DecodeHeads shape, bool key, mx::StreamOrDevice s = {});
 
 class CacheWrite : public mx::Primitive {
  public:
-  CacheWrite(mx::Stream stream, DecodeHeads shape, bool key, bool bias, bool norm, bool in_place)
-      : mx::Primitive(stream), shape_(shape), key_(key), bias_(bias), norm_(norm), in_place_(in_place) {}
+  CacheWrite(mx::Stream stream, DecodeHeads shape, bool key, bool bias, bool norm)
+      : mx::Primitive(stream), shape_(shape), key_(key), bias_(bias), norm_(norm) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -139,7 +138,7 @@ class CacheWrite : public mx::Primitive {
 
  private:
   DecodeHeads shape_;
-  bool key_, bias_, norm_, in_place_;
+  bool key_, bias_, norm_;
 };
 
 // o float32 [1, heads * head_dim] of decode.h's attention_decode: y float [1, width]; keys,
