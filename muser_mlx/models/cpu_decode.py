@@ -72,27 +72,19 @@ class CPUDecodeStep:
             raise ValueError(f"cache has {len(cache)} layers; the model has {c.layers}")
         for layer_cache in cache:
             layer_cache.reserve(1, c.kv_heads, c.head_dim, position + 1)
-        thread = threading.get_ident()
-        if thread not in self._compiled:
-            self._compiled[thread] = mx.compile(self._graph)
-        logits, keys, values = self._compiled[thread](
-            token.reshape(1, 1).astype(mx.int32), mx.array([position], dtype=mx.int32),
+        logits, keys, values = self._traced()(
+            token.reshape(1).astype(mx.int32), mx.array([position], dtype=mx.int32),
             [layer_cache.keys for layer_cache in cache], [layer_cache.values for layer_cache in cache])
         for layer_cache, layer_keys, layer_values in zip(cache, keys, values):
             layer_cache.keys, layer_cache.values = layer_keys, layer_values
             layer_cache.advance(1)
-        return logits
+        return logits.reshape(c.vocab)
 
     @property
     def takes_rows(self) -> bool:
         """Whether rows() serves this model: every layer one node (each product's format
         compiled, the activation SiLU or GELU's tanh form)."""
-        for block in self.model.layers:
-            attention_in, attention_out, ffn_in, ffn_out = self._layer_weights(block)
-            if not (self.layer_primitive and block.feed_forward.activation_name in ("silu", "gelu_tanh")
-                    and all(w.ggml_type in cpu_ext.FORMATS for w in [*attention_in, attention_out, *ffn_in, ffn_out])):
-                return False
-        return True
+        return all(self._one_node(block) for block in self.model.layers)
 
     def rows(self, tokens: mx.array, positions: mx.array, keys: list, values: list):
         """A batched step's B rows (models/batch_decode.py), compiled as the one-token step
@@ -101,42 +93,42 @@ class CPUDecodeStep:
         cache of row b. Returns (logits float32 [B, vocab], each layer's keys, values), row b's
         token written at slot positions[b] % capacity in the arrays' own memory (a store that no
         one else reads: cpu_ext.decode_layer's in_place). Needs takes_rows."""
-        key = (threading.get_ident(), "rows")
-        if key not in self._compiled:
-            self._compiled[key] = mx.compile(self._rows_graph)
-        return self._compiled[key](tokens.astype(mx.int32), positions, list(keys), list(values))
+        return self._traced()(tokens.astype(mx.int32), positions, list(keys), list(values))
 
-    def _rows_graph(self, tokens: mx.array, positions: mx.array, keys: list, values: list):
+    def _traced(self):
+        """This thread's compiled _graph (a traced graph runs on the streams of the thread
+        that traced it; mx.compile retraces for new shapes: B, the caches' capacity)."""
+        thread = threading.get_ident()
+        if thread not in self._compiled:
+            self._compiled[thread] = mx.compile(self._graph)
+        return self._compiled[thread]
+
+    def _graph(self, tokens: mx.array, positions: mx.array, keys: list, values: list):
+        """tokens int32 [B], positions int32 [B], each layer's keys/values [at least B,
+        kv_heads, capacity, head_dim] -> (logits [B, vocab], new keys, new values)."""
         model, c = self.model, self.model.config
         batch = tokens.shape[0]
         x = model.embed(tokens.reshape(batch, 1)).reshape(batch, c.hidden)
         x, h = cpu_ext.residual_norm(None, x, None, model.layers[0].attn_norm, c.eps, c.eps)
         keys, values = list(keys), list(values)
         for i, (block, next_norm) in enumerate(zip(model.layers, model.next_norms)):
-            x, h, keys[i], values[i] = self._layer_node(i, block, x, h, positions, keys[i], values[i], next_norm,
-                                                         in_place=True)
+            x, h, keys[i], values[i] = self._layer(i, block, x, h, positions, keys[i], values[i], next_norm)
         return model.logits(h, rounded=self.rounded), keys, values
-
-    def _graph(self, token: mx.array, position: mx.array, keys: list, values: list):
-        """token int32 [1, 1], position int32 [1], each layer's keys/values [1, kv_heads,
-        capacity, head_dim] -> (logits [vocab], new keys, new values)."""
-        model, c = self.model, self.model.config
-        x = model.embed(token).reshape(1, c.hidden)
-        x, h = cpu_ext.residual_norm(None, x, None, model.layers[0].attn_norm, c.eps, c.eps)
-        keys, values = list(keys), list(values)
-        for i, (block, next_norm) in enumerate(zip(model.layers, model.next_norms)):
-            x, h, keys[i], values[i] = self._layer(i, block, x, h, position, keys[i], values[i], next_norm)
-        return model.logits(h, rounded=self.rounded).reshape(c.vocab), keys, values
 
     def _linear(self, x: mx.array, weight) -> mx.array:
         return ops.linear(x, weight, rounded=self.rounded)
 
-    def _layer(self, index, block, x, h, position, keys, values, next_norm):
-        """Layer `index` for one token at `position` (array): x, h [1, hidden] -> (x, h, keys,
-        values), as one node where every product has a compiled format, else as several."""
+    def _one_node(self, block) -> bool:
+        """Whether `block` runs as one node: every product's format compiled, the activation
+        SiLU or GELU's tanh form."""
         attention_in, attention_out, ffn_in, ffn_out = self._layer_weights(block)
-        weights = [*attention_in, attention_out, *ffn_in, ffn_out]
-        if self.layer_primitive and all(w.ggml_type in cpu_ext.FORMATS for w in weights):
+        return self.layer_primitive and block.feed_forward.activation_name in ("silu", "gelu_tanh") \
+            and all(w.ggml_type in cpu_ext.FORMATS for w in [*attention_in, attention_out, *ffn_in, ffn_out])
+
+    def _layer(self, index, block, x, h, position, keys, values, next_norm):
+        """Layer `index` for one token a row at `position` (array [B]): x, h [B, hidden] -> (x,
+        h, keys, values), as one node where _one_node says so, else as several."""
+        if self._one_node(block):
             return self._layer_node(index, block, x, h, position, keys, values, next_norm, in_place=True)
         x, h, (keys, values, _) = decoder_layer(self, index, block, x, h, next_norm, (keys, values, position))
         return x, h, keys, values
