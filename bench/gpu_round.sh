@@ -7,6 +7,8 @@
 #   call 2, carry [".device/b"]:  bash bench/gpu_round.sh tests   # wheels installed; make test-gpu alone
 #   call 3, no carry:             bash bench/gpu_round.sh bench   # bench/batch.py and llama-batched-bench on
 #                                                                 # the same file in the same run
+#   (or call 2 with [".device/b"] carried: `bench` installs the wheels itself; NCU_SECONDS=N adds ncu
+#   sections of a few grouped products, BATCH_ARGS more batch.py options, e.g. --parts)
 #
 # What comes back (under $OUT): test-gpu.tgz (every shard's log in one file: a reply brings back a
 # few files only), test-gpu.summary, batch.txt, llama-batched.jsonl. Learnt the hard way
@@ -33,15 +35,30 @@ tests)
   tail -n 20 "$OUT/test-gpu.summary"
   ;;
 bench)
-  for _ in $(seq 1 120); do [ -f /tmp/lcpp/build.rc ] && break; sleep 1; done
+  # with .device/b carried and the wheels not yet installed (a round without `tests`): install them,
+  # and write the file while llama.cpp still builds
+  if [ -d .device/b ] && [ ! -d /tmp/site/mlx ]; then
+    cp .device/b/* /tmp/w/ && cat /tmp/w/mlxcuda.part.* > "/tmp/w/$(cat /tmp/w/WHEEL_NAME)" && rm /tmp/w/mlxcuda.part.* \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl || exit 1
+  fi
+  [ -f /dev/shm/muse-glimmer-random-52.gguf ] || (cd bench && python3 -c "import numpy as np, decode, pathlib; \
+    decode.write_file(pathlib.Path("/dev/shm/muse-glimmer-random-52.gguf"), np.random.default_rng(0))")
+  for _ in $(seq 1 300); do [ -f /tmp/lcpp/build.rc ] && break; sleep 1; done
   echo "llama.cpp build: $(cat /tmp/lcpp/build.rc 2>/dev/null || echo 'not done')"
-  timeout "${BATCH_SECONDS:-300}" python3 bench/batch.py --keep --batches 1,8,32,64 2>&1 | tee "$OUT/batch.txt"
   bin=/tmp/lcpp/llama.cpp/build/bin
   LD_LIBRARY_PATH=$bin timeout 200 "$bin/llama-batched-bench" -m /dev/shm/muse-glimmer-random-52.gguf -ngl 99 -fa 1 \
     -c 20480 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,8,32,64 --output-format jsonl \
     > "$OUT/llama-batched.jsonl" 2> "$OUT/llama-batched.err"
   grep -v '^$' "$OUT/llama-batched.jsonl" | tail -n 4
   tail -n 3 "$OUT/llama-batched.err"
+  timeout "${BATCH_SECONDS:-300}" python3 bench/batch.py --keep --batches 1,8,32,64 ${BATCH_ARGS:-} 2>&1 | tee "$OUT/batch.txt"
+  if [ -n "${NCU_SECONDS:-}" ]; then  # a diagnostic: a few grouped products of a 64-row step under ncu
+    timeout "$NCU_SECONDS" ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats -k regex:product \
+      --launch-skip "${NCU_SKIP:-400}" --launch-count 4 python3 bench/batch.py --keep --batches 64 --steps 3 \
+      > "$OUT/ncu.txt" 2>&1
+    grep -E "^  [a-z_]+.*product|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Limit" "$OUT/ncu.txt" | head -60
+  fi
   ;;
 *)
   echo "start, tests or bench" >&2
