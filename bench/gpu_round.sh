@@ -42,7 +42,7 @@ bench)
       && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl || exit 1
   fi
   [ -f /dev/shm/muse-glimmer-random-52.gguf ] || (cd bench && python3 -c "import numpy as np, decode, pathlib; \
-    decode.write_file(pathlib.Path("/dev/shm/muse-glimmer-random-52.gguf"), np.random.default_rng(0))")
+    decode.write_file(pathlib.Path('/dev/shm/muse-glimmer-random-52.gguf'), np.random.default_rng(0))")
   for _ in $(seq 1 300); do [ -f /tmp/lcpp/build.rc ] && break; sleep 1; done
   echo "llama.cpp build: $(cat /tmp/lcpp/build.rc 2>/dev/null || echo 'not done')"
   bin=/tmp/lcpp/llama.cpp/build/bin
