@@ -123,8 +123,7 @@ def products_ms(model, batch: int, runs: int = 3) -> float:
         for launches in layers:
             outs.extend(p(x(p.in_features)) for p in launches["inputs"])
             outs.append(launches["output"](x(launches["output"].in_features)))
-            glu = launches["gate_up"]
-            outs.append(launches["down"](glu(x(glu.in_features))))
+            outs.append(step.feed_forward(launches, x(launches["gate_up"].in_features)))
         outs.append(head(x(head.in_features)))
         mx.eval(outs)
     run()

@@ -73,6 +73,10 @@ class Settings:
     attention_head_group: int = 2
     # The step compiled with mx.compile (its Python runs once per cache shape, not every step).
     compile_decode: bool = True
+    # The batched GPU step's products (models/batch_decode.py) as int8 tile products (kernel
+    # product_tiles); False: kernel product's and product_glu's grouped form (8 rows a
+    # threadgroup, dot4 on the CUDA cores).
+    batch_tiles: bool = True
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any

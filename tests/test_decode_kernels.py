@@ -95,6 +95,34 @@ def test_product_of_one_or_two_weights_matches_numpy(backend, rng, formats_ab, t
     assert relative_error(out, expected) <= PRODUCT_BOUND
 
 
+@pytest.mark.parametrize("formats_ab", FORMAT_PAIRS + [(GGMLType.Q6_K, GGMLType.Q4_K)],
+                         ids=lambda p: "+".join(t.name for t in p if t))
+@pytest.mark.parametrize("rows", [8, 24, 72, 136])
+def test_tile_products_match_numpy(backend, rng, formats_ab, rows):
+    """ops.TileProduct (kernel product_tiles: the batched step's int8 matrix products, tensor
+    cores on an NVIDIA GPU) of rows of x in 8-row tiles (72, 136: token groups past 64) and
+    weights of odd row counts; then its gated form against act(x G.T) * (x U.T)."""
+    first, second = formats_ab
+    in_features = 256 * int(rng.integers(1, 5))
+    out_a, out_b = int(rng.integers(1, 30)) * 3 + 1, int(rng.integers(1, 20)) * 5 + 2
+    a, a_values = weight(rng, first, in_features, out_a, "a")
+    b, b_values = weight(rng, second, in_features, out_b, "b") if second else (None, None)
+    x, x_values = q8x(rng.standard_normal((rows, in_features)).astype(np.float32))
+    with kernels.poisoned_outputs():
+        out = np.array(ops.TileProduct(a, b)(x))
+    expected = x_values @ a_values.T
+    if second:
+        expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
+    assert out.shape == expected.shape and np.isfinite(out).all()
+    assert relative_error(out, expected) <= PRODUCT_BOUND
+    gate, gate_values = weight(rng, first, in_features, 96, "gate")
+    up, up_values = weight(rng, second or first, in_features, 96, "up")
+    with kernels.poisoned_outputs():
+        glu = np.array(ops.TileProduct(gate, up, "silu")(x))
+    g = x_values @ gate_values.T
+    assert relative_error(glu, g / (1 + np.exp(-g)) * (x_values @ up_values.T)) <= PRODUCT_BOUND
+
+
 @pytest.mark.parametrize("wide", [0, 1], ids=["units32", "wide"])
 @pytest.mark.parametrize("unroll", [1, 2, 4])  # 4 with 3 tokens: 1 (at most 4 units x tokens)
 @pytest.mark.parametrize("formats_ab", FORMAT_PAIRS[:3], ids=lambda p: "+".join(t.name for t in p if t))

@@ -43,7 +43,7 @@ F16_MATMUL = 3e-3
 ALL_FORMATS = list(formats.FORMATS)
 KERNELS_TESTED = {"embedding", "dequant_rows", "dequant_spans", "dequant_into", "matvec", "qk_norm_rope", "quantize_rows",
                   "product", "argmax", "product_glu", "residual_norm_quant", "residual_norm_rows", "attention_decode",
-                  "attention_combine"}
+                  "attention_combine", "product_tiles"}
 
 
 def test_every_kernel_is_emulated():
@@ -275,6 +275,36 @@ def test_grouped_products_take_every_token_group(rng, rows):
     assert_within_half_a_code(glu, g / (1 + np.exp(-g)) * u)
     with pytest.raises(ValueError, match="a multiple of 8 rows"):
         ops.Product(a, tokens=8, grouped=True)(q8x(rng.standard_normal((12, 512)).astype(np.float32))[0])
+
+
+@pytest.mark.parametrize("rows, first, second, activation",
+                         [(8, GGMLType.Q4_K, GGMLType.Q6_K, None), (24, GGMLType.Q8_0, None, None),
+                          (72, GGMLType.Q6_K, GGMLType.Q4_K, None), (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu"),
+                          (8, GGMLType.Q6_K, GGMLType.Q6_K, "gelu_tanh")],
+                         ids=["Q4_K+Q6_K-8", "Q8_0-24", "Q6_K+Q4_K-72", "glu-Q4_K+Q8_0-16", "glu-Q6_K-8"])
+def test_tile_products(rng, rows, first, second, activation):
+    """Kernel product_tiles (the batched decode step's products, int8 matrix products: shuffles
+    and dot4 here, the same values as tensor cores): 8-row tiles of x (72 rows: two token groups,
+    the second partial), 16-row tiles of weights with rows past OUT (37 and 45 rows), two formats
+    in one launch, the gated form."""
+    out_a = 64 if activation else 37
+    a, a_values = weight(rng, first, 512, out_a, "a")
+    b, b_values = weight(rng, second, 512, out_a if activation else 45, "b") if second else (None, None)
+    x, x_values = q8x(rng.standard_normal((rows, 512)).astype(np.float32))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = np.array(ops.TileProduct(a, b, activation)(x))
+    assert kernel_names(launches) == ["product_tiles"] and np.isfinite(out).all()
+    expected = x_values @ a_values.T
+    if activation == "silu":
+        expected = expected / (1 + np.exp(-expected)) * (x_values @ b_values.T)
+    elif activation:
+        expected = (0.5 * expected * (1 + np.tanh(0.7978845608 * (expected + 0.044715 * expected**3)))
+                    * (x_values @ b_values.T))
+    elif second:
+        expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
+    assert out.shape == expected.shape and relative_error(out, expected) <= PRODUCT_BOUND
+    with pytest.raises(ValueError, match="positive multiple of 8"):
+        ops.TileProduct(a)(q8x(rng.standard_normal((12, 512)).astype(np.float32))[0])
 
 
 def configured(config, *ggml_types, **fields) -> Settings:
@@ -692,6 +722,36 @@ def test_an_endless_loop_is_reported(rng):
 
 # Muse Glimmer's layer (QK norm, attention gate, sliding window); OLMo 2's (q/k norm over the
 # whole projections, no pre-norms); Gemma 2's (attention softcap, here one that bites).
+def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng):
+    """BatchStep's GPU form with its tile products (kernel product_tiles) on a 1-layer tiny Muse
+    Glimmer (Q4_K and Q6_K weights), 3 sequences of their own lengths padded to 8 rows, against
+    the same step's CPU rendering from the same store: the products sum in another order, which
+    may move an int8 code of a later input (test_batch.py's bounds)."""
+    path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1)
+    from muser_mlx.models.batch_decode import BatchKV, BatchStep
+    with gguf.read(path) as file:
+        model = build_model(file)
+        caches = [model.make_cache(mx.float16) for _ in range(3)]
+        for n, cache in zip((3, 9, 5), caches):
+            mx.eval(model.hidden(mx.array(rng.integers(0, model.config.vocab, size=(1, n))), cache))
+        stores = [BatchKV(model, mx.float16) for _ in range(2)]
+        for kv in stores:
+            for cache in caches:
+                kv.add(cache)
+        tokens = mx.array(rng.integers(0, model.config.vocab, size=3), dtype=mx.int32)
+        step = BatchStep(model, q8x=True)
+        expected = np.array(step(tokens, stores[0]))
+        with emulated_gpu() as launches, kernels.poisoned_outputs():
+            step = BatchStep(model, q8x=True)
+            logits = np.array(step(tokens, stores[1]))
+    assert "product_tiles" in {launch[0] for launch in launches}
+    assert {"product", "product_glu"}.isdisjoint(launch[0] for launch in launches)
+    assert np.isfinite(logits).all() and logits.shape == expected.shape
+    for row, row_expected in zip(logits, expected):
+        assert relative_error(row, row_expected) <= FUSED_NUMERICS_BOUND
+    assert stores[1].lengths == stores[0].lengths == [4, 10, 6]
+
+
 @pytest.mark.parametrize("architecture, metadata", [("muse-glimmer", {}), ("olmo2", {}),
                                                     ("gemma2", {"gemma2.attn_logit_softcapping": 0.25})],
                          ids=["muse-glimmer", "olmo2", "gemma2"])

@@ -141,6 +141,22 @@ LAUNCHES = {
         [("FORMAT_G", 12), ("ROW_BYTES_G", 288), ("FORMAT_U", 14), ("ROW_BYTES_U", 420), ("OUT", 64),
          ("IN", 512), ("TOKENS", 1), ("ROWS", 4), ("UNROLL", 3), ("WIDE", 1), ("ACTIVATION", 1), ("GROUPED", 1)]
     ),
+    "product_tiles": (  # Q4_K and Q6_K in one launch (k32 and k16 products)
+        "product_tiles",
+        [InputSpec(mx.uint8, 2, 37 * 288), InputSpec(mx.uint8, 2, 45 * 420), InputSpec(mx.int8, 2, 24 * 512),
+         InputSpec(mx.float32, 2, 24 * 16), InputSpec(mx.float32, 2, 24 * 64)],
+        [mx.float32],
+        [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 37), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
+         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("MT", 2), ("GLU", 0), ("ACTIVATION", 0)]
+    ),
+    "product_tiles_glu_q8_0": (
+        "product_tiles",
+        [InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.int8, 2, 8 * 512),
+         InputSpec(mx.float32, 2, 8 * 16), InputSpec(mx.float32, 2, 8 * 64)],
+        [mx.float32],
+        [("FORMAT_A", 8), ("ROW_BYTES_A", 544), ("OUT_A", 64), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
+         ("OUT_B", 64), ("IN", 512), ("TOKENS", 64), ("MT", 1), ("GLU", 1), ("ACTIVATION", 1)]
+    ),
     "quantize_rows": (
         "quantize_rows",
         [InputSpec(mx.float32, 2, 3 * 512)],

@@ -1,8 +1,8 @@
 // lib/base.metal — what the other lib files and the kernels build on: bytes and halves of
 // 32-bit words, integers as floats without a conversion instruction, stores in the output's
 // type, and the portable shims. What Metal and CUDA spell differently (a packed int8 dot
-// product and a funnel shift, which Metal lacks; device atomics and the device fence) are
-// this file's `#if defined(__CUDACC__)` branches, the only ones in the kernels.
+// product, a funnel shift and int8 matrix products, which Metal lacks; device atomics and the
+// device fence) are this file's `#if defined(__CUDACC__)` branches, the only ones in the kernels.
 // Includes no other lib file.
 
 // Byte k (0..3) of a little-endian word.
@@ -142,6 +142,65 @@ inline void muser_atomic_store(device uint* counter, uint value) {
 }
 inline void muser_device_fence() {
   atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+}
+#endif
+
+// Integer matrix products of a SIMD group on int8 codes (tensor cores on NVIDIA GPUs: one
+// mma.sync instruction each; elsewhere the same result from shuffles and muser_dot4), for the
+// batched decode products (lib/tiles.metal). Lane l holds, with g = l / 4 and t = l % 4:
+//   k32: C [16 x 8] += A [16 x 32] B [32 x 8]. a[0]: A's row g, columns 4t..4t+3 (4 int8 in a
+//        word); a[1]: row g + 8, the same columns; a[2], a[3]: rows g, g + 8, columns 16 + 4t..;
+//        b0: B's rows 4t..4t+3 of column g; b1: rows 16 + 4t..; c[0], c[1]: C's row g, columns
+//        2t, 2t + 1; c[2], c[3]: row g + 8, the same columns.
+//   k16: C [16 x 8] += A [16 x 16] B [16 x 8]: a[0], a[1] rows g, g + 8, columns 4t..4t+3; b0
+//        B's rows 4t..4t+3 of column g; c as k32's.
+// Every lane of the SIMD group calls it together (uniform control flow).
+#if defined(__CUDACC__)
+inline void muser_mma_k32(thread const uint* a, uint b0, uint b1, thread int* c, uint lane) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+inline void muser_mma_k16(thread const uint* a, uint b0, thread int* c, uint lane) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+               : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(b0));
+}
+#else
+inline void muser_mma_k32(thread const uint* a, uint b0, uint b1, thread int* c, uint lane) {
+  uint g = lane / 4u;
+  uint t = lane % 4u;
+  int out[4];
+  for (int i = 0; i < 4; ++i) {
+    uint column = 2u * t + uint(i % 2);
+    int sum = c[i];
+    for (uint k = 0; k < 4u; ++k) {
+      uint low = simd_shuffle(i < 2 ? a[0] : a[1], ushort(4u * g + k));
+      uint high = simd_shuffle(i < 2 ? a[2] : a[3], ushort(4u * g + k));
+      sum = muser_dot4(low, simd_shuffle(b0, ushort(4u * column + k)), sum);
+      sum = muser_dot4(high, simd_shuffle(b1, ushort(4u * column + k)), sum);
+    }
+    out[i] = sum;
+  }
+  for (int i = 0; i < 4; ++i) {
+    c[i] = out[i];
+  }
+}
+inline void muser_mma_k16(thread const uint* a, uint b0, thread int* c, uint lane) {
+  uint g = lane / 4u;
+  uint t = lane % 4u;
+  int out[4];
+  for (int i = 0; i < 4; ++i) {
+    uint column = 2u * t + uint(i % 2);
+    int sum = c[i];
+    for (uint k = 0; k < 4u; ++k) {
+      sum = muser_dot4(simd_shuffle(i < 2 ? a[0] : a[1], ushort(4u * g + k)), simd_shuffle(b0, ushort(4u * column + k)), sum);
+    }
+    out[i] = sum;
+  }
+  for (int i = 0; i < 4; ++i) {
+    c[i] = out[i];
+  }
 }
 #endif
 

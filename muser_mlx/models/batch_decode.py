@@ -9,10 +9,12 @@ layer kind, [B, 1, 1, S]).
 
 A layer is layers.decoder_layer with this step's pieces:
 - on a GPU with the fused step's kernels (`q8x`): x as int8 blocks (ops.residual_norm_quant) and
-  the fused step's products in their grouped form (kernels product / product_glu GROUPED: 8 rows
-  a threadgroup, the token groups of a row group neighbours in launch order, so each weight
-  byte crosses the memory bus about once a step): the launch count per layer does not depend
-  on B. The rows are padded to a multiple of 8.
+  tile products (ops.TileProduct, kernel product_tiles: int8 matrix products of 16-row weight
+  tiles and 8-row tiles of x, on tensor cores on NVIDIA GPUs; each weight block read once for up
+  to 64 rows, the token groups of larger batches neighbours in launch order, so each weight
+  byte crosses the memory bus about once a step), or with Settings.batch_tiles False the fused
+  step's products in their grouped form (kernels product / product_glu GROUPED): the launch
+  count per layer does not depend on B. The rows are padded to a multiple of 8.
 - elsewhere (the CPU): ops.linear on [B, 1, hidden] rows (the compiled CPU products, rounded
   inputs as generate()'s CPU steps: Settings.cpu_rounded) and the general step's seams.
 Attention, the q/k norms and RoPE (per-row positions) are MLX ops over the store; on the CPU the
@@ -146,22 +148,39 @@ class BatchStep:
         # node over B rows, compiled as that step (SmolLM2 8 rows: 16.7 ms against 19.8).
         self.layer_nodes = self.compiled_attention and model.cpu_step.takes_rows
 
+    @property
+    def tiles(self) -> bool:
+        """Whether the GPU form's products are tile products (Settings.batch_tiles)."""
+        return self.model.settings.batch_tiles
+
     def launches(self):
-        """The grouped products of every layer and the LM head, built on first use."""
+        """The products of every layer and the LM head, built on first use: tile products
+        (ops.TileProduct), or kernel product's and product_glu's grouped form."""
         if self._launches is None:
             model, settings = self.model, self.model.settings
             grouped = dict(tokens=GROUP, settings=settings, grouped=True)
+
+            def product(weight, second=None):
+                return ops.TileProduct(weight, second) if self.tiles else ops.Product(weight, second, **grouped)
+
             layers = []
             for block in model.layers:
                 stacks = block.attention.input_proj.stacks
                 ff = block.feed_forward
                 layers.append(dict(
-                    inputs=[ops.Product(*stacks[i : i + 2], **grouped) for i in range(0, len(stacks), 2)],
-                    output=ops.Product(block.attention.o_proj.weight_tensor, **grouped),
-                    gate_up=ops.GatedProduct(ff.gate, ff.up, ff.activation_name, **grouped),
-                    down=ops.Product(ff.down_proj.weight_tensor, **grouped)))
-            self._launches = (layers, ops.Product(model.output, **grouped))
+                    inputs=[product(*stacks[i : i + 2]) for i in range(0, len(stacks), 2)],
+                    output=product(block.attention.o_proj.weight_tensor),
+                    gate_up=(ops.TileProduct(ff.gate, ff.up, ff.activation_name) if self.tiles
+                             else ops.GatedProduct(ff.gate, ff.up, ff.activation_name, **grouped)),
+                    down=product(ff.down_proj.weight_tensor)))
+            self._launches = (layers, product(model.output))
         return self._launches
+
+    def feed_forward(self, launches: dict, h):
+        """A layer's gated FFN on q8x h [padded, hidden] with its launches: float32 [padded,
+        hidden]. A tile product's gated half is float32: quantized for the down projection."""
+        f = launches["gate_up"](h)
+        return launches["down"](ops.quantize_rows(f) if self.tiles else f)
 
     def __call__(self, tokens: mx.array, kv: BatchKV) -> mx.array:
         model, c = self.model, self.model.config
@@ -363,5 +382,4 @@ class _Q8XPieces:
         return ops.residual_norm_quant(x, branch, branch_weight, next_weight, c.post_eps, c.eps)
 
     def feed_forward(self, index: int, block, h):
-        launches = self.layers[index]
-        return launches["down"](launches["gate_up"](h))
+        return self.step.feed_forward(self.layers[index], h)

@@ -242,6 +242,79 @@ class GatedProduct:
         return Q8X(codes, scales, sums)
 
 
+# The batched step's tile products (kernel product_tiles): x rows a launch's token group holds
+# (8 of them a tile, all read against each weight block once) and SIMD groups a threadgroup.
+TILE_TOKENS = 64
+TILE_SIMD_GROUPS = 4
+
+
+class TileProduct:
+    """The batched decode step's products on the GPU (kernel product_tiles: int8 matrix products
+    of 16-row weight tiles and 8-row tiles of q8x x, on tensor cores where the GPU has them).
+    Called with q8x x [rows, in] (rows a multiple of 8): float32 [rows, out] = [x A.T | x B.T]
+    for weight A and, if given, `second` B of the same input (formats Q4_K, Q6_K, Q8_0); with
+    `activation` ("silu" or "gelu_tanh"), act(x A.T) * (x B.T), A the gate and B the up
+    projection. On the CPU: the same math on x's dequantized values (MLX ops)."""
+
+    def __init__(self, weight, second=None, activation: str | None = None):
+        self.formats = [_format(weight, "product_tiles")]
+        if second is not None:
+            self.formats.append(_format(second, "product_tiles"))
+            if second.shape[0] != weight.shape[0]:
+                raise ValueError(f"product_tiles: {weight.name!r} and {second.name!r} take different inputs")
+        if activation is not None:
+            if activation not in ACTIVATIONS:
+                raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+            if second is None or second.shape != weight.shape:
+                raise ValueError(f"product_tiles: a gated product needs gate and up of one shape, got "
+                                 f"{list(weight.shape)} and {list(second.shape) if second is not None else None}")
+        self.weight, self.second, self.activation = weight, second, activation
+        self.in_features = weight.shape[0]
+        if self.in_features % 32:
+            raise NoProductKernelError(f"product_tiles: {weight.name!r} takes {self.in_features} inputs, not whole "
+                                       f"32-value blocks")
+        self.out_a, self.out_b = weight.shape[1], second.shape[1] if second is not None else 0
+        self.out_features = self.out_a if activation else self.out_a + self.out_b
+        glu = activation is not None
+        tile_rows = 1 if glu else 2  # 16-row tiles a SIMD group (a gated product holds both weights' sums)
+        groups = -(-self.out_a // (16 * tile_rows)) + (0 if glu else -(-self.out_b // (16 * tile_rows)))
+        template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
+                    + _weight_template("B", second if second is not None else weight)
+                    + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", TILE_TOKENS), ("MT", tile_rows),
+                       ("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)])
+        self._launch = (template, (32 * TILE_SIMD_GROUPS, 1, 1), -(-groups // TILE_SIMD_GROUPS))
+
+    def launch_arguments(self):
+        """(template, threadgroup, row blocks), fixed at construction."""
+        return self._launch
+
+    def __call__(self, x: Q8X) -> mx.array:
+        if len(x.shape) != 2 or x.shape[1] != self.in_features or x.shape[0] % 8 or x.shape[0] == 0:
+            raise ValueError(f"product_tiles: x must be [rows, {self.in_features}] with rows a positive multiple "
+                             f"of 8, got {list(x.shape)}")
+        if kernels.backend() == "cpu":
+            values = x.dequantize()
+            y = linear(values, self.weight)
+            if self.second is None:
+                return y
+            other = linear(values, self.second)
+            if self.activation is None:
+                return mx.concatenate([y, other], axis=-1)
+            return (y * mx.sigmoid(y) if self.activation == "silu" else gelu_tanh(y)) * other
+        template, threadgroup, blocks = self.launch_arguments()
+        rows = x.shape[0]
+        (y,) = kernels.launch(
+            "product_tiles",
+            inputs=[self.weight.data, (self.second if self.second is not None else self.weight).data, *x],
+            template=template,
+            grid=(threadgroup[0] * -(-rows // TILE_TOKENS), blocks, 1),
+            threadgroup=threadgroup,
+            output_shapes=[(rows, self.out_features)],
+            output_dtypes=[mx.float32],
+        )
+        return y
+
+
 def product(x: Q8X, weight, second=None, head: tuple[float, float] | None = None, settings: Settings = DEFAULT):
     """Product(weight, second, head) for x's rows, called once (tests, benchmarks)."""
     return Product(weight, second, head, math.prod(x.shape[:-1]), settings=settings)(x)
