@@ -56,8 +56,9 @@ def kv_bytes_read(model, positions: int, dtype_bytes: int) -> int:
 BUILD_MS = {}  # B -> the host's ms a step to build the batched step's graph
 
 
-def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng) -> float:
-    """Seconds for `steps` steps of `batch` sequences that each hold `prompt` positions."""
+def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng, tiles: bool | None = None) -> float:
+    """Seconds for `steps` steps of `batch` sequences that each hold `prompt` positions (tiles:
+    BatchStep's)."""
     vocab = model.config.vocab
     if batch == 1:
         copy = BatchKV(model, prompt_cache[0].dtype)
@@ -77,7 +78,7 @@ def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng) -> 
             token = queued
         token.item()
         return time.perf_counter() - tic
-    step = BatchStep(model)
+    step = BatchStep(model, tiles=tiles)
     kv = BatchKV(model, prompt_cache[0].dtype)
     for _ in range(batch):
         kv.add(prompt_cache)
@@ -98,13 +99,13 @@ def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng) -> 
     return time.perf_counter() - tic
 
 
-def products_ms(model, batch: int, runs: int = 3) -> float:
+def products_ms(model, batch: int, runs: int = 3, tiles: bool | None = None) -> float:
     """ms for the batched step's products alone (every layer's grouped launches and the head) on
     fixed q8x x of the step's padded rows, evaluated once: what the weights' reads and the
     products' arithmetic cost without attention and the seams."""
     from muser_mlx import ops
     from muser_mlx.models.batch_decode import GROUP
-    step = BatchStep(model)
+    step = BatchStep(model, tiles=tiles)
     if not step.q8x:
         return float("nan")
     layers, head = step.launches()
@@ -137,7 +138,7 @@ def products_ms(model, batch: int, runs: int = 3) -> float:
 
 def form(step) -> str:
     if step.q8x:
-        return "q8x grouped products"
+        return "q8x tile products" if step.tiles else "q8x grouped products"
     return "one node a layer (CPUDecodeStep.rows)" if step.layer_nodes else "float rows (ops.linear)"
 
 
@@ -150,6 +151,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--parts", action="store_true", help="also the products alone at each B >= 2")
+    parser.add_argument("--grouped", action="store_true",
+                        help="also each B >= 2 with the grouped products (Settings.batch_tiles False), same run")
     args = parser.parse_args()
     written = None
     if args.model == "default":
@@ -182,10 +185,16 @@ def main() -> None:
             middle = args.prompt + 3 + args.steps // 2
             floor = (weights + batch * kv_bytes_read(model, middle, dtype_bytes)) / bandwidth
             ms = 1e3 * seconds / args.steps
-            print(f"{batch:>3} {ms:>8.2f} {batch * args.steps / seconds:>9.1f} {1e3 * floor:>8.2f} "
-                  f"{batch / floor:>11.1f} {BUILD_MS.get(batch, float('nan')):>8.2f}"
-                  + (f"  products alone {products_ms(model, batch):.2f} ms" if args.parts and batch > 1 else ""),
-                  flush=True)
+            line = (f"{batch:>3} {ms:>8.2f} {batch * args.steps / seconds:>9.1f} {1e3 * floor:>8.2f} "
+                    f"{batch / floor:>11.1f} {BUILD_MS.get(batch, float('nan')):>8.2f}")
+            if args.parts and batch > 1:
+                line += f"  products alone {products_ms(model, batch):.2f} ms"
+            if args.grouped and batch > 1:
+                grouped = run_batch(model, prompt_cache, batch, args.prompt, args.steps, rng, tiles=False)
+                line += f"  grouped {1e3 * grouped / args.steps:.2f} ms/step"
+                if args.parts:
+                    line += f" (products alone {products_ms(model, batch, tiles=False):.2f} ms)"
+            print(line, flush=True)
     finally:
         if written is not None and not args.keep:
             written.unlink()

@@ -7,8 +7,9 @@
 #   call 2, carry [".device/b"]:  bash bench/gpu_round.sh tests   # wheels installed; make test-gpu alone
 #   call 3, no carry:             bash bench/gpu_round.sh bench   # bench/batch.py and llama-batched-bench on
 #                                                                 # the same file in the same run
-#   (or call 2 with [".device/b"] carried: `bench` installs the wheels itself; NCU_SECONDS=N adds ncu
-#   sections of a few grouped products, BATCH_ARGS more batch.py options, e.g. --parts)
+#   (or call 2 with [".device/b"] carried: `bench` installs the wheels itself; PRE_TESTS="pytest
+#   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
+#   step, BATCH_ARGS more batch.py options, e.g. "--parts --grouped"; `tests` may follow it)
 #
 # What comes back (under $OUT): test-gpu.tgz (every shard's log in one file: a reply brings back a
 # few files only), test-gpu.summary, batch.txt, llama-batched.jsonl. Learnt the hard way
@@ -25,8 +26,10 @@ start)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   ;;
 tests)
-  cp .device/b/* /tmp/w/ && cat /tmp/w/mlxcuda.part.* > "/tmp/w/$(cat /tmp/w/WHEEL_NAME)" && rm /tmp/w/mlxcuda.part.* \
-    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl || exit 1
+  if [ ! -d /tmp/site/mlx ]; then  # (installed already by a `bench` call that carried .device/b)
+    cp .device/b/* /tmp/w/ && cat /tmp/w/mlxcuda.part.* > "/tmp/w/$(cat /tmp/w/WHEEL_NAME)" && rm /tmp/w/mlxcuda.part.* \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl || exit 1
+  fi
   mkdir -p /tmp/gpulogs
   timeout "${TESTS_SECONDS:-520}" make test-gpu SHARDS="${SHARDS:-16}" GPU_LOGS=/tmp/gpulogs > "$OUT/test-gpu.summary" 2>&1
   echo "make test-gpu exit $?" >> "$OUT/test-gpu.summary"
@@ -40,6 +43,10 @@ bench)
   if [ -d .device/b ] && [ ! -d /tmp/site/mlx ]; then
     cp .device/b/* /tmp/w/ && cat /tmp/w/mlxcuda.part.* > "/tmp/w/$(cat /tmp/w/WHEEL_NAME)" && rm /tmp/w/mlxcuda.part.* \
       && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl || exit 1
+  fi
+  if [ -n "${PRE_TESTS:-}" ]; then  # a few tests first (e.g. a new kernel's), before the file and the benches
+    timeout 120 python3 -m pytest -q -p no:cacheprovider $PRE_TESTS > "$OUT/pre-tests.txt" 2>&1
+    tail -n 5 "$OUT/pre-tests.txt"
   fi
   [ -f /dev/shm/muse-glimmer-random-52.gguf ] || (cd bench && python3 -c "import numpy as np, decode, pathlib; \
     decode.write_file(pathlib.Path('/dev/shm/muse-glimmer-random-52.gguf'), np.random.default_rng(0))")

@@ -135,10 +135,12 @@ class BatchStep:
     """`model`'s batched decode step: tokens int32 [B] (may be lazy; in range) and a BatchKV
     with B rows -> float32 logits [B, vocab]; the rows' lengths advance by one."""
 
-    def __init__(self, model, q8x: bool | None = None):
-        """q8x: the GPU form (int8 x, grouped products); None: where the fused step runs."""
+    def __init__(self, model, q8x: bool | None = None, tiles: bool | None = None):
+        """q8x: the GPU form (int8 x, tile or grouped products); None: where the fused step
+        runs. tiles: its products as tile products; None: Settings.batch_tiles."""
         self.model = model
         self.q8x = model.fused if q8x is None else q8x
+        self.tiles = model.settings.batch_tiles if tiles is None else tiles
         self._launches = None
         self.rounded = cpu_decode.rounds(model)  # as generate()'s CPU steps
         # The CPU extension's decode attention, where generate()'s CPU step runs it: per-row
@@ -147,11 +149,6 @@ class BatchStep:
         # Where generate()'s CPU step makes a layer one node, the batched step's layers are that
         # node over B rows, compiled as that step (SmolLM2 8 rows: 16.7 ms against 19.8).
         self.layer_nodes = self.compiled_attention and model.cpu_step.takes_rows
-
-    @property
-    def tiles(self) -> bool:
-        """Whether the GPU form's products are tile products (Settings.batch_tiles)."""
-        return self.model.settings.batch_tiles
 
     def launches(self):
         """The products of every layer and the LM head, built on first use: tile products
