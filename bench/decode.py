@@ -157,6 +157,11 @@ def write_file(path: Path, rng, layers: int = LAYERS) -> int:
         "muse-glimmer.final_logit_softcapping": 20.0,
     }
     metadata.update(bpe_tokenizer_metadata())
+    # The vocabulary padded to the embedding's rows with unused tokens: llama.cpp takes its
+    # vocabulary size from the token list and refuses a table of more rows.
+    tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
+    metadata["tokenizer.ggml.tokens"] = tokens + [f"<|unused_{i}|>" for i in range(VOCAB - len(tokens))]
+    metadata["tokenizer.ggml.token_type"] = types + [5] * (VOCAB - len(types))
     infos = tensor_infos(closest_mix(layers), layers)
     write_gguf_streaming(path, metadata, infos, fill)
     return path.stat().st_size
