@@ -286,11 +286,13 @@ def test_tile_products(rng, rows, first, second, activation):
     """Kernel product_tiles (the batched decode step's products, int8 matrix products: shuffles
     and dot4 here, the same values as tensor cores): 8-row tiles of x (72 rows: two token groups,
     the second partial), 16-row tiles of weights with rows past OUT (37 and 45 rows), two formats
-    in one launch, the gated form."""
+    in one launch, the gated form; 2 spans a row for 4 SIMD groups (two add nothing), and Q8_0
+    rows of 576 values (a block a span)."""
     out_a = 64 if activation else 37
-    a, a_values = weight(rng, first, 512, out_a, "a")
-    b, b_values = weight(rng, second, 512, out_a if activation else 45, "b") if second else (None, None)
-    x, x_values = q8x(rng.standard_normal((rows, 512)).astype(np.float32))
+    n = 576 if first == GGMLType.Q8_0 and not second else 512  # Q8_0 rows of 9 64-value spans: a block a span
+    a, a_values = weight(rng, first, n, out_a, "a")
+    b, b_values = weight(rng, second, n, out_a if activation else 45, "b") if second else (None, None)
+    x, x_values = q8x(rng.standard_normal((rows, n)).astype(np.float32))
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         out = np.array(ops.TileProduct(a, b, activation)(x))
     assert kernel_names(launches) == ["product_tiles"] and np.isfinite(out).all()
@@ -304,7 +306,7 @@ def test_tile_products(rng, rows, first, second, activation):
         expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
     assert out.shape == expected.shape and relative_error(out, expected) <= PRODUCT_BOUND
     with pytest.raises(ValueError, match="positive multiple of 8"):
-        ops.TileProduct(a)(q8x(rng.standard_normal((12, 512)).astype(np.float32))[0])
+        ops.TileProduct(a)(q8x(rng.standard_normal((12, n)).astype(np.float32))[0])
 
 
 def configured(config, *ggml_types, **fields) -> Settings:

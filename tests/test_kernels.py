@@ -147,7 +147,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 24 * 16), InputSpec(mx.float32, 2, 24 * 64)],
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 37), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
-         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("MT", 2), ("GLU", 0), ("ACTIVATION", 0)]
+         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("SPLIT", 4), ("GLU", 0), ("ACTIVATION", 0)]
     ),
     "product_tiles_glu_q8_0": (
         "product_tiles",
@@ -155,7 +155,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 8 * 16), InputSpec(mx.float32, 2, 8 * 64)],
         [mx.float32],
         [("FORMAT_A", 8), ("ROW_BYTES_A", 544), ("OUT_A", 64), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
-         ("OUT_B", 64), ("IN", 512), ("TOKENS", 64), ("MT", 1), ("GLU", 1), ("ACTIVATION", 1)]
+         ("OUT_B", 64), ("IN", 512), ("TOKENS", 64), ("SPLIT", 4), ("GLU", 1), ("ACTIVATION", 1)]
     ),
     "quantize_rows": (
         "quantize_rows",

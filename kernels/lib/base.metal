@@ -145,6 +145,14 @@ inline void muser_device_fence() {
 }
 #endif
 
+// A loop unrolled whole (CUDA; Metal's compiler decides): where a loop's index picks array
+// elements, which then stay in registers instead of the stack.
+#if defined(__CUDACC__)
+#define MUSER_UNROLL _Pragma("unroll")
+#else
+#define MUSER_UNROLL
+#endif
+
 // Integer matrix products of a SIMD group on int8 codes (tensor cores on NVIDIA GPUs: one
 // mma.sync instruction each; elsewhere the same result from shuffles and muser_dot4), for the
 // batched decode products (lib/tiles.metal). Lane l holds, with g = l / 4 and t = l % 4:

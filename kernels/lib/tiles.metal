@@ -32,49 +32,96 @@ struct muser_tile_w {
   int sc[4];
 };
 
-// Block b (b < IN / 32) of the rows at byte offsets row0 and row8 of `weight`.
-//   Q4_K: super-block b / 8, sub-block s = b % 8: the low (s even) or high nibbles of quant
-//         bytes 32 (s / 2) + 8t .. + 7; value = d sc q - dmin m.
-//   Q6_K: super-block b / 8, half n = (b % 8) / 4, quarter q = b % 4: codes from ql bytes
-//         64n + 32 (q % 2) + l (nibble q / 2) and qh bytes 32n + l (bits 2q, 2q+1), l the
-//         position in the block; value = d sc (q - 32), the -32 taken into the int8 code.
-//   Q8_0: block b: value = d q.
-template <int FORMAT>
-inline void muser_tile_weights(thread muser_tile_w& w, const device uint8_t* weight, size_t row0, size_t row8,
-                               uint b, uint t) {
+// A span: the blocks a SIMD group's loads of a weight cover at once, 8 (a super-block of Q4_K
+// or Q6_K; 8 Q8_0 blocks), or 1 for Q8_0 rows of a length that is not whole 256-value spans.
+// The lane's words of a span of its two rows, all loaded before any is used (the loads of a
+// span in flight together: ~2.3 KB a SIMD group), RAW words a row:
+//   Q4_K (12): the super-block's 16-byte head (d, dmin, scales), then for each pair of
+//              sub-blocks p the 8 quant bytes 32p + 8t .. (both sub-blocks' nibbles);
+//   Q6_K (17): ql words 64n + 32m + 16h + 4t (i = 4n + 2m + h), qh words 128 + 32n + 16h + 4t
+//              (8 + 2n + h), the 16 int8 scales (12..15), d (16);
+//   Q8_0 (3 a block): the block's codes 2 + 8t.. (two words), then d.
+template <int FORMAT, int IN>
+inline uint muser_tile_span() {
+  return FORMAT == MUSER_Q8_0 && IN % 256 != 0 ? 1u : 8u;
+}
+
+#define MUSER_TILE_RAW(FORMAT) ((FORMAT) == MUSER_Q4_K ? 12 : (FORMAT) == MUSER_Q6_K ? 17 : 24)
+
+template <int FORMAT, int IN>
+inline void muser_tile_load(thread uint* raw, const device uint8_t* weight, size_t row0, size_t row8, uint span,
+                            uint t) {
+  const int RAW = MUSER_TILE_RAW(FORMAT);
   for (int r = 0; r < 2; ++r) {
     size_t row = r == 0 ? row0 : row8;
+    thread uint* words = raw + r * RAW;
     if (FORMAT == MUSER_Q4_K) {
-      const device uint8_t* block = weight + row + 144u * (b / 8u);
-      uint s = b % 8u;
+      const device uint8_t* block = weight + row + 144u * span;
       uint4 head = *((const device uint4*)block);
-      uint2 quants = *((const device uint2*)(block + 16u + 32u * (s / 2u) + 8u * t));
-      uint4 pairs = muser_q4k_group_scales(head.y, head.z, head.w, s / 2u);
-      uint shift = 4u * (s % 2u);
-      w.a[r] = (quants.x >> shift) & 0x0F0F0F0Fu;
-      w.a[2 + r] = (quants.y >> shift) & 0x0F0F0F0Fu;
-      w.scale[r] = muser_half_low(head.x) * float(s % 2u != 0u ? pairs.z : pairs.x);
-      w.least[r] = muser_half_high(head.x) * float(s % 2u != 0u ? pairs.w : pairs.y);
-    } else if (FORMAT == MUSER_Q6_K) {
-      size_t block = row + 210u * size_t(b / 8u);
-      uint n = (b % 8u) / 4u;
-      uint q = b % 4u;
-      for (uint half_index = 0; half_index < 2u; ++half_index) {
-        uint l = 16u * half_index + 4u * t;
-        uint low = muser_word_at(weight, block + 64u * n + 32u * (q % 2u) + l);
-        uint high = muser_word_at(weight, block + 128u + 32u * n + l);
-        uint codes = ((low >> (4u * (q / 2u))) & 0x0F0F0F0Fu) | (((high >> (2u * q)) & 0x03030303u) << 4);
-        w.a[2u * half_index + uint(r)] = ((codes | 0x80808080u) - 0x20202020u) ^ 0x80808080u;  // q - 32, bytewise
-        w.sc[2u * half_index + uint(r)] = int(uint(weight[block + 192u + 8u * n + 2u * q + half_index]) ^ 128u) - 128;
+      words[0] = head.x; words[1] = head.y; words[2] = head.z; words[3] = head.w;
+      for (uint p = 0; p < 4u; ++p) {
+        uint2 quants = *((const device uint2*)(block + 16u + 32u * p + 8u * t));
+        words[4u + 2u * p] = quants.x;
+        words[5u + 2u * p] = quants.y;
       }
-      w.scale[r] = float(as_type<half>(*((const device ushort*)(weight + block + 208u))));
+    } else if (FORMAT == MUSER_Q6_K) {
+      size_t block = row + 210u * size_t(span);
+      for (uint i = 0; i < 8u; ++i) {
+        words[i] = muser_word_at(weight, block + 64u * (i / 4u) + 32u * ((i / 2u) % 2u) + 16u * (i % 2u) + 4u * t);
+      }
+      for (uint i = 0; i < 4u; ++i) {
+        words[8u + i] = muser_word_at(weight, block + 128u + 32u * (i / 2u) + 16u * (i % 2u) + 4u * t);
+        words[12u + i] = muser_word_at(weight, block + 192u + 4u * i);
+      }
+      words[16] = uint(*((const device ushort*)(weight + block + 208u)));
+    } else {
+      for (uint k = 0; k < muser_tile_span<FORMAT, IN>(); ++k) {
+        size_t block = row + 34u * size_t(span * muser_tile_span<FORMAT, IN>() + k);
+        uint2 codes = muser_words2(weight, block + 2u + 8u * t);
+        words[3u * k] = codes.x;
+        words[3u * k + 1u] = codes.y;
+        words[3u * k + 2u] = uint(*((const device ushort*)(weight + block)));
+      }
+    }
+  }
+}
+
+// Block k of a span (its words `raw`, muser_tile_load's) as the products' operands.
+//   Q4_K: sub-block k: the low (k even) or high nibbles of pair k / 2's quant bytes; value =
+//         d sc q - dmin m.
+//   Q6_K: half n = k / 4, quarter q = k % 4: codes from ql (nibble q / 2) and qh (bits 2q,
+//         2q+1), position l of the block at ql byte 64n + 32 (q % 2) + l and qh byte 32n + l;
+//         value = d sc (q - 32), the -32 taken into the int8 code; scale 8n + 2q + (l >= 16).
+//   Q8_0: value = d q.
+template <int FORMAT>
+inline void muser_tile_unpack(thread muser_tile_w& w, thread const uint* raw, uint k) {
+  const int RAW = MUSER_TILE_RAW(FORMAT);
+  for (int r = 0; r < 2; ++r) {
+    thread const uint* words = raw + r * RAW;
+    if (FORMAT == MUSER_Q4_K) {
+      uint4 pairs = muser_q4k_group_scales(words[1], words[2], words[3], k / 2u);
+      uint shift = 4u * (k % 2u);
+      w.a[r] = (words[4u + 2u * (k / 2u)] >> shift) & 0x0F0F0F0Fu;
+      w.a[2 + r] = (words[5u + 2u * (k / 2u)] >> shift) & 0x0F0F0F0Fu;
+      w.scale[r] = muser_half_low(words[0]) * float(k % 2u != 0u ? pairs.z : pairs.x);
+      w.least[r] = muser_half_high(words[0]) * float(k % 2u != 0u ? pairs.w : pairs.y);
+    } else if (FORMAT == MUSER_Q6_K) {
+      uint n = k / 4u;
+      uint q = k % 4u;
+      for (uint h = 0; h < 2u; ++h) {
+        uint low = words[4u * n + 2u * (q % 2u) + h];
+        uint high = words[8u + 2u * n + h];
+        uint codes = ((low >> (4u * (q / 2u))) & 0x0F0F0F0Fu) | (((high >> (2u * q)) & 0x03030303u) << 4);
+        w.a[2u * h + uint(r)] = ((codes | 0x80808080u) - 0x20202020u) ^ 0x80808080u;  // q - 32, bytewise
+        uint byte = 8u * n + 2u * q + h;
+        w.sc[2u * h + uint(r)] = int(words[12u + byte / 4u] << (24u - 8u * (byte % 4u))) >> 24;
+      }
+      w.scale[r] = muser_half_low(words[16]);
       w.least[r] = 0.0f;
     } else {
-      size_t block = row + 34u * size_t(b);
-      uint2 codes = muser_words2(weight, block + 2u + 8u * t);
-      w.a[r] = codes.x;
-      w.a[2 + r] = codes.y;
-      w.scale[r] = float(as_type<half>(*((const device ushort*)(weight + block))));
+      w.a[r] = words[3u * k];
+      w.a[2 + r] = words[3u * k + 1u];
+      w.scale[r] = muser_half_low(words[3u * k + 2u]);
       w.least[r] = 0.0f;
     }
   }
@@ -143,32 +190,32 @@ inline void muser_tile_block(thread const muser_tile_w& w, thread const muser_ti
   }
 }
 
-// MT 16-row tiles from first_row (rows past OUT re-read row OUT - 1; the caller never stores
-// them) times `live` 8-token tiles (of at most NT) of x from first_token, over all IN / 32
-// blocks: acc[(mt * NT + j) * 4 + e] (e as muser_tile_block's). The weights' share of a block
-// is read once for all token tiles.
-template <int FORMAT, int ROW_BYTES, int OUT, int MT, int NT, int IN>
+// The 16-row tile from first_row (rows past OUT re-read row OUT - 1; the caller never stores
+// them) times `live` 8-token tiles (of at most NT) of x from first_token, over the spans part,
+// part + SPLIT, ... of the row (SPLIT SIMD groups share a tile, each a share of its columns):
+// acc[j * 4 + e] (e as muser_tile_block's). The weights' share of a block is read once for all
+// the token tiles.
+template <int FORMAT, int ROW_BYTES, int OUT, int NT, int IN, int SPLIT>
 inline void muser_tile_rows(const device uint8_t* weight, uint first_row, const device int8_t* xq,
-                            const device float* xd, const device float* xs, uint first_token, uint live, uint lane,
-                            thread float* acc) {
+                            const device float* xd, const device float* xs, uint first_token, uint live, uint part,
+                            uint lane, thread float* acc) {
   uint g = lane / 4u;
   uint t = lane % 4u;
-  size_t rows[2 * MT];
-  for (int mt = 0; mt < MT; ++mt) {
-    rows[2 * mt] = size_t(min(first_row + 16u * uint(mt) + g, uint(OUT - 1))) * uint(ROW_BYTES);
-    rows[2 * mt + 1] = size_t(min(first_row + 16u * uint(mt) + g + 8u, uint(OUT - 1))) * uint(ROW_BYTES);
-  }
-  for (uint b = 0; b < uint(IN / 32); ++b) {
-    muser_tile_w w[MT];
-    for (int mt = 0; mt < MT; ++mt) {
-      muser_tile_weights<FORMAT>(w[mt], weight, rows[2 * mt], rows[2 * mt + 1], b, t);
-    }
-    for (int j = 0; j < NT; ++j) {
-      if (uint(j) < live) {
-        muser_tile_x x;
-        muser_tile_activations<FORMAT, IN>(x, xq, xd, xs, first_token + 8u * uint(j), b, g, t);
-        for (int mt = 0; mt < MT; ++mt) {
-          muser_tile_block<FORMAT>(w[mt], x, lane, acc + (mt * NT + j) * 4);
+  size_t row0 = size_t(min(first_row + g, uint(OUT - 1))) * uint(ROW_BYTES);
+  size_t row8 = size_t(min(first_row + g + 8u, uint(OUT - 1))) * uint(ROW_BYTES);
+  const uint SPAN = muser_tile_span<FORMAT, IN>();
+  for (uint span = part; span < uint(IN / 32) / SPAN; span += uint(SPLIT)) {
+    uint raw[2 * MUSER_TILE_RAW(FORMAT)];
+    muser_tile_load<FORMAT, IN>(raw, weight, row0, row8, span, t);
+    MUSER_UNROLL
+    for (uint k = 0; k < SPAN; ++k) {
+      muser_tile_w w;
+      muser_tile_unpack<FORMAT>(w, raw, k);
+      for (int j = 0; j < NT; ++j) {
+        if (uint(j) < live) {
+          muser_tile_x x;
+          muser_tile_activations<FORMAT, IN>(x, xq, xd, xs, first_token + 8u * uint(j), span * SPAN + k, g, t);
+          muser_tile_block<FORMAT>(w, x, lane, acc + j * 4);
         }
       }
     }

@@ -243,9 +243,10 @@ class GatedProduct:
 
 
 # The batched step's tile products (kernel product_tiles): x rows a launch's token group holds
-# (8 of them a tile, all read against each weight block once) and SIMD groups a threadgroup.
+# (8 of them a tile, all read against each weight block once), and SIMD groups sharing a
+# 16-row tile (each a share of the row's spans).
 TILE_TOKENS = 64
-TILE_SIMD_GROUPS = 4
+TILE_SPLIT = 4
 
 
 class TileProduct:
@@ -276,16 +277,15 @@ class TileProduct:
         self.out_a, self.out_b = weight.shape[1], second.shape[1] if second is not None else 0
         self.out_features = self.out_a if activation else self.out_a + self.out_b
         glu = activation is not None
-        tile_rows = 1 if glu else 2  # 16-row tiles a SIMD group (a gated product holds both weights' sums)
-        groups = -(-self.out_a // (16 * tile_rows)) + (0 if glu else -(-self.out_b // (16 * tile_rows)))
+        tiles = -(-self.out_a // 16) + (0 if glu else -(-self.out_b // 16))  # 16-row tiles
         template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
                     + _weight_template("B", second if second is not None else weight)
-                    + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", TILE_TOKENS), ("MT", tile_rows),
-                       ("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)])
-        self._launch = (template, (32 * TILE_SIMD_GROUPS, 1, 1), -(-groups // TILE_SIMD_GROUPS))
+                    + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", TILE_TOKENS),
+                       ("SPLIT", TILE_SPLIT), ("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)])
+        self._launch = (template, (32 * TILE_SPLIT, 1, 1), tiles)
 
     def launch_arguments(self):
-        """(template, threadgroup, row blocks), fixed at construction."""
+        """(template, threadgroup, tiles), fixed at construction."""
         return self._launch
 
     def __call__(self, x: Q8X) -> mx.array:
@@ -301,13 +301,13 @@ class TileProduct:
             if self.activation is None:
                 return mx.concatenate([y, other], axis=-1)
             return (y * mx.sigmoid(y) if self.activation == "silu" else gelu_tanh(y)) * other
-        template, threadgroup, blocks = self.launch_arguments()
+        template, threadgroup, tiles = self.launch_arguments()
         rows = x.shape[0]
         (y,) = kernels.launch(
             "product_tiles",
             inputs=[self.weight.data, (self.second if self.second is not None else self.weight).data, *x],
             template=template,
-            grid=(threadgroup[0] * -(-rows // TILE_TOKENS), blocks, 1),
+            grid=(threadgroup[0] * -(-rows // TILE_TOKENS), tiles, 1),
             threadgroup=threadgroup,
             output_shapes=[(rows, self.out_features)],
             output_dtypes=[mx.float32],
