@@ -151,8 +151,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--parts", action="store_true", help="also the products alone at each B >= 2")
-    parser.add_argument("--grouped", action="store_true",
-                        help="also each B >= 2 with the grouped products (Settings.batch_tiles False), same run")
+    parser.add_argument("--both", action="store_true",
+                        help="also each B >= 2 with the other product form (Settings.batch_tiles flipped), same run")
     args = parser.parse_args()
     written = None
     if args.model == "default":
@@ -189,11 +189,12 @@ def main() -> None:
                     f"{batch / floor:>11.1f} {BUILD_MS.get(batch, float('nan')):>8.2f}")
             if args.parts and batch > 1:
                 line += f"  products alone {products_ms(model, batch):.2f} ms"
-            if args.grouped and batch > 1:
-                grouped = run_batch(model, prompt_cache, batch, args.prompt, args.steps, rng, tiles=False)
-                line += f"  grouped {1e3 * grouped / args.steps:.2f} ms/step"
+            if args.both and batch > 1:
+                other = not model.settings.batch_tiles
+                seconds = run_batch(model, prompt_cache, batch, args.prompt, args.steps, rng, tiles=other)
+                line += f"  {'tiles' if other else 'grouped'} {1e3 * seconds / args.steps:.2f} ms/step"
                 if args.parts:
-                    line += f" (products alone {products_ms(model, batch, tiles=False):.2f} ms)"
+                    line += f" (products alone {products_ms(model, batch, tiles=other):.2f} ms)"
             print(line, flush=True)
     finally:
         if written is not None and not args.keep:

@@ -9,7 +9,7 @@
 #                                                                 # the same file in the same run
 #   (or call 2 with [".device/b"] carried: `bench` installs the wheels itself; PRE_TESTS="pytest
 #   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
-#   step, BATCH_ARGS more batch.py options, e.g. "--parts --grouped"; `tests` may follow it)
+#   step, BATCH_ARGS more batch.py options, e.g. "--parts --both"; `tests` may follow it)
 #
 # What comes back (under $OUT): test-gpu.tgz (every shard's log in one file: a reply brings back a
 # few files only), test-gpu.summary, batch.txt, llama-batched.jsonl. Learnt the hard way

@@ -74,9 +74,11 @@ class Settings:
     # The step compiled with mx.compile (its Python runs once per cache shape, not every step).
     compile_decode: bool = True
     # The batched GPU step's products (models/batch_decode.py) as int8 tile products (kernel
-    # product_tiles); False: kernel product's and product_glu's grouped form (8 rows a
-    # threadgroup, dot4 on the CUDA cores).
-    batch_tiles: bool = True
+    # product_tiles, tensor-core MMA) instead of kernel product's and product_glu's grouped form
+    # (8 rows a threadgroup, dot4 on the CUDA cores). Off: the grouped step was faster whole at
+    # every B measured (H100, B = 64: 136.6 against 142.5 ms/step, though the tile products alone
+    # took 101 ms against 126; bench/RESULTS.md).
+    batch_tiles: bool = False
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any

@@ -724,8 +724,10 @@ def test_an_endless_loop_is_reported(rng):
 
 # Muse Glimmer's layer (QK norm, attention gate, sliding window); OLMo 2's (q/k norm over the
 # whole projections, no pre-norms); Gemma 2's (attention softcap, here one that bites).
-def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng):
-    """BatchStep's GPU form with its tile products (kernel product_tiles) on a 1-layer tiny Muse
+@pytest.mark.parametrize("tiles", [False, True], ids=["grouped", "tiles"])
+def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, tiles):
+    """BatchStep's GPU form, with its grouped products (kernels product / product_glu) or its tile
+    products (kernel product_tiles, Settings.batch_tiles), on a 1-layer tiny Muse
     Glimmer (Q4_K and Q6_K weights), 3 sequences of their own lengths padded to 8 rows, against
     the same step's CPU rendering from the same store: the products sum in another order, which
     may move an int8 code of a later input (test_batch.py's bounds)."""
@@ -741,13 +743,14 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng):
             for cache in caches:
                 kv.add(cache)
         tokens = mx.array(rng.integers(0, model.config.vocab, size=3), dtype=mx.int32)
-        step = BatchStep(model, q8x=True)
+        step = BatchStep(model, q8x=True, tiles=tiles)
         expected = np.array(step(tokens, stores[0]))
         with emulated_gpu() as launches, kernels.poisoned_outputs():
-            step = BatchStep(model, q8x=True)
+            step = BatchStep(model, q8x=True, tiles=tiles)
             logits = np.array(step(tokens, stores[1]))
-    assert "product_tiles" in {launch[0] for launch in launches}
-    assert {"product", "product_glu"}.isdisjoint(launch[0] for launch in launches)
+    names = {launch[0] for launch in launches}
+    assert ("product_tiles" in names) == tiles
+    assert {"product", "product_glu"}.isdisjoint(names) == tiles
     assert np.isfinite(logits).all() and logits.shape == expected.shape
     for row, row_expected in zip(logits, expected):
         assert relative_error(row, row_expected) <= FUSED_NUMERICS_BOUND
