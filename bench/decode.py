@@ -74,6 +74,7 @@ from muser_mlx.formats import GGMLType, tensor_bytes  # noqa: E402
 from muser_mlx.generate import decode, load  # noqa: E402
 from muser_mlx.ops import pacer  # noqa: E402
 from muser_mlx.testing import bpe_tokenizer_metadata, write_gguf_streaming  # noqa: E402
+from muser_mlx.tokenizer import UNUSED  # noqa: E402
 from settings_cli import HELP, parse_variant, rebuilt, settings_from  # noqa: E402
 
 ARTIFACT_BYTES = 16_756_681_056
@@ -161,7 +162,7 @@ def write_file(path: Path, rng, layers: int = LAYERS) -> int:
     # vocabulary size from the token list and refuses a table of more rows.
     tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
     metadata["tokenizer.ggml.tokens"] = tokens + [f"<|unused_{i}|>" for i in range(VOCAB - len(tokens))]
-    metadata["tokenizer.ggml.token_type"] = types + [5] * (VOCAB - len(types))
+    metadata["tokenizer.ggml.token_type"] = types + [UNUSED] * (VOCAB - len(types))
     infos = tensor_infos(closest_mix(layers), layers)
     write_gguf_streaming(path, metadata, infos, fill)
     return path.stat().st_size
