@@ -168,7 +168,7 @@ def test_a_prompt_that_extends_the_last_one_is_read_from_the_prompt_cache(server
     assert plain.usage.prompt_tokens_details.cached_tokens == 0
     cache = cpu_decode.generation_cache(model)  # as the server's
     tokens = [r.token for r in stream_generate(model, tokenizer, first, 6, cache=cache)]
-    assert plain.choices[0].text == tokenizer.decode(tokens) and len(tokens) == 6
+    assert plain.choices[0].text == tokenizer.decode(tokens, skip_special_tokens=True) and len(tokens) == 6
     fed = first + tokens[:-1]
     second = fed + tokenizer.encode(" jumps over", add_special_tokens=False)
     reply = client.completions.create(model="tiny", prompt=second, max_tokens=8)
