@@ -11,6 +11,8 @@ position, mid-run) / copy bandwidth measured in the same run.
     python bench/batch.py [--model FILE | --dir /dev/shm --keep] [--batches 1,8,32,64] [--prompt 128] [--steps 128]
       (no --model: the full-scale random-weight Muse Glimmer file of bench/decode.py, written once)
     python bench/batch.py --model default   # the packaged SmolLM2 (the CPU)
+    --parts: the products alone a step; --each: each product of layer 0 and the head alone (ms,
+    floor, GB/s, int8 multiply-adds a second); --both: the other product form too, same run
 """
 
 from __future__ import annotations
@@ -136,6 +138,41 @@ def products_ms(model, batch: int, runs: int = 3, tiles: bool | None = None) -> 
     return 1e3 * sorted(times)[len(times) // 2]
 
 
+def each_product(model, batch: int, bandwidth: float, tiles: bool | None = None, runs: int = 5) -> list[str]:
+    """One line for each product of layer 0 and the LM head, each alone (20 launches evaluated
+    together, the median of `runs`): ms a launch, its weight bytes over the copy rate (its floor)
+    and its int8 multiply-adds a second, for a product's share of the step."""
+    from muser_mlx import ops
+    from muser_mlx.models.batch_decode import GROUP
+    step = BatchStep(model, tiles=tiles)
+    if not step.q8x:
+        return []
+    layers, head = step.launches()
+    rows = -(-batch // GROUP) * GROUP
+    named = [(f"inputs {i}", p) for i, p in enumerate(layers[0]["inputs"])]
+    named += [("output", layers[0]["output"]), ("gate_up", layers[0]["gate_up"]), ("down", layers[0]["down"]),
+              ("head", head)]
+    lines = []
+    for name, product in named:
+        x = ops.quantize_rows(mx.random.normal((rows, product.in_features)))
+        mx.eval(*x)
+        if hasattr(product, "gate"):  # a grouped gated product
+            weights = [product.gate, product.up]
+        else:
+            weights = [product.weight] + ([product.second] if product.second is not None else [])
+        nbytes = sum(w.data.nbytes for w in weights)
+        values = sum(w.shape[0] * w.shape[1] for w in weights)
+        times = []
+        for _ in range(runs):
+            tic = time.perf_counter()
+            mx.eval([product(x) for _ in range(20)])
+            times.append((time.perf_counter() - tic) / 20)
+        ms = 1e3 * sorted(times)[runs // 2]
+        lines.append(f"    {name:<9} {ms:8.3f} ms  floor {1e3 * nbytes / bandwidth:7.3f} ms  "
+                     f"{nbytes / (ms / 1e3) / 1e9:7.1f} GB/s  {rows * values / (ms / 1e3) / 1e12:6.1f} T int8 MAC/s")
+    return lines
+
+
 def form(step) -> str:
     if step.q8x:
         return "q8x tile products" if step.tiles else "q8x grouped products"
@@ -151,6 +188,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--parts", action="store_true", help="also the products alone at each B >= 2")
+    parser.add_argument("--each", action="store_true",
+                        help="also each product of layer 0 and the head alone at each B >= 2 (both forms with --both)")
     parser.add_argument("--both", action="store_true",
                         help="also each B >= 2 with the other product form (Settings.batch_tiles flipped), same run")
     args = parser.parse_args()
@@ -196,6 +235,12 @@ def main() -> None:
                 if args.parts:
                     line += f" (products alone {products_ms(model, batch, tiles=other):.2f} ms)"
             print(line, flush=True)
+            if args.each and batch > 1:
+                for tiles in ([None, not model.settings.batch_tiles] if args.both else [None]):
+                    chosen = model.settings.batch_tiles if tiles is None else tiles
+                    print(f"  each product alone, {'tiles' if chosen else 'grouped'}:", flush=True)
+                    for each in each_product(model, batch, bandwidth, tiles=tiles):
+                        print(each, flush=True)
     finally:
         if written is not None and not args.keep:
             written.unlink()
