@@ -24,12 +24,12 @@ inline uint muser_word_at(const device uint8_t* base, size_t offset) {
 //      at 8t+4..8t+7; Q6_K k16: a[0], a[1] rows g, g+8 at 4t..4t+3 of the first half, a[2],
 //      a[3] of the second);
 //   scale[r]: Q4_K d * sc, Q6_K d, Q8_0 d of row r (0: g, 1: g + 8); least[r]: Q4_K dmin * m;
-//   sc: Q6_K's int8 scales, [half * 2 + r].
+//   sc: Q6_K's int8 scales (as floats), [half * 2 + r].
 struct muser_tile_w {
   uint a[4];
   float scale[2];
   float least[2];
-  int sc[4];
+  float sc[4];
 };
 
 // A span: the blocks a threadgroup stages and a SIMD group's loads of a weight cover at once:
@@ -111,7 +111,7 @@ inline void muser_tile_unpack(thread muser_tile_w& w, thread const uint* raw, ui
         uint codes = ((low >> (4u * (q / 2u))) & 0x0F0F0F0Fu) | (((high >> (2u * q)) & 0x03030303u) << 4);
         w.a[2u * h + uint(r)] = ((codes | 0x80808080u) - 0x20202020u) ^ 0x80808080u;  // q - 32, bytewise
         uint byte = 8u * n + 2u * q + h;
-        w.sc[2u * h + uint(r)] = int(words[12u + byte / 4u] << (24u - 8u * (byte % 4u))) >> 24;
+        w.sc[2u * h + uint(r)] = muser_int_float(int(words[12u + byte / 4u] << (24u - 8u * (byte % 4u))) >> 24);
       }
       w.scale[r] = muser_half_low(words[16]);
       w.least[r] = 0.0f;
@@ -189,27 +189,29 @@ inline void muser_tile_staged(thread muser_tile_x& x, const threadgroup uint4* c
 }
 
 // One block's products of a 16-row tile and an 8-token tile, added into acc[0..3] (C's
-// layout: rows g, g, g+8, g+8; tokens 2t, 2t+1, 2t, 2t+1). The integer dots are exact; each
-// becomes a float once (Q4_K |dot| <= 32 * 15 * 127, Q8_0 <= 32 * 127 * 127: below 2^22, by
-// muser_int_float; Q6_K's two halves times their int8 scales may pass 2^22: a conversion).
+// layout: rows g, g, g+8, g+8; tokens 2t, 2t+1, 2t, 2t+1). The integer dots are exact and
+// become floats with no conversion instruction: C starts at MUSER_INT_FLOAT_BIAS (Q4_K |dot| <=
+// 32 * 15 * 127, Q8_0 <= 32 * 127 * 127, a Q6_K half <= 16 * 32 * 127: below 2^22); Q6_K's two
+// halves times their int8 scales (as floats) add exactly in float (below 2^24), the same value
+// as their integer sum.
 template <int FORMAT>
 inline void muser_tile_block(thread const muser_tile_w& w, thread const muser_tile_x& x, uint lane,
                              thread float* acc) {
-  int c[4] = {0, 0, 0, 0};
+  int c[4] = {MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS};
   if (FORMAT == MUSER_Q6_K) {
-    int second[4] = {0, 0, 0, 0};
+    int second[4] = {MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS};
     muser_mma_k16(w.a, x.b0, c, lane);
     muser_mma_k16(w.a + 2, x.b1, second, lane);
     for (int e = 0; e < 4; ++e) {
       int r = e / 2;
-      int v = c[e] * w.sc[r] + second[e] * w.sc[2 + r];
-      acc[e] = fma(w.scale[r] * x.scale[e % 2], float(v), acc[e]);
+      float v = fma(muser_biased_float(second[e]), w.sc[2 + r], muser_biased_float(c[e]) * w.sc[r]);
+      acc[e] = fma(w.scale[r] * x.scale[e % 2], v, acc[e]);
     }
   } else {
     muser_mma_k32(w.a, x.b0, x.b1, c, lane);
     for (int e = 0; e < 4; ++e) {
       int r = e / 2;
-      acc[e] = fma(w.scale[r] * x.scale[e % 2], muser_int_float(c[e]), acc[e]);
+      acc[e] = fma(w.scale[r] * x.scale[e % 2], muser_biased_float(c[e]), acc[e]);
       if (FORMAT == MUSER_Q4_K) {
         acc[e] = fma(-w.least[r], x.sum[e % 2], acc[e]);
       }
