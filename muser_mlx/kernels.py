@@ -220,6 +220,7 @@ CUDA_TRANSLATION: list[tuple[str, str]] = [
     (r"\bthread_position_in_threadgroup\.x\b", "threadIdx.x"),
     (r"\bthreadgroup_position_in_grid\.x\b", "blockIdx.x"),
     (r"\bthreadgroup_position_in_grid\.y\b", "blockIdx.y"),
+    (r"\bthreadgroup_position_in_grid\.z\b", "blockIdx.z"),
     (r"\bthreads_per_threadgroup\.x\b", "blockDim.x"),
     (r"\bthread_index_in_simdgroup\b", "(threadIdx.x % 32u)"),
     (r"\bsimdgroup_index_in_threadgroup\b", "(threadIdx.x / 32u)"),

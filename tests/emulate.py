@@ -99,7 +99,7 @@ def to_emulation(metal_text: str) -> str:
     for pattern, replacement in EMULATION_TRANSLATION:
         text = re.sub(pattern, replacement, text)
     # Any other `threadgroup` declaration would silently become one variable per thread.
-    for match in re.finditer(r"(?<!<)\bthreadgroup\b(?!\s+(?:const\s+)?\w+\s*\*).*", text):
+    for match in re.finditer(r"(?<!<)(?<!<const )\bthreadgroup\b(?!\s+(?:const\s+)?\w+\s*\*).*", text):
         raise EmulationError(f"the emulator takes threadgroup arrays as `threadgroup TYPE NAME[N]...;`"
                              f" (add the form to EMULATION_TRANSLATION): {match.group(0)!r}")
     return text

@@ -277,25 +277,26 @@ def test_grouped_products_take_every_token_group(rng, rows):
         ops.Product(a, tokens=8, grouped=True)(q8x(rng.standard_normal((12, 512)).astype(np.float32))[0])
 
 
-@pytest.mark.parametrize("rows, first, second, activation",
-                         [(8, GGMLType.Q4_K, GGMLType.Q6_K, None), (24, GGMLType.Q8_0, None, None),
-                          (72, GGMLType.Q6_K, GGMLType.Q4_K, None), (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu"),
-                          (8, GGMLType.Q6_K, GGMLType.Q6_K, "gelu_tanh")],
-                         ids=["Q4_K+Q6_K-8", "Q8_0-24", "Q6_K+Q4_K-72", "glu-Q4_K+Q8_0-16", "glu-Q6_K-8"])
-def test_tile_products(rng, rows, first, second, activation):
+@pytest.mark.parametrize("rows, first, second, activation, n",
+                         [(8, GGMLType.Q4_K, GGMLType.Q6_K, None, 512), (24, GGMLType.Q8_0, None, None, 576),
+                          (72, GGMLType.Q6_K, GGMLType.Q4_K, None, 512), (16, GGMLType.Q4_K, None, None, 1024),
+                          (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu", 512), (8, GGMLType.Q6_K, GGMLType.Q6_K, "gelu_tanh", 512)],
+                         ids=["Q4_K+Q6_K-8", "Q8_0-24", "Q6_K+Q4_K-72", "Q4_K-16-chunks", "glu-Q4_K+Q8_0-16", "glu-Q6_K-8"])
+def test_tile_products(rng, rows, first, second, activation, n):
     """Kernel product_tiles (the batched decode step's products, int8 matrix products: shuffles
-    and dot4 here, the same values as tensor cores): 8-row tiles of x (72 rows: two token groups,
-    the second partial), 16-row tiles of weights with rows past OUT (37 and 45 rows), two formats
-    in one launch, the gated form; 2 spans a row for 4 SIMD groups (two add nothing), and Q8_0
-    rows of 576 values (a block a span)."""
+    and dot4 here, the same values as tensor cores): 8-row tiles of x staged in threadgroup
+    memory (72 rows: two token groups, the second partial), 16-row tiles of weights with rows past
+    OUT (37 and 45 rows: a threadgroup's last SIMD groups without a tile), two formats in one
+    launch, the gated form; the input split in chunks (Q8_0 rows of 576 values, a block a span:
+    9 chunks of 2 spans; 1024 Q4_K values: 2 chunks of 2 spans)."""
     out_a = 64 if activation else 37
-    n = 576 if first == GGMLType.Q8_0 and not second else 512  # Q8_0 rows of 9 64-value spans: a block a span
     a, a_values = weight(rng, first, n, out_a, "a")
     b, b_values = weight(rng, second, n, out_a if activation else 45, "b") if second else (None, None)
     x, x_values = q8x(rng.standard_normal((rows, n)).astype(np.float32))
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         out = np.array(ops.TileProduct(a, b, activation)(x))
     assert kernel_names(launches) == ["product_tiles"] and np.isfinite(out).all()
+    assert dict(launches[0][1])["CHUNKS"] == {576: 9, 1024: 2}.get(n, 1)
     expected = x_values @ a_values.T
     if activation == "silu":
         expected = expected / (1 + np.exp(-expected)) * (x_values @ b_values.T)

@@ -147,7 +147,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 24 * 16), InputSpec(mx.float32, 2, 24 * 64)],
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 37), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
-         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("SPLIT", 4), ("GLU", 0), ("ACTIVATION", 0)]
+         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("CHUNKS", 2), ("GLU", 0), ("ACTIVATION", 0)]
     ),
     "product_tiles_glu_q8_0": (
         "product_tiles",
@@ -155,7 +155,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 8 * 16), InputSpec(mx.float32, 2, 8 * 64)],
         [mx.float32],
         [("FORMAT_A", 8), ("ROW_BYTES_A", 544), ("OUT_A", 64), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
-         ("OUT_B", 64), ("IN", 512), ("TOKENS", 64), ("SPLIT", 4), ("GLU", 1), ("ACTIVATION", 1)]
+         ("OUT_B", 64), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("CHUNKS", 1), ("GLU", 1), ("ACTIVATION", 1)]
     ),
     "quantize_rows": (
         "quantize_rows",
@@ -428,13 +428,18 @@ def _stand_in(shape, ggml_type, name):
     return SimpleNamespace(shape=shape, ggml_type=ggml_type, name=name)
 
 
-def _registers(program: str, tmp_path) -> int:
+def _ptxas_report(program: str, tmp_path) -> str:
+    """ptxas's report (-v) of a CUDA program compiled for sm_90: registers, spills, stack."""
     path = tmp_path / "kernel.cu"
     path.write_text(f'#include "{STUBS / "mlx_cuda_stub.cuh"}"\n' + program)
     result = subprocess.run([shutil.which("nvcc"), "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
                              str(path), "-o", str(tmp_path / "kernel.cubin")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    return int(re.search(r"Used (\d+) registers", result.stdout + result.stderr).group(1))
+    return result.stdout + result.stderr
+
+
+def _registers(program: str, tmp_path) -> int:
+    return int(re.search(r"Used (\d+) registers", _ptxas_report(program, tmp_path)).group(1))
 
 
 @pytest.mark.parametrize("tokens, grouped", [(1, False), (8, False), (8, True)], ids=["1", "8", "8-grouped"])
@@ -468,3 +473,31 @@ def test_glu_launches_fit_the_register_file(in_features, tokens, tmp_path):
     program = kernels.cuda_program("product_glu", inputs, [mx.int8, mx.float32, mx.float32], template)
     registers = _registers(program, tmp_path)
     assert registers * threadgroup[0] <= 65536, (registers, threadgroup, template)
+
+
+# The batched step's tile products at Muse Glimmer's shapes (64 rows of x: one token group), as
+# BatchStep launches them: every launch fits the register file, with no spills to local memory.
+MUSE_TILE_PRODUCTS = {  # (in, out) and format of A, then of B (None: no B), gated
+    "q+gate|k+v": ((6656, 8192), GGMLType.Q4_K, (6656, 512), GGMLType.Q8_0, False),
+    "attn_output": ((4096, 6656), GGMLType.Q4_K, None, None, False),
+    "gate+up": ((6656, 19968), GGMLType.Q4_K, (6656, 19968), GGMLType.Q4_K, True),
+    "ffn_down Q4_K": ((19968, 6656), GGMLType.Q4_K, None, None, False),
+    "ffn_down Q6_K": ((19968, 6656), GGMLType.Q6_K, None, None, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MUSE_TILE_PRODUCTS))
+def test_tile_product_launches_fit_the_register_file(case, tmp_path):
+    shape, ggml_type, second_shape, second_type, gated = MUSE_TILE_PRODUCTS[case]
+    second = _stand_in(second_shape, second_type, "b") if second_shape else None
+    product = ops.TileProduct(_stand_in(shape, ggml_type, "a"), second, "silu" if gated else None)
+    template, grid, threadgroup, chunks = product.launch_arguments(64)
+    values = dict(template)
+    inputs = [InputSpec(mx.uint8, 2, product.out_a * values["ROW_BYTES_A"]),
+              InputSpec(mx.uint8, 2, max(product.out_b, 1) * values["ROW_BYTES_B"]),
+              InputSpec(mx.int8, 2, 64 * shape[0]), InputSpec(mx.float32, 2, 64 * shape[0] // 32),
+              InputSpec(mx.float32, 2, 64 * shape[0] // 8)]
+    report = _ptxas_report(kernels.cuda_program("product_tiles", inputs, [mx.float32], template), tmp_path)
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert registers * threadgroup[0] <= 65536, (registers, template)
+    assert " 0 bytes spill stores" in report and " 0 bytes stack frame" in report, report

@@ -1,6 +1,6 @@
 // lib/tiles.metal — the batched decode products' engine (kernel product_tiles): a SIMD group
 // multiplies 16-row tiles of a raw GGUF weight (Q4_K, Q6_K, Q8_0) by 8-token tiles of q8x
-// activations as int8 matrix products (lib/base.metal's muser_mma_k32 / muser_mma_k16: tensor
+// activations staged in threadgroup memory as int8 matrix products (lib/base.metal's muser_mma_k32 / muser_mma_k16: tensor
 // cores on NVIDIA GPUs), one 32-value block at a time, and scales each block's integer dots
 // into float accumulators.
 // Which values a lane holds: lane l (g = l / 4, t = l % 4) gives the products positions
@@ -24,27 +24,24 @@ inline uint muser_word_at(const device uint8_t* base, size_t offset) {
 //      at 8t+4..8t+7; Q6_K k16: a[0], a[1] rows g, g+8 at 4t..4t+3 of the first half, a[2],
 //      a[3] of the second);
 //   scale[r]: Q4_K d * sc, Q6_K d, Q8_0 d of row r (0: g, 1: g + 8); least[r]: Q4_K dmin * m;
-//   sc: Q6_K's int8 scales, [half * 2 + r].
+//   sc: Q6_K's int8 scales (as floats), [half * 2 + r].
 struct muser_tile_w {
   uint a[4];
   float scale[2];
   float least[2];
-  int sc[4];
+  float sc[4];
 };
 
-// A span: the blocks a SIMD group's loads of a weight cover at once, 8 (a super-block of Q4_K
-// or Q6_K; 8 Q8_0 blocks), or 1 for Q8_0 rows of a length that is not whole 256-value spans.
-// The lane's words of a span of its two rows, all loaded before any is used (the loads of a
-// span in flight together: ~2.3 KB a SIMD group), RAW words a row:
+// A span: the blocks a threadgroup stages and a SIMD group's loads of a weight cover at once:
+// 8 (a super-block of Q4_K or Q6_K; 8 Q8_0 blocks), or 1 when IN is not whole 256-value spans
+// (Q8_0 weights only). The lane's words of a span of its two rows, all loaded before any is
+// used (the loads of a span in flight together: ~2.3 KB a SIMD group), RAW words a row:
 //   Q4_K (12): the super-block's 16-byte head (d, dmin, scales), then for each pair of
 //              sub-blocks p the 8 quant bytes 32p + 8t .. (both sub-blocks' nibbles);
 //   Q6_K (17): ql words 64n + 32m + 16h + 4t (i = 4n + 2m + h), qh words 128 + 32n + 16h + 4t
 //              (8 + 2n + h), the 16 int8 scales (12..15), d (16);
 //   Q8_0 (3 a block): the block's codes 2 + 8t.. (two words), then d.
-template <int FORMAT, int IN>
-inline uint muser_tile_span() {
-  return FORMAT == MUSER_Q8_0 && IN % 256 != 0 ? 1u : 8u;
-}
+#define MUSER_TILE_SPAN(IN) ((IN) % 256 == 0 ? 8 : 1)
 
 #define MUSER_TILE_RAW(FORMAT) ((FORMAT) == MUSER_Q4_K ? 12 : (FORMAT) == MUSER_Q6_K ? 17 : 24)
 
@@ -75,8 +72,8 @@ inline void muser_tile_load(thread uint* raw, const device uint8_t* weight, size
       }
       words[16] = uint(*((const device ushort*)(weight + block + 208u)));
     } else {
-      for (uint k = 0; k < muser_tile_span<FORMAT, IN>(); ++k) {
-        size_t block = row + 34u * size_t(span * muser_tile_span<FORMAT, IN>() + k);
+      for (uint k = 0; k < uint(MUSER_TILE_SPAN(IN)); ++k) {
+        size_t block = row + 34u * size_t(span * uint(MUSER_TILE_SPAN(IN)) + k);
         uint2 codes = muser_words2(weight, block + 2u + 8u * t);
         words[3u * k] = codes.x;
         words[3u * k + 1u] = codes.y;
@@ -114,7 +111,7 @@ inline void muser_tile_unpack(thread muser_tile_w& w, thread const uint* raw, ui
         uint codes = ((low >> (4u * (q / 2u))) & 0x0F0F0F0Fu) | (((high >> (2u * q)) & 0x03030303u) << 4);
         w.a[2u * h + uint(r)] = ((codes | 0x80808080u) - 0x20202020u) ^ 0x80808080u;  // q - 32, bytewise
         uint byte = 8u * n + 2u * q + h;
-        w.sc[2u * h + uint(r)] = int(words[12u + byte / 4u] << (24u - 8u * (byte % 4u))) >> 24;
+        w.sc[2u * h + uint(r)] = muser_int_float(int(words[12u + byte / 4u] << (24u - 8u * (byte % 4u))) >> 24);
       }
       w.scale[r] = muser_half_low(words[16]);
       w.least[r] = 0.0f;
@@ -137,52 +134,84 @@ struct muser_tile_x {
   float sum[2];
 };
 
-template <int FORMAT, int IN>
-inline void muser_tile_activations(thread muser_tile_x& x, const device int8_t* xq, const device float* xd,
-                                   const device float* xs, uint first_token, uint b, uint g, uint t) {
-  const device int8_t* codes = xq + size_t(first_token + g) * uint(IN) + 32u * b;
-  if (FORMAT == MUSER_Q6_K) {
-    x.b0 = *((const device uint*)(codes + 4u * t));
-    x.b1 = *((const device uint*)(codes + 16u + 4u * t));
-  } else {
-    uint2 words = *((const device uint2*)(codes + 8u * t));
-    x.b0 = words.x;
-    x.b1 = words.y;
+// A span of x staged in threadgroup memory for TOKENS tokens (muser_tile_stage): codes [token]
+// [ROW_WORDS words: the span's SPAN * 32 codes, then 16 bytes of padding, so that the 8 tokens
+// of a tile fall in different banks], and scales [block][token] as (d, d * code sum) pairs.
+#define MUSER_TILE_ROW_WORDS(IN) (8 * MUSER_TILE_SPAN(IN) + 4)
+
+// Every thread of the threadgroup (THREADS of them) copies its share of span `span` of x's
+// tokens first_token .. first_token + tokens - 1 (the rest of the stage is not written).
+template <int IN, int TOKENS, int THREADS>
+inline void muser_tile_stage(threadgroup uint4* codes, threadgroup float4* scales, const device int8_t* xq,
+                             const device float* xd, const device float* xs, uint first_token, uint tokens,
+                             uint span, uint thread_index) {
+  const uint SPAN = uint(MUSER_TILE_SPAN(IN));
+  const uint VECTORS = 2u * SPAN;  // 16-byte vectors of a token's codes of a span
+  const uint STRIDE = uint(MUSER_TILE_ROW_WORDS(IN)) / 4u;
+  for (uint i = thread_index; i < uint(TOKENS) * VECTORS; i += uint(THREADS)) {
+    uint token = i / VECTORS;
+    if (token < tokens) {
+      const device uint4* row = (const device uint4*)(xq + size_t(first_token + token) * uint(IN) + 32u * SPAN * span);
+      codes[token * STRIDE + i % VECTORS] = row[i % VECTORS];
+    }
   }
-  for (uint e = 0; e < 2u; ++e) {
-    uint token = first_token + 2u * t + e;
-    x.scale[e] = xd[size_t(token) * uint(IN / 32) + b];
-    if (FORMAT == MUSER_Q4_K) {
-      float4 sums = *((const device float4*)(xs + size_t(token) * uint(IN / 8) + 4u * b));
-      x.sum[e] = (sums.x + sums.y) + (sums.z + sums.w);
-    } else {
-      x.sum[e] = 0.0f;
+  threadgroup float* pairs = (threadgroup float*)scales;
+  for (uint i = thread_index; i < SPAN * uint(TOKENS); i += uint(THREADS)) {
+    uint token = i % uint(TOKENS);
+    if (token < tokens) {
+      size_t row = size_t(first_token + token);
+      uint block = SPAN * span + i / uint(TOKENS);
+      float4 sums = *((const device float4*)(xs + row * uint(IN / 8) + 4u * block));
+      pairs[2u * i] = xd[row * uint(IN / 32) + block];
+      pairs[2u * i + 1u] = (sums.x + sums.y) + (sums.z + sums.w);
     }
   }
 }
 
+// Block k of the staged span for 8-token tile j (tokens 8j..8j+7 of the stage).
+template <int FORMAT, int IN, int TOKENS>
+inline void muser_tile_staged(thread muser_tile_x& x, const threadgroup uint4* codes, const threadgroup float4* scales,
+                              uint j, uint k, uint g, uint t) {
+  const threadgroup uint* words = (const threadgroup uint*)codes + (8u * j + g) * uint(MUSER_TILE_ROW_WORDS(IN)) + 8u * k;
+  if (FORMAT == MUSER_Q6_K) {
+    x.b0 = words[t];
+    x.b1 = words[4u + t];
+  } else {
+    uint2 pair = ((const threadgroup uint2*)words)[t];
+    x.b0 = pair.x;
+    x.b1 = pair.y;
+  }
+  float4 s = scales[k * uint(TOKENS / 2) + 4u * j + t];
+  x.scale[0] = s.x;
+  x.sum[0] = s.y;
+  x.scale[1] = s.z;
+  x.sum[1] = s.w;
+}
+
 // One block's products of a 16-row tile and an 8-token tile, added into acc[0..3] (C's
-// layout: rows g, g, g+8, g+8; tokens 2t, 2t+1, 2t, 2t+1). The integer dots are exact; each
-// becomes a float once (Q4_K |dot| <= 32 * 15 * 127, Q8_0 <= 32 * 127 * 127: below 2^22, by
-// muser_int_float; Q6_K's two halves times their int8 scales may pass 2^22: a conversion).
+// layout: rows g, g, g+8, g+8; tokens 2t, 2t+1, 2t, 2t+1). The integer dots are exact and
+// become floats with no conversion instruction: C starts at MUSER_INT_FLOAT_BIAS (Q4_K |dot| <=
+// 32 * 15 * 127, Q8_0 <= 32 * 127 * 127, a Q6_K half <= 16 * 32 * 127: below 2^22); Q6_K's two
+// halves times their int8 scales (as floats) add exactly in float (below 2^24), the same value
+// as their integer sum.
 template <int FORMAT>
 inline void muser_tile_block(thread const muser_tile_w& w, thread const muser_tile_x& x, uint lane,
                              thread float* acc) {
-  int c[4] = {0, 0, 0, 0};
+  int c[4] = {MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS};
   if (FORMAT == MUSER_Q6_K) {
-    int second[4] = {0, 0, 0, 0};
+    int second[4] = {MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS, MUSER_INT_FLOAT_BIAS};
     muser_mma_k16(w.a, x.b0, c, lane);
     muser_mma_k16(w.a + 2, x.b1, second, lane);
     for (int e = 0; e < 4; ++e) {
       int r = e / 2;
-      int v = c[e] * w.sc[r] + second[e] * w.sc[2 + r];
-      acc[e] = fma(w.scale[r] * x.scale[e % 2], float(v), acc[e]);
+      float v = fma(muser_biased_float(second[e]), w.sc[2 + r], muser_biased_float(c[e]) * w.sc[r]);
+      acc[e] = fma(w.scale[r] * x.scale[e % 2], v, acc[e]);
     }
   } else {
     muser_mma_k32(w.a, x.b0, x.b1, c, lane);
     for (int e = 0; e < 4; ++e) {
       int r = e / 2;
-      acc[e] = fma(w.scale[r] * x.scale[e % 2], muser_int_float(c[e]), acc[e]);
+      acc[e] = fma(w.scale[r] * x.scale[e % 2], muser_biased_float(c[e]), acc[e]);
       if (FORMAT == MUSER_Q4_K) {
         acc[e] = fma(-w.least[r], x.sum[e % 2], acc[e]);
       }
@@ -190,33 +219,31 @@ inline void muser_tile_block(thread const muser_tile_w& w, thread const muser_ti
   }
 }
 
-// The 16-row tile from first_row (rows past OUT re-read row OUT - 1; the caller never stores
-// them) times `live` 8-token tiles (of at most NT) of x from first_token, over the spans part,
-// part + SPLIT, ... of the row (SPLIT SIMD groups share a tile, each a share of its columns):
-// acc[j * 4 + e] (e as muser_tile_block's). The weights' share of a block is read once for all
-// the token tiles.
-template <int FORMAT, int ROW_BYTES, int OUT, int NT, int IN, int SPLIT>
-inline void muser_tile_rows(const device uint8_t* weight, uint first_row, const device int8_t* xq,
-                            const device float* xd, const device float* xs, uint first_token, uint live, uint part,
-                            uint lane, thread float* acc) {
+// The byte offsets of a lane's two rows (g and g + 8) of the 16-row tile from first_row: rows
+// past OUT re-read row OUT - 1 (the caller never stores them).
+template <int ROW_BYTES, int OUT>
+inline void muser_tile_row_offsets(thread size_t* offsets, uint first_row, uint g) {
+  offsets[0] = size_t(min(first_row + g, uint(OUT - 1))) * uint(ROW_BYTES);
+  offsets[1] = size_t(min(first_row + g + 8u, uint(OUT - 1))) * uint(ROW_BYTES);
+}
+
+// One span of a 16-row tile (its words `raw`, muser_tile_load's) times `live` 8-token tiles (of
+// at most NT) of the staged x: acc[j * 4 + e] (e as muser_tile_block's). The weights' share of
+// a block is unpacked once for all the token tiles.
+template <int FORMAT, int NT, int IN, int TOKENS>
+inline void muser_tile_span_product(thread const uint* raw, const threadgroup uint4* codes,
+                                    const threadgroup float4* scales, uint live, uint lane, thread float* acc) {
   uint g = lane / 4u;
   uint t = lane % 4u;
-  size_t row0 = size_t(min(first_row + g, uint(OUT - 1))) * uint(ROW_BYTES);
-  size_t row8 = size_t(min(first_row + g + 8u, uint(OUT - 1))) * uint(ROW_BYTES);
-  const uint SPAN = muser_tile_span<FORMAT, IN>();
-  for (uint span = part; span < uint(IN / 32) / SPAN; span += uint(SPLIT)) {
-    uint raw[2 * MUSER_TILE_RAW(FORMAT)];
-    muser_tile_load<FORMAT, IN>(raw, weight, row0, row8, span, t);
-    MUSER_UNROLL
-    for (uint k = 0; k < SPAN; ++k) {
-      muser_tile_w w;
-      muser_tile_unpack<FORMAT>(w, raw, k);
-      for (int j = 0; j < NT; ++j) {
-        if (uint(j) < live) {
-          muser_tile_x x;
-          muser_tile_activations<FORMAT, IN>(x, xq, xd, xs, first_token + 8u * uint(j), span * SPAN + k, g, t);
-          muser_tile_block<FORMAT>(w, x, lane, acc + j * 4);
-        }
+  MUSER_UNROLL
+  for (uint k = 0; k < uint(MUSER_TILE_SPAN(IN)); ++k) {
+    muser_tile_w w;
+    muser_tile_unpack<FORMAT>(w, raw, k);
+    for (int j = 0; j < NT; ++j) {
+      if (uint(j) < live) {
+        muser_tile_x x;
+        muser_tile_staged<FORMAT, IN, TOKENS>(x, codes, scales, uint(j), k, g, t);
+        muser_tile_block<FORMAT>(w, x, lane, acc + j * 4);
       }
     }
   }

@@ -11,8 +11,8 @@ A layer is layers.decoder_layer with this step's pieces:
 - on a GPU with the fused step's kernels (`q8x`): x as int8 blocks (ops.residual_norm_quant) and
   the fused step's products in their grouped form (kernels product / product_glu GROUPED, 8 rows
   a threadgroup), or with Settings.batch_tiles tile products (ops.TileProduct, kernel
-  product_tiles: int8 matrix products of 16-row weight tiles and up to 64 rows of x, on tensor
-  cores on NVIDIA GPUs). Either way the launch count per layer does not depend on B; the rows are
+  product_tiles: int8 matrix products of 16-row weight tiles and up to 64 rows of x staged in
+  threadgroup memory, on tensor cores on NVIDIA GPUs). Either way the launch count per layer does not depend on B; the rows are
   padded to a multiple of 8.
 - elsewhere (the CPU): ops.linear on [B, 1, hidden] rows (the compiled CPU products, rounded
   inputs as generate()'s CPU steps: Settings.cpu_rounded) and the general step's seams.

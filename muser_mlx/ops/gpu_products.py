@@ -245,17 +245,31 @@ class GatedProduct:
 # The batched step's tile products (kernel product_tiles): x rows a launch's token group holds
 # (8 of them a tile, all read against each weight block once), and SIMD groups sharing a
 # 16-row tile (each a share of the row's spans).
-TILE_TOKENS = 64
-TILE_SPLIT = 4
+TILE_TOKENS = 64  # x rows a threadgroup stages (its token group)
+TILE_WARPS = 4  # 16-row weight tiles a threadgroup takes, one a SIMD group, sharing its stage of x
+TILE_THREADGROUPS = 512  # products of few rows split their input into chunks until a launch has this many
+
+
+def tile_chunks(spans: int, threadgroups: int, glu: bool) -> int:
+    """How many runs of its input's spans a tile product's threadgroups split (kernel
+    product_tiles' CHUNKS): enough for TILE_THREADGROUPS threadgroups, each run at least two
+    spans; 1 for a gated product (its activation needs whole sums)."""
+    if glu:
+        return 1
+    chunks = min(-(-TILE_THREADGROUPS // threadgroups), max(1, spans // 2))
+    per = -(-spans // chunks)
+    return -(-spans // per)  # no empty chunk
 
 
 class TileProduct:
     """The batched decode step's products on the GPU (kernel product_tiles: int8 matrix products
-    of 16-row weight tiles and 8-row tiles of q8x x, on tensor cores where the GPU has them).
-    Called with q8x x [rows, in] (rows a multiple of 8): float32 [rows, out] = [x A.T | x B.T]
-    for weight A and, if given, `second` B of the same input (formats Q4_K, Q6_K, Q8_0); with
-    `activation` ("silu" or "gelu_tanh"), act(x A.T) * (x B.T), A the gate and B the up
-    projection. On the CPU: the same math on x's dequantized values (MLX ops)."""
+    of 16-row weight tiles and 8-row tiles of q8x x staged in threadgroup memory, on tensor cores
+    where the GPU has them). Called with q8x x [rows, in] (rows a multiple of 8): float32 [rows,
+    out] = [x A.T | x B.T] for weight A and, if given, `second` B of the same input (formats
+    Q4_K, Q6_K, Q8_0); with `activation` ("silu" or "gelu_tanh"), act(x A.T) * (x B.T), A the
+    gate and B the up projection. Products of few rows split the input over several
+    threadgroups (tile_chunks) and add their sums after. On the CPU: the same math on x's
+    dequantized values (MLX ops)."""
 
     def __init__(self, weight, second=None, activation: str | None = None):
         self.formats = [_format(weight, "product_tiles")]
@@ -278,15 +292,21 @@ class TileProduct:
         self.out_features = self.out_a if activation else self.out_a + self.out_b
         glu = activation is not None
         tiles = -(-self.out_a // 16) + (0 if glu else -(-self.out_b // 16))  # 16-row tiles
-        template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
-                    + _weight_template("B", second if second is not None else weight)
-                    + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", TILE_TOKENS),
-                       ("SPLIT", TILE_SPLIT), ("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)])
-        self._launch = (template, (32 * TILE_SPLIT, 1, 1), tiles)
+        self.blocks = -(-tiles // TILE_WARPS)
+        self.spans = self.in_features // (256 if self.in_features % 256 == 0 else 32)
+        self._template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
+                          + _weight_template("B", second if second is not None else weight)
+                          + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", TILE_TOKENS),
+                             ("WARPS", TILE_WARPS)])
+        self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
 
-    def launch_arguments(self):
-        """(template, threadgroup, tiles), fixed at construction."""
-        return self._launch
+    def launch_arguments(self, rows: int):
+        """(template, grid, threadgroup, chunks) for `rows` rows of x."""
+        groups = -(-rows // TILE_TOKENS)
+        chunks = tile_chunks(self.spans, groups * self.blocks, self.activation is not None)
+        threadgroup = (32 * TILE_WARPS, 1, 1)
+        return (self._template + [("CHUNKS", chunks)] + self._glu, (threadgroup[0] * groups, self.blocks, chunks),
+                threadgroup, chunks)
 
     def __call__(self, x: Q8X) -> mx.array:
         if len(x.shape) != 2 or x.shape[1] != self.in_features or x.shape[0] % 8 or x.shape[0] == 0:
@@ -301,18 +321,18 @@ class TileProduct:
             if self.activation is None:
                 return mx.concatenate([y, other], axis=-1)
             return (y * mx.sigmoid(y) if self.activation == "silu" else gelu_tanh(y)) * other
-        template, threadgroup, tiles = self.launch_arguments()
         rows = x.shape[0]
+        template, grid, threadgroup, chunks = self.launch_arguments(rows)
         (y,) = kernels.launch(
             "product_tiles",
             inputs=[self.weight.data, (self.second if self.second is not None else self.weight).data, *x],
             template=template,
-            grid=(threadgroup[0] * -(-rows // TILE_TOKENS), tiles, 1),
+            grid=grid,
             threadgroup=threadgroup,
-            output_shapes=[(rows, self.out_features)],
+            output_shapes=[(chunks, rows, self.out_features)],
             output_dtypes=[mx.float32],
         )
-        return y
+        return y[0] if chunks == 1 else y.sum(axis=0)
 
 
 def product(x: Q8X, weight, second=None, head: tuple[float, float] | None = None, settings: Settings = DEFAULT):
