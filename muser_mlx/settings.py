@@ -77,7 +77,8 @@ class Settings:
     # product_tiles, tensor-core MMA) instead of kernel product's and product_glu's grouped form
     # (8 rows a threadgroup, dot4 on the CUDA cores). Off: the grouped step was faster whole at
     # every B measured (H100, B = 64: 136.6 against 142.5 ms/step, though the tile products alone
-    # took 101 ms against 126; bench/RESULTS.md).
+    # took 101 ms against 126; bench/RESULTS.md) with the kernel's previous form; its current form
+    # (x staged for 4 tiles a threadgroup, chunked inputs) is not timed yet.
     batch_tiles: bool = False
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
