@@ -12,7 +12,10 @@ position, mid-run) / copy bandwidth measured in the same run.
       (no --model: the full-scale random-weight Muse Glimmer file of bench/decode.py, written once)
     python bench/batch.py --model default   # the packaged SmolLM2 (the CPU)
     --parts: the products alone a step; --each: each product of layer 0 and the head alone (ms,
-    floor, GB/s, int8 multiply-adds a second); --both: the other product form too, same run
+    floor, GB/s, int8 multiply-adds a second); --both: the other product form too, same run;
+    --set field=value: the model's Settings; --variant NAME:field=value,...: each B >= 2 also with
+    the model rebuilt with those settings, same run (bench/settings_cli.py), e.g.
+    --set batch_tiles=True --variant w8:tile_warps=8 --variant t1k:tile_threadgroups=1024
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from muser_mlx import kernels, packaged  # noqa: E402
 from muser_mlx.generate import decode, feed, load  # noqa: E402
 from muser_mlx.models import cpu_decode  # noqa: E402
 from muser_mlx.models.batch_decode import BatchKV, BatchStep  # noqa: E402
+from settings_cli import HELP, parse_variant, rebuilt, settings_from  # noqa: E402
 
 
 def copy_rate() -> float:
@@ -188,6 +192,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--parts", action="store_true", help="also the products alone at each B >= 2")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help=f"load the model with these settings: {HELP}")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
+                        help="also each B >= 2 with the model rebuilt with these settings, same run")
     parser.add_argument("--each", action="store_true",
                         help="also each product of layer 0 and the head alone at each B >= 2 (both forms with --both)")
     parser.add_argument("--both", action="store_true",
@@ -207,12 +215,20 @@ def main() -> None:
             written = path
             print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - tic:.1f} s", flush=True)
     try:
-        model, _ = load(path)
+        settings = settings_from(args.set)
+        model, _ = load(path, settings=settings)
+        variants = {}
+        for variant in args.variant:
+            name, changes = parse_variant(variant)
+            variants[name] = rebuilt(model, settings_from(changes, settings))
         rng = np.random.default_rng(0)
         bandwidth = copy_rate()
         print(f"device {kernels.backend()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s; {path.name}; "
               f"batched step form: {form(BatchStep(model))}",
               flush=True)
+        if args.set or variants:
+            print(f"settings: {', '.join(args.set) or 'the defaults'}; variants: {', '.join(args.variant) or 'none'}",
+                  flush=True)
         prompt_cache = cpu_decode.generation_cache(model)
         feed(model, rng.integers(0, model.config.vocab, size=args.prompt).tolist(), prompt_cache)
         dtype_bytes = 2 if prompt_cache[0].dtype == mx.float16 else 4
@@ -234,12 +250,21 @@ def main() -> None:
                 line += f"  {'tiles' if other else 'grouped'} {1e3 * seconds / args.steps:.2f} ms/step"
                 if args.parts:
                     line += f" (products alone {products_ms(model, batch, tiles=other):.2f} ms)"
+            for name, variant in (variants.items() if batch > 1 else ()):
+                seconds = run_batch(variant, prompt_cache, batch, args.prompt, args.steps, rng)
+                line += f"  {name} {1e3 * seconds / args.steps:.2f} ms/step"
+                if args.parts:
+                    line += f" (products alone {products_ms(variant, batch):.2f} ms)"
             print(line, flush=True)
             if args.each and batch > 1:
                 for tiles in ([None, not model.settings.batch_tiles] if args.both else [None]):
                     chosen = model.settings.batch_tiles if tiles is None else tiles
                     print(f"  each product alone, {'tiles' if chosen else 'grouped'}:", flush=True)
                     for each in each_product(model, batch, bandwidth, tiles=tiles):
+                        print(each, flush=True)
+                for name, variant in variants.items():
+                    print(f"  each product alone, {name}:", flush=True)
+                    for each in each_product(variant, batch, bandwidth):
                         print(each, flush=True)
     finally:
         if written is not None and not args.keep:

@@ -80,6 +80,13 @@ class Settings:
     # took 101 ms against 126; bench/RESULTS.md) with the kernel's previous form; its current form
     # (x staged for 4 tiles a threadgroup, chunked inputs) is not timed yet.
     batch_tiles: bool = False
+    # The tile products' launch shape (kernel product_tiles): 16-row weight tiles a threadgroup
+    # (one a SIMD group, sharing the threadgroup's copy of x), and the threadgroups a launch aims
+    # for, products of few rows splitting their input into chunks to reach them (ops.tile_chunks).
+    # Not timed yet: 4 SIMD groups and about 4 threadgroups an SM of an H100 (132 SMs), by their
+    # registers (127-165 a thread at Muse Glimmer's shapes).
+    tile_warps: int = 4
+    tile_threadgroups: int = 512
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any
@@ -108,6 +115,10 @@ class Settings:
         if not 1 <= self.attention_splits <= 128:
             raise ValueError(f"attention_splits must be 1..128 (attention_combine's lanes hold 4 each), "
                              f"got {self.attention_splits}")
+        if not 1 <= self.tile_warps <= 8:
+            raise ValueError(f"tile_warps must be 1..8 (SIMD groups of a threadgroup), got {self.tile_warps}")
+        if self.tile_threadgroups < 1:
+            raise ValueError(f"tile_threadgroups must be at least 1, got {self.tile_threadgroups}")
         if self.attention_head_group < 1:
             raise ValueError(f"attention_head_group must be at least 1, got {self.attention_head_group}")
         for name in ("products", "products_by_width", "glu_by_width"):

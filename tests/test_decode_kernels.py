@@ -353,6 +353,10 @@ def test_settings_refuse_a_product_config_that_cannot_launch():
             with_products({GGMLType.Q4_K: config})
     with pytest.raises(ValueError, match="attention_splits must be 1..128"):
         Settings(attention_splits=129)
+    with pytest.raises(ValueError, match="tile_warps must be 1..8"):
+        Settings(tile_warps=0)
+    with pytest.raises(ValueError, match="tile_threadgroups must be at least 1"):
+        Settings(tile_threadgroups=0)
 
 
 def test_wide_units_take_at_most_two_tokens_and_fewer_units_at_once(rng):

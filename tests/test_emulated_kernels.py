@@ -277,6 +277,21 @@ def test_grouped_products_take_every_token_group(rng, rows):
         ops.Product(a, tokens=8, grouped=True)(q8x(rng.standard_normal((12, 512)).astype(np.float32))[0])
 
 
+@pytest.mark.parametrize("warps, target", [(1, 1), (3, 64), (8, 512)])
+def test_tile_products_take_their_launch_shape_from_the_settings(rng, warps, target):
+    """Settings.tile_warps (weight tiles a threadgroup: 1, 3 with a last threadgroup of fewer
+    tiles, 8 with SIMD groups that have none) and tile_threadgroups (the chunks: 1 for a target of
+    1; 3 runs of the 6 spans for 64)."""
+    a, a_values = weight(rng, GGMLType.Q4_K, 1536, 77, "a")
+    x, x_values = q8x(rng.standard_normal((16, 1536)).astype(np.float32))
+    settings = Settings(tile_warps=warps, tile_threadgroups=target)
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = np.array(ops.TileProduct(a, settings=settings)(x))
+    template = dict(launches[0][1])
+    assert template["WARPS"] == warps and template["CHUNKS"] == {1: 1, 64: 3, 512: 3}[target]
+    assert np.isfinite(out).all() and relative_error(out, x_values @ a_values.T) <= PRODUCT_BOUND
+
+
 @pytest.mark.parametrize("rows, first, second, activation, n",
                          [(8, GGMLType.Q4_K, GGMLType.Q6_K, None, 512), (24, GGMLType.Q8_0, None, None, 576),
                           (72, GGMLType.Q6_K, GGMLType.Q4_K, None, 512), (16, GGMLType.Q4_K, None, None, 1024),

@@ -157,7 +157,8 @@ class BatchStep:
             grouped = dict(tokens=GROUP, settings=settings, grouped=True)
 
             def product(weight, second=None):
-                return ops.TileProduct(weight, second) if self.tiles else ops.Product(weight, second, **grouped)
+                return (ops.TileProduct(weight, second, settings=settings) if self.tiles
+                        else ops.Product(weight, second, **grouped))
 
             layers = []
             for block in model.layers:
@@ -166,7 +167,7 @@ class BatchStep:
                 layers.append(dict(
                     inputs=[product(*stacks[i : i + 2]) for i in range(0, len(stacks), 2)],
                     output=product(block.attention.o_proj.weight_tensor),
-                    gate_up=(ops.TileProduct(ff.gate, ff.up, ff.activation_name) if self.tiles
+                    gate_up=(ops.TileProduct(ff.gate, ff.up, ff.activation_name, settings=settings) if self.tiles
                              else ops.GatedProduct(ff.gate, ff.up, ff.activation_name, **grouped)),
                     down=product(ff.down_proj.weight_tensor)))
             self._launches = (layers, product(model.output))

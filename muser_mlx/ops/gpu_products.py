@@ -246,17 +246,15 @@ class GatedProduct:
 # (8 of them a tile, all read against each weight block once), and SIMD groups sharing a
 # 16-row tile (each a share of the row's spans).
 TILE_TOKENS = 64  # x rows a threadgroup stages (its token group)
-TILE_WARPS = 4  # 16-row weight tiles a threadgroup takes, one a SIMD group, sharing its stage of x
-TILE_THREADGROUPS = 512  # products of few rows split their input into chunks until a launch has this many
 
 
-def tile_chunks(spans: int, threadgroups: int, glu: bool) -> int:
+def tile_chunks(spans: int, threadgroups: int, glu: bool, target: int) -> int:
     """How many runs of its input's spans a tile product's threadgroups split (kernel
-    product_tiles' CHUNKS): enough for TILE_THREADGROUPS threadgroups, each run at least two
-    spans; 1 for a gated product (its activation needs whole sums)."""
+    product_tiles' CHUNKS): enough for `target` threadgroups (Settings.tile_threadgroups), each
+    run at least two spans; 1 for a gated product (its activation needs whole sums)."""
     if glu:
         return 1
-    chunks = min(-(-TILE_THREADGROUPS // threadgroups), max(1, spans // 2))
+    chunks = max(1, min(-(-target // threadgroups), spans // 2))
     per = -(-spans // chunks)
     return -(-spans // per)  # no empty chunk
 
@@ -271,7 +269,7 @@ class TileProduct:
     threadgroups (tile_chunks) and add their sums after. On the CPU: the same math on x's
     dequantized values (MLX ops)."""
 
-    def __init__(self, weight, second=None, activation: str | None = None):
+    def __init__(self, weight, second=None, activation: str | None = None, settings: Settings = DEFAULT):
         self.formats = [_format(weight, "product_tiles")]
         if second is not None:
             self.formats.append(_format(second, "product_tiles"))
@@ -292,19 +290,20 @@ class TileProduct:
         self.out_features = self.out_a if activation else self.out_a + self.out_b
         glu = activation is not None
         tiles = -(-self.out_a // 16) + (0 if glu else -(-self.out_b // 16))  # 16-row tiles
-        self.blocks = -(-tiles // TILE_WARPS)
+        self.warps, self.target = settings.tile_warps, settings.tile_threadgroups
+        self.blocks = -(-tiles // self.warps)
         self.spans = self.in_features // (256 if self.in_features % 256 == 0 else 32)
         self._template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
                           + _weight_template("B", second if second is not None else weight)
                           + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", TILE_TOKENS),
-                             ("WARPS", TILE_WARPS)])
+                             ("WARPS", self.warps)])
         self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
 
     def launch_arguments(self, rows: int):
         """(template, grid, threadgroup, chunks) for `rows` rows of x."""
         groups = -(-rows // TILE_TOKENS)
-        chunks = tile_chunks(self.spans, groups * self.blocks, self.activation is not None)
-        threadgroup = (32 * TILE_WARPS, 1, 1)
+        chunks = tile_chunks(self.spans, groups * self.blocks, self.activation is not None, self.target)
+        threadgroup = (32 * self.warps, 1, 1)
         return (self._template + [("CHUNKS", chunks)] + self._glu, (threadgroup[0] * groups, self.blocks, chunks),
                 threadgroup, chunks)
 
