@@ -54,14 +54,15 @@ fuzz: $(STAMP)
 # with every SHARDS-th test (tests/conftest.py); each writes $(GPU_LOGS)/test-gpu.<i>.log, one
 # line a test as it ends (-v: a run cut off still names the test that failed), and
 # $(GPU_LOGS)/test-gpu.failed gathers every shard's failures; the target fails if any shard
-# fails. TESTS runs a part (e.g. TESTS=tests/test_models.py).
+# fails; each log ends with its shard's slowest tests. TESTS runs a part (e.g.
+# TESTS=tests/test_models.py).
 TESTS ?= tests
 SHARDS ?= 8
 GPU_LOGS ?= .
 test-gpu:
 	@status=0; pids=""; \
 	for i in $$(seq 0 $$(($(SHARDS) - 1))); do \
-	  MUSER_TEST_SHARD=$$i/$(SHARDS) python3 -m pytest -v -rfE -p no:cacheprovider $(TESTS) \
+	  MUSER_TEST_SHARD=$$i/$(SHARDS) python3 -m pytest -v -rfE --durations=15 -p no:cacheprovider $(TESTS) \
 	    > $(GPU_LOGS)/test-gpu.$$i.log 2>&1 & pids="$$pids $$!"; \
 	done; \
 	for pid in $$pids; do wait $$pid || status=1; done; \
