@@ -744,10 +744,11 @@ def test_an_endless_loop_is_reported(rng):
 def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, tiles):
     """BatchStep's GPU form, with its grouped products (kernels product / product_glu) or its tile
     products (kernel product_tiles, Settings.batch_tiles), on a 1-layer tiny Muse
-    Glimmer (Q4_K and Q6_K weights), 3 sequences of their own lengths padded to 8 rows, against
-    the same step's CPU rendering from the same store: the products sum in another order, which
-    may move an int8 code of a later input (test_batch.py's bounds)."""
-    path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1)
+    Glimmer (Q4_K and Q6_K weights; ffn_down 1,024 wide: the tile form splits it in 2 chunks), 3
+    sequences of their own lengths padded to 8 rows, against the same step's CPU rendering from
+    the same store: the products sum in another order, which may move an int8 code of a later
+    input (test_batch.py's bounds)."""
+    path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1, ff=1024)
     from muser_mlx.models.batch_decode import BatchKV, BatchStep
     with gguf.read(path) as file:
         model = build_model(file)
@@ -767,6 +768,7 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, tiles):
     names = {launch[0] for launch in launches}
     assert ("product_tiles" in names) == tiles
     assert {"product", "product_glu"}.isdisjoint(names) == tiles
+    assert any(dict(launch[1]).get("CHUNKS", 1) > 1 for launch in launches) == tiles
     assert np.isfinite(logits).all() and logits.shape == expected.shape
     for row, row_expected in zip(logits, expected):
         assert relative_error(row, row_expected) <= FUSED_NUMERICS_BOUND
