@@ -10,6 +10,7 @@
 #   (or call 2 with [".device/b"] carried: `bench` installs the wheels itself; PRE_TESTS="pytest
 #   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
 #   step, BATCH_ARGS more batch.py options, e.g. "--parts --both"; `tests` may follow it)
+#   (or call 2/3 `before-after`: issue 44's decode figures of two trees in one call, below)
 #   The tile products' shapes against each other and the grouped form, one call:
 #     PRE_TESTS="tests/test_decode_kernels.py -k tile" BATCH_SECONDS=330 BATCH_ARGS="--set batch_tiles=True
 #     --both --parts --each --variant w2:tile_warps=2 --variant w8:tile_warps=8" bash bench/gpu_round.sh bench
@@ -19,20 +20,30 @@
 # (bench/history/session-37-38.md): the suite beside llama.cpp's build reached a quarter of its
 # shards in 200 s; time benches only once the build has ended.
 set -uo pipefail
-what=${1:?start, tests or bench}
+what=${1:?start, tests, bench or before-after}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+
+install_wheels() {  # the second half of the wheels (.device/b, carried) joined to the first and installed, once
+  [ -d /tmp/site/mlx ] && return 0
+  mkdir -p /tmp/w
+  cp .device/b/* /tmp/w/ && cat /tmp/w/mlxcuda.part.* > "/tmp/w/$(cat /tmp/w/WHEEL_NAME)" && rm /tmp/w/mlxcuda.part.* \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl
+}
+
+write_file() {  # bench/decode.py's full-scale random Muse Glimmer file, once
+  [ -f /dev/shm/muse-glimmer-random-52.gguf ] || (cd bench && python3 -c "import numpy as np, decode, pathlib; \
+    decode.write_file(pathlib.Path('/dev/shm/muse-glimmer-random-52.gguf'), np.random.default_rng(0))")
+}
+
 case "$what" in
 start)
   mkdir -p /tmp/w && cp .device/a/* /tmp/w/ && bash .device/a/llamacpp.sh build /tmp/lcpp
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   ;;
 tests)
-  if [ ! -d /tmp/site/mlx ]; then  # (installed already by a `bench` call that carried .device/b)
-    cp .device/b/* /tmp/w/ && cat /tmp/w/mlxcuda.part.* > "/tmp/w/$(cat /tmp/w/WHEEL_NAME)" && rm /tmp/w/mlxcuda.part.* \
-      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl || exit 1
-  fi
+  install_wheels || exit 1
   mkdir -p /tmp/gpulogs
   timeout "${TESTS_SECONDS:-520}" make test-gpu SHARDS="${SHARDS:-16}" GPU_LOGS=/tmp/gpulogs > "$OUT/test-gpu.summary" 2>&1
   echo "make test-gpu exit $?" >> "$OUT/test-gpu.summary"
@@ -43,16 +54,14 @@ tests)
 bench)
   # with .device/b carried and the wheels not yet installed (a round without `tests`): install them,
   # and write the file while llama.cpp still builds
-  if [ -d .device/b ] && [ ! -d /tmp/site/mlx ]; then
-    cp .device/b/* /tmp/w/ && cat /tmp/w/mlxcuda.part.* > "/tmp/w/$(cat /tmp/w/WHEEL_NAME)" && rm /tmp/w/mlxcuda.part.* \
-      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl || exit 1
+  if [ -d .device/b ]; then
+    install_wheels || exit 1
   fi
   if [ -n "${PRE_TESTS:-}" ]; then  # a few tests first (e.g. a new kernel's), before the file and the benches
     timeout 120 python3 -m pytest -q -p no:cacheprovider $PRE_TESTS > "$OUT/pre-tests.txt" 2>&1
     tail -n 5 "$OUT/pre-tests.txt"
   fi
-  [ -f /dev/shm/muse-glimmer-random-52.gguf ] || (cd bench && python3 -c "import numpy as np, decode, pathlib; \
-    decode.write_file(pathlib.Path('/dev/shm/muse-glimmer-random-52.gguf'), np.random.default_rng(0))")
+  write_file
   for _ in $(seq 1 300); do [ -f /tmp/lcpp/build.rc ] && break; sleep 1; done
   echo "llama.cpp build: $(cat /tmp/lcpp/build.rc 2>/dev/null || echo 'not done')"
   bin=/tmp/lcpp/llama.cpp/build/bin
@@ -70,8 +79,23 @@ bench)
     grep -E "^  [a-z_]+.*product|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Limit" "$OUT/ncu.txt" | head -60
   fi
   ;;
+before-after)
+  # Issue 44's before-and-after: bench/decode.py in a tree of the commit before (carried as
+  # .device/before, made here with `mkdir -p .device/before && git archive 10e9c79 | tar -x -C
+  # .device/before`) and in this one, on the same file, one after the other (carry .device/b too
+  # on a fresh machine). DECODE_ARGS: decode.py's options.
+  install_wheels || exit 1
+  write_file
+  args=${DECODE_ARGS:---keep --contexts 0,8192 --prefill-chunks 6 --repeats 2}
+  for tree in .device/before .; do
+    name=$([ "$tree" = . ] && echo after || echo before)
+    echo "== $name ($tree)"
+    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout "${DECODE_SECONDS:-250}" python3 bench/decode.py $args) 2>&1 \
+      | tee "$OUT/decode-$name.txt"
+  done
+  ;;
 *)
-  echo "start, tests or bench" >&2
+  echo "start, tests, bench or before-after" >&2
   exit 2
   ;;
 esac
