@@ -110,14 +110,18 @@ def test_rounded_steps_round(tiny, rng):
     # Fails if the rounded step silently ran the exact products (then ~1e-7 from the exact
     # reference, ~1 % from the rounding one): its first step must sit nearer the reference that
     # rounds. Usually ~1e-7 from it; where float32 moves a code at a tie (these weights are
-    # quantized, so ties are common), up to ~0.9 % measured, still nearer. Later steps are left
+    # quantized, so ties are common), up to ~2 % measured, once (seed 1543646790) a little
+    # nearer the exact one: so 5 first tokens, at least 4 of them nearer. Later steps are left
     # out: moved codes carry on through the cache.
     file, model = tiny("llama", "Q4_K_M")
-    ids = random_ids(rng, model, 1)
-    logits = run_steps(CPUDecodeStep(model, rounded=True), ids, model.make_cache())
-    exact = Reference(model.config, file.tensors).forward(ids)
-    rounded = Reference(model.config, file.tensors, decode_numerics=True, float16_cache=False, q8_k=True).forward(ids)
-    assert relative_error(logits, exact) > relative_error(logits, rounded)
+    exact_reference = Reference(model.config, file.tensors)
+    rounding_reference = Reference(model.config, file.tensors, decode_numerics=True, float16_cache=False, q8_k=True)
+    nearer = 0
+    for ids in random_ids(rng, model, 5).reshape(5, 1):
+        logits = run_steps(CPUDecodeStep(model, rounded=True), ids, model.make_cache())
+        exact, rounded = exact_reference.forward(ids), rounding_reference.forward(ids)
+        nearer += relative_error(logits, exact) > relative_error(logits, rounded)
+    assert nearer >= 4
 
 
 @pytest.mark.parametrize("rounded", [True, False], ids=["rounded", "exact"])
