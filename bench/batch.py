@@ -105,6 +105,16 @@ def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng, til
     return time.perf_counter() - tic
 
 
+def median_seconds(run, runs: int) -> float:
+    """The median of `runs` timings of run()."""
+    times = []
+    for _ in range(runs):
+        tic = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - tic)
+    return sorted(times)[runs // 2]
+
+
 def products_ms(model, batch: int, runs: int = 3, tiles: bool | None = None) -> float:
     """ms for the batched step's products alone (every layer's grouped launches and the head) on
     fixed q8x x of the step's padded rows, evaluated once: what the weights' reads and the
@@ -134,12 +144,7 @@ def products_ms(model, batch: int, runs: int = 3, tiles: bool | None = None) -> 
         outs.append(head(x(head.in_features)))
         mx.eval(outs)
     run()
-    times = []
-    for _ in range(runs):
-        tic = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - tic)
-    return 1e3 * sorted(times)[len(times) // 2]
+    return 1e3 * median_seconds(run, runs)
 
 
 def each_product(model, batch: int, bandwidth: float, tiles: bool | None = None, runs: int = 5) -> list[str]:
@@ -166,12 +171,7 @@ def each_product(model, batch: int, bandwidth: float, tiles: bool | None = None,
             weights = [product.weight] + ([product.second] if product.second is not None else [])
         nbytes = sum(w.data.nbytes for w in weights)
         values = sum(w.shape[0] * w.shape[1] for w in weights)
-        times = []
-        for _ in range(runs):
-            tic = time.perf_counter()
-            mx.eval([product(x) for _ in range(20)])
-            times.append((time.perf_counter() - tic) / 20)
-        ms = 1e3 * sorted(times)[runs // 2]
+        ms = 1e3 * median_seconds(lambda: mx.eval([product(x) for _ in range(20)]), runs) / 20
         lines.append(f"    {name:<9} {ms:8.3f} ms  floor {1e3 * nbytes / bandwidth:7.3f} ms  "
                      f"{nbytes / (ms / 1e3) / 1e9:7.1f} GB/s  {rows * values / (ms / 1e3) / 1e12:6.1f} T int8 MAC/s")
     return lines

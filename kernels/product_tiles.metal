@@ -57,13 +57,15 @@ uint end_span = min(first_span + uint(PER_CHUNK), uint(SPANS));
 uint g = lane / 4u;
 uint t = lane % 4u;
 size_t offsets[2];
-size_t up_offsets[2];
+size_t up_offsets[2];  // GLU: the same rows of B
 if (in_a) {
   muser_tile_row_offsets<ROW_BYTES_A, OUT_A>(offsets, first_row, g);
 } else {
   muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(offsets, first_row, g);
 }
-muser_tile_row_offsets<ROW_BYTES_B, OUT_B != 0 ? OUT_B : 1>(up_offsets, first_row, g);
+if (GLU != 0) {
+  muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(up_offsets, first_row, g);
+}
 float acc[SUMS];
 for (int i = 0; i < SUMS; ++i) {
   acc[i] = 0.0f;

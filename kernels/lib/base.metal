@@ -42,17 +42,17 @@ inline float muser_uint_float(uint c) {
   return as_type<float>(c | 0x4B000000u) - 8388608.0f;
 }
 
-inline float muser_int_float(int v) {
-  return as_type<float>(uint(v + 0x4B400000)) - 12582912.0f;
-}
-
-// The tile products' int32 accumulators start at this bias (muser_mma_k32 / k16 add A B into
-// C), so that a sum v (|v| < 2^22) is read as a float with muser_int_float's route, its integer
-// add done by the tensor core: muser_biased_float(BIAS + v) == float(v), bit for bit.
+// v's route in two halves: the add of the bias, and the float read and subtracted. The tile
+// products' int32 accumulators start at the bias (muser_mma_k32 / k16 add A B into C), so the
+// tensor core does the add: muser_biased_float(BIAS + v) == float(v), bit for bit.
 #define MUSER_INT_FLOAT_BIAS 0x4B400000
 
 inline float muser_biased_float(int biased) {
   return as_type<float>(uint(biased)) - 12582912.0f;
+}
+
+inline float muser_int_float(int v) {
+  return muser_biased_float(v + MUSER_INT_FLOAT_BIAS);
 }
 
 // float(v) by either route: INT_FLOATS 1, muser_int_float / muser_uint_float; 0, a conversion

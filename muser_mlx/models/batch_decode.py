@@ -12,8 +12,8 @@ A layer is layers.decoder_layer with this step's pieces:
   the fused step's products in their grouped form (kernels product / product_glu GROUPED, 8 rows
   a threadgroup), or with Settings.batch_tiles tile products (ops.TileProduct, kernel
   product_tiles: int8 matrix products of 16-row weight tiles and up to 64 rows of x staged in
-  threadgroup memory, on tensor cores on NVIDIA GPUs). Either way the launch count per layer does not depend on B; the rows are
-  padded to a multiple of 8.
+  threadgroup memory, on tensor cores on NVIDIA GPUs). Either way the launch count per layer
+  does not depend on B; the rows are padded to a multiple of 8.
 - elsewhere (the CPU): ops.linear on [B, 1, hidden] rows (the compiled CPU products, rounded
   inputs as generate()'s CPU steps: Settings.cpu_rounded) and the general step's seams.
 Attention, the q/k norms and RoPE (per-row positions) are MLX ops over the store; on the CPU the

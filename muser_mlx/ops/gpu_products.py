@@ -242,10 +242,9 @@ class GatedProduct:
         return Q8X(codes, scales, sums)
 
 
-# The batched step's tile products (kernel product_tiles): x rows a launch's token group holds
-# (8 of them a tile, all read against each weight block once), and SIMD groups sharing a
-# 16-row tile (each a share of the row's spans).
-TILE_TOKENS = 64  # x rows a threadgroup stages (its token group)
+# The batched step's tile products (kernel product_tiles): x rows a threadgroup stages (its
+# token group; 8 of them a tile, all read against each weight block once).
+TILE_TOKENS = 64
 
 
 def tile_chunks(spans: int, threadgroups: int, glu: bool, target: int) -> int:
