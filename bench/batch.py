@@ -15,7 +15,7 @@ position, mid-run) / copy bandwidth measured in the same run.
     floor, GB/s, int8 multiply-adds a second); --both: the other product form too, same run;
     --set field=value: the model's Settings; --variant NAME:field=value,...: each B >= 2 also with
     the model rebuilt with those settings, same run (bench/settings_cli.py), e.g.
-    --set batch_tiles=True --variant w8:tile_warps=8 --variant t1k:tile_threadgroups=1024
+    --set batch_tiles_from=1 --variant w8:tile_warps=8 --variant t1k:tile_threadgroups=1024
 """
 
 from __future__ import annotations
@@ -121,10 +121,10 @@ def products_ms(model, batch: int, runs: int = 3, tiles: bool | None = None) -> 
     products' arithmetic cost without attention and the seams."""
     from muser_mlx import ops
     from muser_mlx.models.batch_decode import GROUP
-    step = BatchStep(model, tiles=tiles)
+    step = BatchStep(model)
     if not step.q8x:
         return float("nan")
-    layers, head = step.launches()
+    layers, head = step.launches(step.uses_tiles(batch) if tiles is None else tiles)
     rows = -(-batch // GROUP) * GROUP
     cache = {}
 
@@ -153,10 +153,10 @@ def each_product(model, batch: int, bandwidth: float, tiles: bool | None = None,
     and its int8 multiply-adds a second, for a product's share of the step."""
     from muser_mlx import ops
     from muser_mlx.models.batch_decode import GROUP
-    step = BatchStep(model, tiles=tiles)
+    step = BatchStep(model)
     if not step.q8x:
         return []
-    layers, head = step.launches()
+    layers, head = step.launches(step.uses_tiles(batch) if tiles is None else tiles)
     rows = -(-batch // GROUP) * GROUP
     named = [(f"inputs {i}", p) for i, p in enumerate(layers[0]["inputs"])]
     named += [("output", layers[0]["output"]), ("gate_up", layers[0]["gate_up"]), ("down", layers[0]["down"]),
@@ -179,7 +179,7 @@ def each_product(model, batch: int, bandwidth: float, tiles: bool | None = None,
 
 def form(step) -> str:
     if step.q8x:
-        return "q8x tile products" if step.tiles else "q8x grouped products"
+        return f"q8x products, grouped below B = {step.model.settings.batch_tiles_from}, tiles from there"
     return "one node a layer (CPUDecodeStep.rows)" if step.layer_nodes else "float rows (ops.linear)"
 
 
@@ -199,7 +199,8 @@ def main() -> None:
     parser.add_argument("--each", action="store_true",
                         help="also each product of layer 0 and the head alone at each B >= 2 (both forms with --both)")
     parser.add_argument("--both", action="store_true",
-                        help="also each B >= 2 with the other product form (Settings.batch_tiles flipped), same run")
+                        help="also each B >= 2 with the other product form (the one Settings.batch_tiles_from "
+                             "does not pick), same run")
     args = parser.parse_args()
     written = None
     if args.model == "default":
@@ -242,10 +243,13 @@ def main() -> None:
             ms = 1e3 * seconds / args.steps
             line = (f"{batch:>3} {ms:>8.2f} {batch * args.steps / seconds:>9.1f} {1e3 * floor:>8.2f} "
                     f"{batch / floor:>11.1f} {BUILD_MS.get(batch, float('nan')):>8.2f}")
+            step = BatchStep(model)
+            if step.q8x and batch > 1:
+                line += f"  ({'tiles' if step.uses_tiles(batch) else 'grouped'})"
             if args.parts and batch > 1:
                 line += f"  products alone {products_ms(model, batch):.2f} ms"
             if args.both and batch > 1:
-                other = not model.settings.batch_tiles
+                other = not BatchStep(model).uses_tiles(batch)
                 seconds = run_batch(model, prompt_cache, batch, args.prompt, args.steps, rng, tiles=other)
                 line += f"  {'tiles' if other else 'grouped'} {1e3 * seconds / args.steps:.2f} ms/step"
                 if args.parts:
@@ -257,9 +261,9 @@ def main() -> None:
                     line += f" (products alone {products_ms(variant, batch):.2f} ms)"
             print(line, flush=True)
             if args.each and batch > 1:
-                for tiles in ([None, not model.settings.batch_tiles] if args.both else [None]):
-                    chosen = model.settings.batch_tiles if tiles is None else tiles
-                    print(f"  each product alone, {'tiles' if chosen else 'grouped'}:", flush=True)
+                chosen = BatchStep(model).uses_tiles(batch)
+                for tiles in ([chosen, not chosen] if args.both else [chosen]):
+                    print(f"  each product alone, {'tiles' if tiles else 'grouped'}:", flush=True)
                     for each in each_product(model, batch, bandwidth, tiles=tiles):
                         print(each, flush=True)
                 for name, variant in variants.items():

@@ -11,9 +11,10 @@
 #   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
 #   step, BATCH_ARGS more batch.py options, e.g. "--parts --both"; `tests` may follow it)
 #   (or call 2/3 `before-after`: issue 44's decode figures of two trees in one call, below)
-#   The tile products' shapes against each other and the grouped form, one call:
-#     PRE_TESTS="tests/test_decode_kernels.py -k tile" BATCH_SECONDS=330 BATCH_ARGS="--set batch_tiles=True
-#     --both --parts --each --variant w2:tile_warps=2 --variant w8:tile_warps=8" bash bench/gpu_round.sh bench
+#   The tile products' shapes against each other and the grouped form, one call (B = 8 runs grouped
+#   by default: --set batch_tiles_from=1 for tiles there too):
+#     PRE_TESTS="tests/test_decode_kernels.py -k tile" BATCH_SECONDS=330 BATCH_ARGS="--both --parts
+#     --each --variant w2:tile_warps=2 --variant w8:tile_warps=8" bash bench/gpu_round.sh bench
 #
 # What comes back (under $OUT): test-gpu.tgz (every shard's log in one file: a reply brings back a
 # few files only), test-gpu.summary, batch.txt, llama-batched.jsonl. Learnt the hard way

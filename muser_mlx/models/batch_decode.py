@@ -10,10 +10,10 @@ layer kind, [B, 1, 1, S]).
 A layer is layers.decoder_layer with this step's pieces:
 - on a GPU with the fused step's kernels (`q8x`): x as int8 blocks (ops.residual_norm_quant) and
   the fused step's products in their grouped form (kernels product / product_glu GROUPED, 8 rows
-  a threadgroup), or with Settings.batch_tiles tile products (ops.TileProduct, kernel
-  product_tiles: int8 matrix products of 16-row weight tiles and up to 64 rows of x staged in
-  threadgroup memory, on tensor cores on NVIDIA GPUs). Either way the launch count per layer
-  does not depend on B; the rows are padded to a multiple of 8.
+  a threadgroup) below Settings.batch_tiles_from sequences, tile products from there on
+  (ops.TileProduct, kernel product_tiles: int8 matrix products of 16-row weight tiles and up to
+  64 rows of x staged in threadgroup memory, on tensor cores on NVIDIA GPUs). Either way the
+  launch count per layer does not depend on B; the rows are padded to a multiple of 8.
 - elsewhere (the CPU): ops.linear on [B, 1, hidden] rows (the compiled CPU products, rounded
   inputs as generate()'s CPU steps: Settings.cpu_rounded) and the general step's seams.
 Attention, the q/k norms and RoPE (per-row positions) are MLX ops over the store; on the CPU the
@@ -136,11 +136,12 @@ class BatchStep:
 
     def __init__(self, model, q8x: bool | None = None, tiles: bool | None = None):
         """q8x: the GPU form (int8 x, tile or grouped products); None: where the fused step
-        runs. tiles: its products as tile products; None: Settings.batch_tiles."""
+        runs. tiles: its products as tile products (True) or grouped (False) at every B; None:
+        tiles from Settings.batch_tiles_from sequences on."""
         self.model = model
         self.q8x = model.fused if q8x is None else q8x
-        self.tiles = model.settings.batch_tiles if tiles is None else tiles
-        self._launches = None
+        self.tiles = tiles
+        self._launches = {}
         self.rounded = cpu_decode.rounds(model)  # as generate()'s CPU steps
         # The CPU extension's decode attention, where generate()'s CPU step runs it: per-row
         # attention as MLX ops took ~28 of a SmolLM2 8-row step's 44 ms.
@@ -149,15 +150,19 @@ class BatchStep:
         # node over B rows, compiled as that step (SmolLM2 8 rows: 16.7 ms against 19.8).
         self.layer_nodes = self.compiled_attention and model.cpu_step.takes_rows
 
-    def launches(self):
-        """The products of every layer and the LM head, built on first use: tile products
-        (ops.TileProduct), or kernel product's and product_glu's grouped form."""
-        if self._launches is None:
+    def uses_tiles(self, batch: int) -> bool:
+        """Whether a step of `batch` sequences runs tile products."""
+        return self.tiles if self.tiles is not None else batch >= self.model.settings.batch_tiles_from
+
+    def launches(self, tiles: bool):
+        """The products of every layer and the LM head, built on first use of each form: tile
+        products (ops.TileProduct), or kernel product's and product_glu's grouped form."""
+        if tiles not in self._launches:
             model, settings = self.model, self.model.settings
             grouped = dict(tokens=GROUP, settings=settings, grouped=True)
 
             def product(weight, second=None):
-                return (ops.TileProduct(weight, second, settings=settings) if self.tiles
+                return (ops.TileProduct(weight, second, settings=settings) if tiles
                         else ops.Product(weight, second, **grouped))
 
             layers = []
@@ -167,17 +172,18 @@ class BatchStep:
                 layers.append(dict(
                     inputs=[product(*stacks[i : i + 2]) for i in range(0, len(stacks), 2)],
                     output=product(block.attention.o_proj.weight_tensor),
-                    gate_up=(ops.TileProduct(ff.gate, ff.up, ff.activation_name, settings=settings) if self.tiles
+                    gate_up=(ops.TileProduct(ff.gate, ff.up, ff.activation_name, settings=settings) if tiles
                              else ops.GatedProduct(ff.gate, ff.up, ff.activation_name, **grouped)),
                     down=product(ff.down_proj.weight_tensor)))
-            self._launches = (layers, product(model.output))
-        return self._launches
+            self._launches[tiles] = (layers, product(model.output))
+        return self._launches[tiles]
 
-    def feed_forward(self, launches: dict, h):
+    @staticmethod
+    def feed_forward(launches: dict, h):
         """A layer's gated FFN on q8x h [padded, hidden] with its launches: float32 [padded,
         hidden]. A tile product's gated half is float32: quantized for the down projection."""
         f = launches["gate_up"](h)
-        return launches["down"](ops.quantize_rows(f) if self.tiles else f)
+        return launches["down"](ops.quantize_rows(f) if isinstance(launches["gate_up"], ops.TileProduct) else f)
 
     def __call__(self, tokens: mx.array, kv: BatchKV) -> mx.array:
         model, c = self.model, self.model.config
@@ -216,7 +222,7 @@ class BatchStep:
 
     def _q8x(self, tokens, kv, batch):
         model, c = self.model, self.model.config
-        layers, head = self.launches()
+        layers, head = self.launches(self.uses_tiles(batch))
         padded = _round_up(batch, GROUP)
         ids = tokens.astype(mx.int32)
         if padded > batch:
@@ -379,4 +385,4 @@ class _Q8XPieces:
         return ops.residual_norm_quant(x, branch, branch_weight, next_weight, c.post_eps, c.eps)
 
     def feed_forward(self, index: int, block, h):
-        return self.step.feed_forward(self.layers[index], h)
+        return BatchStep.feed_forward(self.layers[index], h)
