@@ -78,8 +78,9 @@ def test_every_sequence_of_a_batch_is_its_greedy_self_alone(tiny, rng, architect
     assert sum(compared) >= 32, compared  # not every sequence at a near-tie at once
 
 
-def test_the_gpu_form_of_the_batched_step_on_this_backend(tiny, rng):
-    """BatchStep's q8x form (int8 x, grouped products, a float16 store; the GPU's) against the
+@pytest.mark.parametrize("tiles", [False, True], ids=["grouped", "tiles"])
+def test_the_gpu_form_of_the_batched_step_on_this_backend(tiny, rng, tiles):
+    """BatchStep's q8x form (int8 x, grouped or tile products, a float16 store; the GPU's) against the
     same sequences' fused one-token steps (int8 x, float16 caches) and general steps (float x),
     fed the same tokens: on the CPU the products' CPU renderings run it, so its padding to
     groups of 8 rows and its layer wiring are checked here too.
@@ -100,7 +101,7 @@ def test_the_gpu_form_of_the_batched_step_on_this_backend(tiny, rng):
     model, tokenizer = load_tiny(tiny, "muse-glimmer", "Q4_K_M")
     if not model.decodes_fused():
         pytest.skip("no fused kernels for this model")
-    step = BatchStep(model, q8x=True)
+    step = BatchStep(model, q8x=True, tiles=tiles)
     lengths = [3, 11, 6]
     prompts = [random_ids(rng, model, n) for n in lengths]
     caches = [model.make_cache() for _ in prompts]
