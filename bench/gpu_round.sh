@@ -11,10 +11,14 @@
 #   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
 #   step, BATCH_ARGS more batch.py options, e.g. "--parts --both"; `tests` may follow it)
 #   (or call 2/3 `before-after`: issue 44's decode figures of two trees in one call, below)
-#   The tile products' shapes against each other and the grouped form, one call (B = 8 runs grouped
-#   by default: --set batch_tiles_from=1 for tiles there too):
-#     PRE_TESTS="tests/test_decode_kernels.py -k tile" BATCH_SECONDS=330 BATCH_ARGS="--both --parts
-#     --each --variant w2:tile_warps=2 --variant w8:tile_warps=8" bash bench/gpu_round.sh bench
+#   The tile products' untimed forms (Settings.tile_prefetch, tile_fit_tokens, more threadgroups)
+#   against today's and the grouped form, tiles at every B (B = 8 runs grouped by default), one call:
+#     PRE_TESTS="tests/test_decode_kernels.py -k tile" BATCH_SECONDS=420 BATCH_ARGS="--batches 1,8,16,32,64
+#     --set batch_tiles_from=1 --both --parts --variant pf:tile_prefetch=True --variant
+#     fit:tile_fit_tokens=True,tile_threadgroups=1024 --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024"
+#     bash bench/gpu_round.sh bench
+#   Where a product's time goes (stall reasons, occupancy, DRAM rate), tile products at B = 8:
+#     NCU_SECONDS=200 NCU_KERNEL=product_tiles NCU_ARGS="--batches 8 --set batch_tiles_from=1" ... bench
 #
 # What comes back (under $OUT): test-gpu.tgz (every shard's log in one file: a reply brings back a
 # few files only), test-gpu.summary, batch.txt, llama-batched.jsonl. Learnt the hard way
@@ -72,12 +76,12 @@ bench)
   grep -v '^$' "$OUT/llama-batched.jsonl" | tail -n 4
   tail -n 3 "$OUT/llama-batched.err"
   timeout "${BATCH_SECONDS:-300}" python3 bench/batch.py --keep --batches 1,8,32,64 ${BATCH_ARGS:-} 2>&1 | tee "$OUT/batch.txt"
-  if [ -n "${NCU_SECONDS:-}" ]; then  # a diagnostic: a few grouped products of a 64-row step under ncu
+  if [ -n "${NCU_SECONDS:-}" ]; then  # a diagnostic: a few products of a step under ncu (default: 64 rows)
     timeout "$NCU_SECONDS" ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
-      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats -k regex:product \
-      --launch-skip "${NCU_SKIP:-400}" --launch-count 4 python3 bench/batch.py --keep --batches 64 --steps 3 \
-      > "$OUT/ncu.txt" 2>&1
-    grep -E "^  [a-z_]+.*product|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Limit" "$OUT/ncu.txt" | head -60
+      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+      -k "regex:${NCU_KERNEL:-product}" --launch-skip "${NCU_SKIP:-400}" --launch-count 4 \
+      python3 bench/batch.py --keep --steps 3 ${NCU_ARGS:---batches 64} > "$OUT/ncu.txt" 2>&1
+    grep -E "^  [a-z_]+.*product|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles" "$OUT/ncu.txt" | head -80
   fi
   ;;
 before-after)

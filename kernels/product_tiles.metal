@@ -27,7 +27,8 @@
 // as the products need) and their stage rows never written.
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN (a
 // multiple of 32; of 256 for Q4_K and Q6_K), TOKENS (a multiple of 8), WARPS, CHUNKS, GLU,
-// ACTIVATION.
+// ACTIVATION, PREFETCH (1: each SIMD group's loads of span s + 1 go out before it multiplies
+// span s; 0: before span s's stage).
 #include "lib/tiles.metal"
 const int NT = TOKENS / 8;
 const int SUMS = GLU != 0 ? 2 * NT * 4 : NT * 4;  // a lane's sums (GLU: gate's, then up's)
@@ -70,23 +71,31 @@ float acc[SUMS];
 for (int i = 0; i < SUMS; ++i) {
   acc[i] = 0.0f;
 }
+const int UP_RAW = GLU != 0 ? 2 * MUSER_TILE_RAW(FORMAT_B) : 1;
+uint raw[2 * RAW];
+uint up_raw[UP_RAW];
+if (PREFETCH != 0 && active && first_span < end_span) {
+  muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
+                                                    first_span, t);
+}
 for (uint span = first_span; span < end_span; ++span) {
-  uint raw[2 * RAW];
-  uint up_raw[GLU != 0 ? 2 * MUSER_TILE_RAW(FORMAT_B) : 1];
-  if (active) {  // the weight loads go out before the stage, and land while it is copied
-    if (in_a) {
-      muser_tile_load<FORMAT_A, IN>(raw, weight_a, offsets[0], offsets[1], span, t);
-    } else {
-      muser_tile_load<FORMAT_B, IN>(raw, weight_b, offsets[0], offsets[1], span, t);
-    }
-    if (GLU != 0) {
-      muser_tile_load<FORMAT_B, IN>(up_raw, weight_b, up_offsets[0], up_offsets[1], span, t);
-    }
+  if (PREFETCH == 0 && active) {  // the weight loads go out before the stage, and land while it is copied
+    muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
+                                                      span, t);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // every SIMD group is done with the last span
   muser_tile_stage<IN, TOKENS, 32 * WARPS>(stage_codes, stage_scales, xq, xd, xs, first_token, tokens, span,
                                            thread_position_in_threadgroup.x);
   threadgroup_barrier(mem_flags::mem_threadgroup);
+  // PREFETCH: the next span's loads go out now, in flight through this span's products, the next
+  // stage and its barriers.
+  bool ahead = PREFETCH != 0 && active && span + 1u < end_span;
+  uint next[2 * RAW];
+  uint next_up[UP_RAW];
+  if (ahead) {
+    muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(next, next_up, weight_a, weight_b, offsets, up_offsets, in_a,
+                                                      span + 1u, t);
+  }
   if (active) {
     if (in_a) {
       muser_tile_span_product<FORMAT_A, NT, IN, TOKENS>(raw, stage_codes, stage_scales, live, lane, acc);
@@ -95,6 +104,14 @@ for (uint span = first_span; span < end_span; ++span) {
     }
     if (GLU != 0) {
       muser_tile_span_product<FORMAT_B, NT, IN, TOKENS>(up_raw, stage_codes, stage_scales, live, lane, acc + NT * 4);
+    }
+  }
+  if (ahead) {
+    for (int i = 0; i < 2 * RAW; ++i) {
+      raw[i] = next[i];
+    }
+    for (int i = 0; i < UP_RAW; ++i) {
+      up_raw[i] = next_up[i];
     }
   }
 }

@@ -85,6 +85,15 @@ class Settings:
     # 4 SIMD groups beat 2 and 8 (H200, B = 64: 53.7 against 55.3 and 57.9 ms a step).
     tile_warps: int = 4
     tile_threadgroups: int = 512
+    # Two forms of the tile products not timed yet (bench/gpu_round.sh's header compares them in
+    # one call; the loser goes): tile_prefetch, each SIMD group's loads of the next span's
+    # weights go out before it multiplies this span's (the loads of a span in flight through the
+    # products, the stage and its barriers; twice the weight registers); tile_fit_tokens, a
+    # threadgroup takes 8, 16, 32 or 64 rows of x as the step has them, not always 64 (fewer
+    # accumulators and a smaller stage below 64 rows). Why: at B = 8 the tile products read
+    # their weights at 0.4-0.8 TB/s on the H200 (bench/RESULTS.md).
+    tile_prefetch: bool = False
+    tile_fit_tokens: bool = False
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any

@@ -304,14 +304,39 @@ def test_tile_products(rng, rows, first, second, activation, n):
     OUT (37 and 45 rows: a threadgroup's last SIMD groups without a tile), two formats in one
     launch, the gated form; the input split in chunks (Q8_0 rows of 576 values, a block a span:
     9 chunks of 2 spans; 1024 Q4_K values: 2 chunks of 2 spans)."""
+    launches, a = tile_product_against_numpy(rng, rows, first, second, activation, n, DEFAULT)
+    assert dict(launches[0][1])["CHUNKS"] == {576: 9, 1024: 2}.get(n, 1)
+    with pytest.raises(ValueError, match="positive multiple of 8"):
+        ops.TileProduct(a)(q8x(rng.standard_normal((12, n)).astype(np.float32))[0])
+
+
+@pytest.mark.parametrize("prefetch, fit", [(True, False), (False, True), (True, True)],
+                         ids=["prefetch", "fit-tokens", "both"])
+@pytest.mark.parametrize("rows, first, second, activation, n",
+                         [(24, GGMLType.Q4_K, GGMLType.Q6_K, None, 1024), (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu", 768),
+                          (72, GGMLType.Q6_K, None, None, 512)],
+                         ids=["Q4_K+Q6_K-24-chunks", "glu-Q4_K+Q8_0-16", "Q6_K-72"])
+def test_tile_products_in_their_untimed_forms(rng, prefetch, fit, rows, first, second, activation, n):
+    """Settings.tile_prefetch (span s + 1's weight loads before span s's products: chunks of 2
+    spans, 3 spans in one run for the gated product) and tile_fit_tokens (TOKENS 32 for 24 rows,
+    16 for 16 rows, 64 for 72: two token groups, the second partial) give the same products."""
+    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit)
+    launches, _ = tile_product_against_numpy(rng, rows, first, second, activation, n, settings)
+    template = dict(launches[0][1])
+    assert template["PREFETCH"] == int(prefetch)
+    assert template["TOKENS"] == ({24: 32, 16: 16, 72: 64}[rows] if fit else 64)
+
+
+def tile_product_against_numpy(rng, rows, first, second, activation, n, settings):
+    """Kernel product_tiles on the emulated GPU against numpy for `rows` rows of x (37 rows of A
+    and 45 of B, or 64 of each gated); returns (the launches, weight A)."""
     out_a = 64 if activation else 37
     a, a_values = weight(rng, first, n, out_a, "a")
     b, b_values = weight(rng, second, n, out_a if activation else 45, "b") if second else (None, None)
     x, x_values = q8x(rng.standard_normal((rows, n)).astype(np.float32))
     with emulated_gpu() as launches, kernels.poisoned_outputs():
-        out = np.array(ops.TileProduct(a, b, activation)(x))
+        out = np.array(ops.TileProduct(a, b, activation, settings=settings)(x))
     assert kernel_names(launches) == ["product_tiles"] and np.isfinite(out).all()
-    assert dict(launches[0][1])["CHUNKS"] == {576: 9, 1024: 2}.get(n, 1)
     expected = x_values @ a_values.T
     if activation == "silu":
         expected = expected / (1 + np.exp(-expected)) * (x_values @ b_values.T)
@@ -321,8 +346,7 @@ def test_tile_products(rng, rows, first, second, activation, n):
     elif second:
         expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
     assert out.shape == expected.shape and relative_error(out, expected) <= PRODUCT_BOUND
-    with pytest.raises(ValueError, match="positive multiple of 8"):
-        ops.TileProduct(a)(q8x(rng.standard_normal((12, n)).astype(np.float32))[0])
+    return launches, a
 
 
 def configured(config, *ggml_types, **fields) -> Settings:

@@ -83,6 +83,22 @@ inline void muser_tile_load(thread uint* raw, const device uint8_t* weight, size
   }
 }
 
+// A SIMD group's loads of span `span` of its tile: its rows of A (in_a) or of B into raw, and
+// with GLU the same rows of B (the up projection) into up_raw.
+template <int FORMAT_A, int FORMAT_B, int IN, int GLU>
+inline void muser_tile_load_rows(thread uint* raw, thread uint* up_raw, const device uint8_t* weight_a,
+                                 const device uint8_t* weight_b, thread const size_t* offsets,
+                                 thread const size_t* up_offsets, bool in_a, uint span, uint t) {
+  if (in_a) {
+    muser_tile_load<FORMAT_A, IN>(raw, weight_a, offsets[0], offsets[1], span, t);
+  } else {
+    muser_tile_load<FORMAT_B, IN>(raw, weight_b, offsets[0], offsets[1], span, t);
+  }
+  if (GLU != 0) {
+    muser_tile_load<FORMAT_B, IN>(up_raw, weight_b, up_offsets[0], up_offsets[1], span, t);
+  }
+}
+
 // Block k of a span (its words `raw`, muser_tile_load's) as the products' operands.
 //   Q4_K: sub-block k: the low (k even) or high nibbles of pair k / 2's quant bytes; value =
 //         d sc q - dmin m.

@@ -294,17 +294,26 @@ class TileProduct:
         self.spans = self.in_features // (256 if self.in_features % 256 == 0 else 32)
         self._template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
                           + _weight_template("B", second if second is not None else weight)
-                          + [("OUT_B", self.out_b), ("IN", self.in_features), ("TOKENS", TILE_TOKENS),
-                             ("WARPS", self.warps)])
+                          + [("OUT_B", self.out_b), ("IN", self.in_features)])
+        self._shape = [("WARPS", self.warps), ("PREFETCH", int(settings.tile_prefetch))]
         self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
+        self.fit_tokens = settings.tile_fit_tokens
+
+    def tokens(self, rows: int) -> int:
+        """The rows of x a threadgroup takes (kernel product_tiles' TOKENS): TILE_TOKENS, or with
+        Settings.tile_fit_tokens the least of 8, 16, 32, 64 that holds `rows`."""
+        if not self.fit_tokens:
+            return TILE_TOKENS
+        return min(TILE_TOKENS, max(8, 1 << (rows - 1).bit_length()))
 
     def launch_arguments(self, rows: int):
         """(template, grid, threadgroup, chunks) for `rows` rows of x."""
-        groups = -(-rows // TILE_TOKENS)
+        tokens = self.tokens(rows)
+        groups = -(-rows // tokens)
         chunks = tile_chunks(self.spans, groups * self.blocks, self.activation is not None, self.target)
         threadgroup = (32 * self.warps, 1, 1)
-        return (self._template + [("CHUNKS", chunks)] + self._glu, (threadgroup[0] * groups, self.blocks, chunks),
-                threadgroup, chunks)
+        template = self._template + [("TOKENS", tokens)] + self._shape + [("CHUNKS", chunks)] + self._glu
+        return template, (threadgroup[0] * groups, self.blocks, chunks), threadgroup, chunks
 
     def __call__(self, x: Q8X) -> mx.array:
         if len(x.shape) != 2 or x.shape[1] != self.in_features or x.shape[0] % 8 or x.shape[0] == 0:
