@@ -17,6 +17,8 @@
 #     --set batch_tiles_from=1 --both --parts --variant pf:tile_prefetch=True --variant
 #     fit:tile_fit_tokens=True,tile_threadgroups=1024 --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024"
 #     bash bench/gpu_round.sh bench
+#   Where a batched step's time goes beside its products (CUPTI kernels a step, gaps), after `bench`:
+#     python3 bench/timeline.py --batch 64 --runs 2 --steps 16 --kernels 24
 #   Where a product's time goes (stall reasons, occupancy, DRAM rate), tile products at B = 8:
 #     NCU_SECONDS=200 NCU_KERNEL=product_tiles NCU_ARGS="--batches 8 --set batch_tiles_from=1" ... bench
 #

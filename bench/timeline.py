@@ -13,7 +13,7 @@ profiler, and prints per run:
 Then the kernels' time per step by name, over all runs.
 
     python bench/timeline.py [--dir /dev/shm] [--steps 20] [--runs 4] [--context 0]
-                             [--trace out.json.gz] [--set field=value ...]
+                             [--trace out.json.gz] [--set field=value ...] [--batch B --prompt P]
                              [--variant NAME:field=value,... ...]
 
 --prefill N profiles N 512-row prefill chunks instead (kernel_times.py prefill's measure): the
@@ -34,6 +34,11 @@ with those settings over the same file, its step traced again), after the defaul
 short products read slow: the o-projection took 6.95-7.05 µs as a variant and 6.15-6.21 as the
 default in the same process, whichever configuration was which. Compare the short products as
 defaults (--set), one process each.
+
+--batch B profiles B sequences' batched decode steps instead (bench/batch.py's run_batch: a
+--prompt-position prompt each, --steps steps pipelined as BatchGenerator.next(), 3 warm-up steps
+in the profile too): per run the GPU's busy time, gaps and kernels a step, then the kernels by
+time (each --variant again): where a batched step's time goes beside its products.
 
 --set loads the model with those muser_mlx.settings.Settings (bench/settings_cli.py), e.g.
 `--set attention_head_group=1`.
@@ -302,9 +307,13 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[],
                         metavar="NAME:FIELD=VALUE,...",
                         help="profiled again with the model rebuilt with these settings")
-    parser.add_argument("--kernels", type=int, default=14, help="--prefill: print this many kernel names by time")
+    parser.add_argument("--kernels", type=int, default=14,
+                        help="--prefill, --batch: print this many kernel names by time")
     parser.add_argument("--sequence", type=int, default=0,
                         help="--prefill: print this many of the last chunk's kernels in order, from its middle")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="profile B sequences' batched decode steps instead of generate()'s step")
+    parser.add_argument("--prompt", type=int, default=128, help="--batch: each sequence's prompt length")
     parser.add_argument("--copy-sizes", default="",
                         help="MB,MB,...: also time one-launch copies moving that many MB (read + write)")
     args = parser.parse_args()
@@ -335,6 +344,14 @@ def main() -> None:
             gc.collect()  # the model replaced (and its stacked projections) freed
             prefill_profile(args, model, rng, f"{label} {changes}" if label else str(args.set))
         return
+    if args.batch:
+        for label, changes, variant_settings in variants:
+            model = rebuilt(model, variant_settings)
+            gc.collect()
+            if label:
+                print(f"variant {label}: {changes}")
+            batch_profile(args, model, rng)
+        return
     cache = model.make_cache()
     bench_decode.fill_context(model, cache, args.context, rng)
     for label, changes, variant_settings in variants:
@@ -343,6 +360,46 @@ def main() -> None:
         if label:
             print(f"variant {label}: {changes}")
         decode_profile(args, model, cache)
+
+
+def batch_profile(args, model, rng) -> None:
+    """--runs profiled runs of --steps batched steps of --batch sequences (bench/batch.py's
+    run_batch, after one unprofiled run): per run its wall ms a step, the GPU's busy time, gaps
+    and kernels a step; then the kernels' time a step by name."""
+    import torch.profiler as tp
+
+    import batch as bench_batch
+    from muser_mlx.generate import feed
+    from muser_mlx.models import cpu_decode
+
+    prompt_cache = cpu_decode.generation_cache(model)
+    feed(model, rng.integers(0, model.config.vocab, size=args.prompt).tolist(), prompt_cache)
+    bench_batch.run_batch(model, prompt_cache, args.batch, args.prompt, args.steps, rng)  # compile, warm
+    by_name = collections.defaultdict(float)
+    launches = collections.Counter()
+    total_steps = 0
+    for run in range(args.runs):
+        with tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]) as prof:
+            seconds = bench_batch.run_batch(model, prompt_cache, args.batch, args.prompt, args.steps, rng)
+        s = summarize(trace_events(prof))
+        if not s["kernels"]:
+            print(f"run {run}: the profiler recorded no kernel (CUPTI saw none of MLX's)")
+            continue
+        n = args.steps + 3  # run_batch's 3 warm-up steps are in the profile too
+        sizes = sorted((g[0] for g in s["gaps"]), reverse=True)
+        print(f"run {run}: B = {args.batch}, {1e3 * seconds / args.steps:.2f} ms/step (wall, timed steps); GPU: "
+              f"{s['kernels'] / n:.0f} kernels, busy {s['busy_us'] / n / 1e3:.2f} ms a step; gaps "
+              f"{sum(sizes) / n / 1e3:.2f} ms a step, {sum(g > 5 for g in sizes) / n:.1f} > 5 us, "
+              f"{sum(g > 20 for g in sizes) / n:.1f} > 20 us a step", flush=True)
+        for name, dur in s["names"]:
+            by_name[name] += dur
+            launches[name] += 1
+        total_steps += n
+    if total_steps:
+        print("kernels by GPU time a step (us a step, launches a step, us a launch):")
+        for name, dur in sorted(by_name.items(), key=lambda kv: -kv[1])[:args.kernels]:
+            print(f"  {dur / total_steps:8.1f}  {launches[name] / total_steps:5.1f} x {dur / launches[name]:7.2f}  "
+                  f"{name[:90]}")
 
 
 def decode_profile(args, model, cache) -> None:
