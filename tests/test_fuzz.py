@@ -196,9 +196,12 @@ def test_hostile_config_values_are_refused_by_name_or_accepted(tiny_file, key, v
     architecture, metadata, tensors = tiny_file
     tic = time.perf_counter()
     try:
-        config_for({**metadata, f"{architecture}.{key}": value}, tensors)
+        config = config_for({**metadata, f"{architecture}.{key}": value}, tensors)
     except ModelConfigError:
         pass
+    else:  # accepted: every number the graph computes with is one it can run
+        assert config.rope_base > 0 and config.rope_base_swa > 0 and config.eps >= 0, config
+        assert np.isfinite(config.attention_scale) and (config.softcap is None or config.softcap > 0), config
     assert time.perf_counter() - tic < 2, "config took too long"
 
 

@@ -462,6 +462,21 @@ def test_an_olmo2_file_with_a_sliding_window_is_refused_by_name(tmp_path, rng):
         config_for(file.metadata, file.tensors)
 
 
+# Values a file may hold but no model can run: a RoPE base <= 0 makes NaN or infinite
+# frequencies, a zero scale or softcap divides by zero; each is refused by its key's name.
+@pytest.mark.parametrize("architecture, key, value", [
+    ("muse-glimmer", "rope.freq_base", -10000.0), ("muse-glimmer", "rope.freq_base_swa", 0.0),
+    ("muse-glimmer", "logit_scale", 0.0), ("muse-glimmer", "final_logit_softcapping", -30.0),
+    ("llama", "rope.freq_base", 0.0), ("llama", "attention.layer_norm_rms_epsilon", -1e-5),
+    ("llama", "rope.scaling.factor", -2.0), ("llama", "rope.scaling.attn_factor", 0.0),
+    ("qwen3", "rope.freq_base", -1.0), ("gemma2", "attn_logit_softcapping", 0.0),
+    ("granite", "residual_scale", 0.0), ("granite", "logit_scale", 0.0)])
+def test_a_value_out_of_range_is_refused_by_name(tmp_path, rng, architecture, key, value):
+    path = tiny_model(tmp_path / "m.gguf", architecture, rng, extra_metadata={f"{architecture}.{key}": value})
+    with gguf.read(path) as file, pytest.raises(ModelConfigError, match=f"{architecture}.{key}".replace(".", r"\.")):
+        config_for(file.metadata, file.tensors)
+
+
 @pytest.mark.parametrize("key", ["muse-glimmer.attention.sliding_window_pattern",
                                  "muse-glimmer.logit_scale",
                                  "muse-glimmer.attention.layer_norm_rms_epsilon",

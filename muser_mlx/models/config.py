@@ -161,12 +161,16 @@ class Metadata:
                                    f"{minimum}, got {value!r}")
         return int(value)
 
-    def float(self, suffix: str, default=None) -> float:
+    def float(self, suffix: str, default=None, positive: bool = False, non_negative: bool = False) -> float:
+        """A finite number; positive: > 0 (a RoPE base, a scale, a softcap), non_negative: >= 0."""
         value = self._get(suffix, default)
         if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
                 or not math.isfinite(value):
             raise ModelConfigError(f"metadata key {self.key(suffix)!r} must be a finite number, "
                                    f"got {value!r}")
+        if (positive and value <= 0) or (non_negative and value < 0):
+            raise ModelConfigError(f"metadata key {self.key(suffix)!r} must be a "
+                                   f"{'positive' if positive else 'non-negative'} number, got {value!r}")
         return float(value)
 
     def block_count(self, tensors: dict, every_layer: str = "attn_norm.weight") -> int:
@@ -241,11 +245,11 @@ def common_config(meta: Metadata, tensors: dict, every_layer: str = "attn_norm.w
     if rotary_dim > head_dim or rotary_dim % 2:
         raise ModelConfigError(f"{meta.key('rope.dimension_count')} = {rotary_dim} must be even "
                                f"and at most the head dimension {head_dim}")
-    rope_base = meta.float("rope.freq_base", default=10000.0)
+    rope_base = meta.float("rope.freq_base", default=10000.0, positive=True)
     values = dict(
         architecture=meta.architecture, layers=layers, hidden=hidden, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, ff=meta.int("feed_forward_length"), vocab=vocab,
-        context=meta.int("context_length"), eps=meta.float("attention.layer_norm_rms_epsilon"),
+        context=meta.int("context_length"), eps=meta.float("attention.layer_norm_rms_epsilon", non_negative=True),
         rope_base=rope_base, rope_base_swa=rope_base, rotary_dim=rotary_dim,
         rope_traditional=True, rope_full_layers=True, sliding_window=None,
         swa_layers=(False,) * layers, attention_scale=head_dim**-0.5,
@@ -289,7 +293,7 @@ def scaled_rope(meta: Metadata, tensors: dict, rotary_dim: int, base: float, con
     if scaling not in ROPE_SCALINGS:
         raise ModelConfigError(f"metadata key {key!r} is {scaling!r}; supported: {list(ROPE_SCALINGS)}")
     factor = meta.float("rope.scaling.factor" if meta.has("rope.scaling.factor") else "rope.scale_linear",
-                        default=0.0)  # the older key's name
+                        default=0.0, non_negative=True)  # the older key's name
     factor = 1.0 if factor == 0.0 or scaling == "none" else factor
     original = meta.int("rope.scaling.original_context_length", default=context)
     half = rotary_dim // 2
@@ -303,7 +307,7 @@ def scaled_rope(meta: Metadata, tensors: dict, rotary_dim: int, base: float, con
         if not np.all(np.isfinite(divisors) & (divisors > 0)):
             raise ModelConfigError(f"tensor {factors!r} must hold positive finite frequency factors")
         inverse = inverse / divisors
-    mscale = meta.float("rope.scaling.attn_factor", default=1.0)
+    mscale = meta.float("rope.scaling.attn_factor", default=1.0, positive=True)
     if scaling == "yarn":
         # llama.cpp's ggml_rope_yarn_corr_dims and rope_yarn_ramp: pairs below `low` keep their
         # own frequency (extrapolated), pairs above `high` are scaled (interpolated).

@@ -23,15 +23,15 @@ def config(metadata: dict, tensors: dict) -> ModelConfig:
     meta = Metadata(metadata, ARCHITECTURE)
     layers = meta.block_count(tensors)
     hidden, heads = meta.int("embedding_length"), meta.int("attention.head_count")
-    rope_base = meta.float("rope.freq_base", default=10000.0)
+    rope_base = meta.float("rope.freq_base", default=10000.0, positive=True)
     overrides = dict(
         rope_traditional=False, rope_base=rope_base,
-        rope_base_swa=meta.float("rope.freq_base_swa", default=rope_base),
+        rope_base_swa=meta.float("rope.freq_base_swa", default=rope_base, positive=True),
         sliding_window=meta.int("attention.sliding_window", default=DEFAULT_WINDOW),
         swa_layers=meta.sliding_window_layers(layers, default_period=SWA_PERIOD),
         sandwich_norms=True, activation="gelu_tanh", embed_scale=math.sqrt(hidden), tied_embeddings=True,
-        softcap=meta.float("final_logit_softcapping", default=DEFAULT_FINAL_SOFTCAP),
-        attn_softcap=meta.float("attn_logit_softcapping", default=DEFAULT_ATTENTION_SOFTCAP),
+        softcap=meta.float("final_logit_softcapping", default=DEFAULT_FINAL_SOFTCAP, positive=True),
+        attn_softcap=meta.float("attn_logit_softcapping", default=DEFAULT_ATTENTION_SOFTCAP, positive=True),
     )
     if layers == LAYERS_27B:
         overrides["attention_scale"] = (hidden / heads) ** -0.5

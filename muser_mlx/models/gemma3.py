@@ -20,7 +20,7 @@ def config(metadata: dict, tensors: dict) -> ModelConfig:
     return common_config(
         meta, tensors,
         rope_traditional=False,
-        rope_base=meta.float("rope.freq_base", default=1000000.0),
+        rope_base=meta.float("rope.freq_base", default=1000000.0, positive=True),
         rope_base_swa=SWA_ROPE_BASE,
         sliding_window=meta.int("attention.sliding_window"),
         swa_layers=meta.sliding_window_layers(layers, default_period=SWA_PERIOD),

@@ -14,14 +14,14 @@ ARCHITECTURE = "granite"
 
 def config(metadata: dict, tensors: dict) -> ModelConfig:
     meta = Metadata(metadata, ARCHITECTURE)
-    residual_scale = meta.float("residual_scale", default=1.0)
+    residual_scale = meta.float("residual_scale", default=1.0, positive=True)
     if residual_scale <= 0:
         raise ModelConfigError(f"metadata key {meta.key('residual_scale')!r} must be positive, got {residual_scale}")
     overrides = dict(
-        embed_scale=meta.float("embedding_scale", default=1.0) / residual_scale,
-        eps=meta.float("attention.layer_norm_rms_epsilon") / residual_scale**2,
-        logit_scale=1.0 / meta.float("logit_scale"),
+        embed_scale=meta.float("embedding_scale", default=1.0, positive=True) / residual_scale,
+        eps=meta.float("attention.layer_norm_rms_epsilon", non_negative=True) / residual_scale**2,
+        logit_scale=1.0 / meta.float("logit_scale", positive=True),
     )
     if meta.has("attention.scale"):
-        overrides["attention_scale"] = meta.float("attention.scale")
+        overrides["attention_scale"] = meta.float("attention.scale", positive=True)
     return with_scaled_rope(meta, tensors, common_config(meta, tensors, **overrides))

@@ -9,4 +9,4 @@ ARCHITECTURE = "qwen2"
 def config(metadata: dict, tensors: dict) -> ModelConfig:
     meta = Metadata(metadata, ARCHITECTURE)
     return common_config(meta, tensors, rope_traditional=False, qkv_bias=True,
-                         rope_base=meta.float("rope.freq_base", default=1000000.0))
+                         rope_base=meta.float("rope.freq_base", default=1000000.0, positive=True))

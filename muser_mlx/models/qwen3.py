@@ -10,5 +10,5 @@ ARCHITECTURE = "qwen3"
 def config(metadata: dict, tensors: dict) -> ModelConfig:
     meta = Metadata(metadata, ARCHITECTURE)
     config = common_config(meta, tensors, rope_traditional=False, qk_norm=True,
-                           rope_base=meta.float("rope.freq_base", default=1000000.0))
+                           rope_base=meta.float("rope.freq_base", default=1000000.0, positive=True))
     return with_scaled_rope(meta, tensors, config)
