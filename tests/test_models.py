@@ -477,6 +477,20 @@ def test_a_value_out_of_range_is_refused_by_name(tmp_path, rng, architecture, ke
         config_for(file.metadata, file.tensors)
 
 
+@pytest.mark.parametrize("metadata, named", [
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.freq_base": 1.0}, "llama.rope.freq_base"),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1e-44}, "llama.rope.scaling"),
+    ({"llama.rope.scaling.attn_factor": 1e30}, "llama.rope.scaling"),
+    ({"granite.residual_scale": 1e-30}, "granite.residual_scale")])
+def test_values_that_overflow_the_graphs_numbers_are_refused_by_name(tmp_path, rng, metadata, named):
+    # Each value alone is a positive finite number; what the graph computes from it is not
+    # (YaRN's ramp divides by ln(base); a denormal factor's inverse; mscale squared; eps / s²).
+    architecture = named.split(".")[0]
+    path = tiny_model(tmp_path / "m.gguf", architecture, rng, extra_metadata=metadata)
+    with gguf.read(path) as file, pytest.raises(ModelConfigError, match=named.replace(".", r"\.")):
+        config_for(file.metadata, file.tensors)
+
+
 @pytest.mark.parametrize("key", ["muse-glimmer.attention.sliding_window_pattern",
                                  "muse-glimmer.logit_scale",
                                  "muse-glimmer.attention.layer_norm_rms_epsilon",

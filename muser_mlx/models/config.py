@@ -286,8 +286,6 @@ def scaled_rope(meta: Metadata, tensors: dict, rotary_dim: int, base: float, con
     (`rope.scaling.attn_factor`, and YaRN's 1 + 0.1 ln(factor)). factors: the tensor
     [rotary_dim / 2] that divides the frequencies where the file has it (Llama 3's
     `rope_freqs.weight`, Phi-3's long or short factors)."""
-    from muser_mlx.formats import dequantize  # models import formats; config's dataclasses stay light
-
     key = meta.key("rope.scaling.type")
     scaling = meta.metadata.get(key, "linear")
     if scaling not in ROPE_SCALINGS:
@@ -296,6 +294,26 @@ def scaled_rope(meta: Metadata, tensors: dict, rotary_dim: int, base: float, con
                         default=0.0, non_negative=True)  # the older key's name
     factor = 1.0 if factor == 0.0 or scaling == "none" else factor
     original = meta.int("rope.scaling.original_context_length", default=context)
+    if scaling == "yarn" and base == 1.0:  # YaRN's ramp divides by ln(base)
+        raise ModelConfigError(f"metadata key {meta.key('rope.freq_base')!r} is 1: YaRN needs another base")
+    with np.errstate(all="ignore"):  # what overflows is refused below
+        rope = _scaled_frequencies(meta, tensors, factors, scaling, factor, original, rotary_dim, base)
+    if not (_float32_finite(rope.freqs if rope.freqs is not None else 0.0, rope.mscale) and rope.mscale > 0):
+        raise ModelConfigError(f"metadata keys {meta.key('rope.freq_base')!r} and {meta.key('rope.scaling')}.* "
+                               f"make RoPE's frequencies or scale out of range")
+    return rope
+
+
+def _float32_finite(*values) -> bool:
+    """Whether every value is a finite float32 (the graph's numbers are)."""
+    with np.errstate(all="ignore"):
+        return all(bool(np.all(np.isfinite(np.asarray(v, dtype=np.float64).astype(np.float32)))) for v in values)
+
+
+def _scaled_frequencies(meta, tensors, factors, scaling, factor, original, rotary_dim, base) -> ScaledRope:
+    """scaled_rope's arithmetic on its inputs (read and checked there)."""
+    from muser_mlx.formats import dequantize  # models import formats; config's dataclasses stay light
+
     half = rotary_dim // 2
     inverse = base ** (-2.0 * np.arange(half) / rotary_dim)
     if factors in tensors:
@@ -333,8 +351,12 @@ def with_scaled_rope(meta: Metadata, tensors: dict, config: ModelConfig, factors
     if rope.mscale != 1.0 and config.rotary_dim != config.head_dim:
         raise ModelConfigError(f"{meta.key('rope.scaling')}.*: a magnitude scale {rope.mscale:g} on "
                                f"{config.rotary_dim} of {config.head_dim} channels is not supported")
-    return dataclasses.replace(config, rope_freqs=rope.freqs,
-                               attention_scale=config.attention_scale * rope.mscale**2)
+    with np.errstate(all="ignore"):
+        scale = float(np.float64(config.attention_scale) * np.float64(rope.mscale) ** 2)
+    if not _float32_finite(scale) or scale <= 0:
+        raise ModelConfigError(f"{meta.key('rope.scaling')}.*: a magnitude scale {rope.mscale:g} makes the "
+                               f"attention scale {scale:g}")
+    return dataclasses.replace(config, rope_freqs=rope.freqs, attention_scale=scale)
 
 
 def unfused(tensors: dict, q_rows: int, kv_rows: int, ff: int) -> dict:
