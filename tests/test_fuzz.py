@@ -173,7 +173,8 @@ def test_a_huge_declared_array_in_a_small_file_is_refused_at_once(tmp_path):
 
 # --- architecture configs: hostile metadata values ---------------------------------------------
 
-@pytest.fixture(scope="module", params=["muse-glimmer", "llama", "gemma3", "gemma2", "granite", "qwen3", "olmo2"])
+@pytest.fixture(scope="module", params=["muse-glimmer", "llama", "gemma3", "gemma2", "granite", "qwen2", "qwen3",
+                                                "phi3", "olmo2", "smollm3"])
 def tiny_file(tmp_path_factory, request):
     path = tiny_model(tmp_path_factory.mktemp("tiny") / "m.gguf", request.param,
                       np.random.default_rng(0), layers=2, hidden=256, ff=256, pattern="period")
@@ -187,7 +188,7 @@ CONFIG_KEYS = ["block_count", "embedding_length", "feed_forward_length", "contex
                "rope.dimension_count", "attention.sliding_window", "attention.sliding_window_pattern",
                "logit_scale", "final_logit_softcapping", "rope.freq_base_swa", "attn_logit_softcapping",
                "residual_scale", "embedding_scale", "attention.scale", "rope.scaling.factor",
-               "rope.scaling.attn_factor", "rope.scaling.type"]
+               "rope.scaling.attn_factor", "rope.scaling.type", "rope.scaling.original_context_length"]
 HOSTILE = st.one_of(st.integers(-(2**63), 2**64 - 1), st.sampled_from([0, 1, 2, 3, 2**31, 2**40, 2**62]),
                     st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.text(max_size=8),
                     st.lists(st.booleans(), max_size=5), st.lists(st.integers(-3, 3), max_size=3))
