@@ -94,8 +94,9 @@ def test_the_gpu_form_of_the_batched_step_on_this_backend(tiny, rng, tiles):
     On a GPU the two forms' attention differs too (the batched step's is MLX's fused attention in
     float16 over the store, the fused step's kernel attention_decode works in float32), and the
     o-projection's int8 input carries that difference across rounding boundaries in most
-    row-steps (median 1.9 % on an H200, seed 3557382145): there the per-row bounds hold, the
-    median is the CPU's claim."""
+    row-steps (median 1.9 %, each within 2.5 %, on an H200, seed 3557382145), as int8 x's own rounding
+    does: there a store rebuilt from the fused caches holds FUSED_BOUND, and the median is the
+    CPU's claim."""
     from tests.test_models import FUSED_BOUND, FUSED_NUMERICS_BOUND
 
     model, tokenizer = load_tiny(tiny, "muse-glimmer", "Q4_K_M")
@@ -125,7 +126,7 @@ def test_the_gpu_form_of_the_batched_step_on_this_backend(tiny, rng, tiles):
             general = np.array(model(token, cache)[0, -1])
             fused = np.array(model.decode_step(token, fused_cache)[0][0, -1])
             same_start.append(relative_error(from_same[b], fused))
-            assert same_start[-1] <= FUSED_NUMERICS_BOUND
+            assert same_start[-1] <= (FUSED_NUMERICS_BOUND if kernels.backend() == "cpu" else FUSED_BOUND)
             assert relative_error(batched[b], fused) <= FUSED_BOUND
             assert relative_error(batched[b], general) <= FUSED_BOUND
     if kernels.backend() == "cpu":
