@@ -177,6 +177,21 @@ def each_product(model, batch: int, bandwidth: float, tiles: bool | None = None,
     return lines
 
 
+def llama_speeds(path) -> dict:
+    """B -> S_TG (decode tokens/s) from llama-batched-bench's jsonl output; {} without one."""
+    import json
+    if not path or not os.path.exists(path):
+        return {}
+    speeds = {}
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            row = json.loads(line)
+            if "pl" in row and "speed_tg" in row:
+                speeds[int(row["pl"])] = float(row["speed_tg"])
+    return speeds
+
+
 def form(step) -> str:
     if step.q8x:
         return f"q8x products, grouped below B = {step.model.settings.batch_tiles_from}, tiles from there"
@@ -198,6 +213,8 @@ def main() -> None:
                         help="also each B >= 2 with the model rebuilt with these settings, same run")
     parser.add_argument("--each", action="store_true",
                         help="also each product of layer 0 and the head alone at each B >= 2 (both forms with --both)")
+    parser.add_argument("--llama-jsonl", default=None,
+                        help="llama-batched-bench's --output-format jsonl of the same run: its S_TG beside ours")
     parser.add_argument("--both", action="store_true",
                         help="also each B >= 2 with the other product form (the one Settings.batch_tiles_from "
                              "does not pick), same run")
@@ -236,6 +253,7 @@ def main() -> None:
         weights = model.weight_bytes()
         print(f"{'B':>3} {'ms/step':>8} {'tokens/s':>9} {'floor ms':>8} {'floor tok/s':>11} {'build ms':>8}  "
               f"(prompt {args.prompt}, {args.steps} steps)")
+        llama = llama_speeds(args.llama_jsonl)
         for batch in [int(b) for b in args.batches.split(",")]:
             seconds = run_batch(model, prompt_cache, batch, args.prompt, args.steps, rng)
             middle = args.prompt + 3 + args.steps // 2
@@ -246,6 +264,8 @@ def main() -> None:
             step = BatchStep(model)
             if step.q8x and batch > 1:
                 line += f"  ({'tiles' if step.uses_tiles(batch) else 'grouped'})"
+            if batch in llama:
+                line += f"  llama.cpp S_TG {llama[batch]:.1f} ({batch * args.steps / seconds / llama[batch]:.2f}x)"
             if args.parts and batch > 1:
                 line += f"  products alone {products_ms(model, batch):.2f} ms"
             if args.both and batch > 1:

@@ -77,7 +77,7 @@ bench)
     > "$OUT/llama-batched.jsonl" 2> "$OUT/llama-batched.err"
   grep -v '^$' "$OUT/llama-batched.jsonl" | tail -n 4
   tail -n 3 "$OUT/llama-batched.err"
-  timeout "${BATCH_SECONDS:-300}" python3 bench/batch.py --keep --batches 1,8,32,64 ${BATCH_ARGS:-} 2>&1 | tee "$OUT/batch.txt"
+  timeout "${BATCH_SECONDS:-300}" python3 bench/batch.py --keep --batches 1,8,32,64 --llama-jsonl "$OUT/llama-batched.jsonl" ${BATCH_ARGS:-} 2>&1 | tee "$OUT/batch.txt"
   if [ -n "${NCU_SECONDS:-}" ]; then  # a diagnostic: a few products of a step under ncu (default: 64 rows)
     timeout "$NCU_SECONDS" ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
