@@ -13,7 +13,7 @@
 #   (or call 2/3 `before-after`: issue 44's decode figures of two trees in one call, below)
 #   The tile products' untimed forms (Settings.tile_prefetch, tile_fit_tokens, more threadgroups)
 #   against today's and the grouped form, tiles at every B (B = 8 runs grouped by default), one call:
-#     PRE_TESTS="tests/test_decode_kernels.py -k tile" BATCH_SECONDS=420 BATCH_ARGS="--batches 1,8,16,32,64
+#     PRE_TESTS="tests/test_decode_kernels.py -k untimed" BATCH_SECONDS=420 BATCH_ARGS="--batches 1,8,16,32,64
 #     --set batch_tiles_from=1 --both --parts --variant pf:tile_prefetch=True --variant
 #     fit:tile_fit_tokens=True,tile_threadgroups=1024 --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024"
 #     bash bench/gpu_round.sh bench

@@ -123,6 +123,32 @@ def test_tile_products_match_numpy(backend, rng, formats_ab, rows):
     assert relative_error(glu, g / (1 + np.exp(-g)) * (x_values @ up_values.T)) <= PRODUCT_BOUND
 
 
+@pytest.mark.parametrize("prefetch, fit", [(True, False), (False, True), (True, True)],
+                         ids=["prefetch", "fit-tokens", "both"])
+@pytest.mark.parametrize("formats_ab", [(GGMLType.Q4_K, GGMLType.Q6_K), (GGMLType.Q8_0, GGMLType.Q4_K)],
+                         ids=lambda p: "+".join(t.name for t in p))
+@pytest.mark.parametrize("rows", [24, 72])
+def test_tile_products_in_their_untimed_forms_match_numpy(backend, rng, formats_ab, rows, prefetch, fit):
+    """Settings.tile_prefetch and tile_fit_tokens (TOKENS 32 for 24 rows; 72 rows: 64 and a
+    partial second group), plain and gated, over 2-4 spans of input: the kernel's forms that the
+    next GPU round times, checked there first."""
+    first, second = formats_ab
+    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit)
+    in_features = 256 * int(rng.integers(2, 5))
+    a, a_values = weight(rng, first, in_features, 37, "a")
+    b, b_values = weight(rng, second, in_features, 45, "b")
+    up, up_values = weight(rng, second, in_features, 37, "up")
+    x, x_values = q8x(rng.standard_normal((rows, in_features)).astype(np.float32))
+    with kernels.poisoned_outputs():
+        out = np.array(ops.TileProduct(a, b, settings=settings)(x))
+        glu = np.array(ops.TileProduct(a, up, "silu", settings=settings)(x))
+    expected = np.concatenate([x_values @ a_values.T, x_values @ b_values.T], axis=-1)
+    assert out.shape == expected.shape and np.isfinite(out).all()
+    assert relative_error(out, expected) <= PRODUCT_BOUND
+    g = x_values @ a_values.T
+    assert relative_error(glu, g / (1 + np.exp(-g)) * (x_values @ up_values.T)) <= PRODUCT_BOUND
+
+
 @pytest.mark.parametrize("wide", [0, 1], ids=["units32", "wide"])
 @pytest.mark.parametrize("unroll", [1, 2, 4])  # 4 with 3 tokens: 1 (at most 4 units x tokens)
 @pytest.mark.parametrize("formats_ab", FORMAT_PAIRS[:3], ids=lambda p: "+".join(t.name for t in p if t))
