@@ -262,14 +262,15 @@ def main() -> None:
             line = (f"{batch:>3} {ms:>8.2f} {batch * args.steps / seconds:>9.1f} {1e3 * floor:>8.2f} "
                     f"{batch / floor:>11.1f} {BUILD_MS.get(batch, float('nan')):>8.2f}")
             step = BatchStep(model)
+            picked = step.uses_tiles(batch)  # the form the step runs at this B
             if step.q8x and batch > 1:
-                line += f"  ({'tiles' if step.uses_tiles(batch) else 'grouped'})"
+                line += f"  ({'tiles' if picked else 'grouped'})"
             if batch in llama:
                 line += f"  llama.cpp S_TG {llama[batch]:.1f} ({batch * args.steps / seconds / llama[batch]:.2f}x)"
             if args.parts and batch > 1:
                 line += f"  products alone {products_ms(model, batch):.2f} ms"
             if args.both and batch > 1:
-                other = not BatchStep(model).uses_tiles(batch)
+                other = not picked
                 seconds = run_batch(model, prompt_cache, batch, args.prompt, args.steps, rng, tiles=other)
                 line += f"  {'tiles' if other else 'grouped'} {1e3 * seconds / args.steps:.2f} ms/step"
                 if args.parts:
@@ -281,8 +282,7 @@ def main() -> None:
                     line += f" (products alone {products_ms(variant, batch):.2f} ms)"
             print(line, flush=True)
             if args.each and batch > 1:
-                chosen = BatchStep(model).uses_tiles(batch)
-                for tiles in ([chosen, not chosen] if args.both else [chosen]):
+                for tiles in ([picked, not picked] if args.both else [picked]):
                     print(f"  each product alone, {'tiles' if tiles else 'grouped'}:", flush=True)
                     for each in each_product(model, batch, bandwidth, tiles=tiles):
                         print(each, flush=True)

@@ -345,21 +345,40 @@ def main() -> None:
             prefill_profile(args, model, rng, f"{label} {changes}" if label else str(args.set))
         return
     if args.batch:
-        for label, changes, variant_settings in variants:
-            model = rebuilt(model, variant_settings)
-            gc.collect()
-            if label:
-                print(f"variant {label}: {changes}")
-            batch_profile(args, model, rng)
-        return
-    cache = model.make_cache()
-    bench_decode.fill_context(model, cache, args.context, rng)
+        profile = lambda model: batch_profile(args, model, rng)  # noqa: E731
+    else:
+        cache = model.make_cache()
+        bench_decode.fill_context(model, cache, args.context, rng)
+        profile = lambda model: decode_profile(args, model, cache)  # noqa: E731
     for label, changes, variant_settings in variants:
         model = rebuilt(model, variant_settings)
         gc.collect()
         if label:
             print(f"variant {label}: {changes}")
-        decode_profile(args, model, cache)
+        profile(model)
+
+
+class KernelTally:
+    """The kernels of profiled runs by name: GPU time and launches, per step."""
+
+    def __init__(self):
+        self.by_name = collections.defaultdict(float)
+        self.launches = collections.Counter()
+        self.steps = 0
+
+    def add(self, summary: dict, steps: int) -> None:
+        for name, dur in summary["names"]:
+            self.by_name[name] += dur
+            self.launches[name] += 1
+        self.steps += steps
+
+    def print(self, count: int) -> None:
+        if not self.steps:
+            return
+        print("kernels by GPU time a step (us a step, launches a step, us a launch):")
+        for name, dur in sorted(self.by_name.items(), key=lambda kv: -kv[1])[:count]:
+            print(f"  {dur / self.steps:8.1f}  {self.launches[name] / self.steps:5.1f} x "
+                  f"{dur / self.launches[name]:7.2f}  {name[:90]}")
 
 
 def batch_profile(args, model, rng) -> None:
@@ -375,9 +394,7 @@ def batch_profile(args, model, rng) -> None:
     prompt_cache = cpu_decode.generation_cache(model)
     feed(model, rng.integers(0, model.config.vocab, size=args.prompt).tolist(), prompt_cache)
     bench_batch.run_batch(model, prompt_cache, args.batch, args.prompt, args.steps, rng)  # compile, warm
-    by_name = collections.defaultdict(float)
-    launches = collections.Counter()
-    total_steps = 0
+    tally = KernelTally()
     for run in range(args.runs):
         with tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]) as prof:
             seconds = bench_batch.run_batch(model, prompt_cache, args.batch, args.prompt, args.steps, rng)
@@ -391,15 +408,8 @@ def batch_profile(args, model, rng) -> None:
               f"{s['kernels'] / n:.0f} kernels, busy {s['busy_us'] / n / 1e3:.2f} ms a step; gaps "
               f"{sum(sizes) / n / 1e3:.2f} ms a step, {sum(g > 5 for g in sizes) / n:.1f} > 5 us, "
               f"{sum(g > 20 for g in sizes) / n:.1f} > 20 us a step", flush=True)
-        for name, dur in s["names"]:
-            by_name[name] += dur
-            launches[name] += 1
-        total_steps += n
-    if total_steps:
-        print("kernels by GPU time a step (us a step, launches a step, us a launch):")
-        for name, dur in sorted(by_name.items(), key=lambda kv: -kv[1])[:args.kernels]:
-            print(f"  {dur / total_steps:8.1f}  {launches[name] / total_steps:5.1f} x {dur / launches[name]:7.2f}  "
-                  f"{name[:90]}")
+        tally.add(s, n)
+    tally.print(args.kernels)
 
 
 def decode_profile(args, model, cache) -> None:
@@ -407,9 +417,7 @@ def decode_profile(args, model, cache) -> None:
     compiles the step): per run the step's time, GPU busy time and gaps; then the kernels' time
     a step by name."""
     bench_decode.pipelined_decode_ms(bench_decode.fused_step, model, cache, args.steps)  # compile, warm
-    by_name = collections.defaultdict(float)
-    launches = collections.Counter()
-    total_steps = 0
+    tally = KernelTally()
     for run in range(args.runs):
         ms, events = profiled_run(model, cache, args.steps)
         s = summarize(events)
@@ -427,19 +435,12 @@ def decode_profile(args, model, cache) -> None:
               f"{ {k: round(v) for k, v in s['host'].items()} }", flush=True)
         for size, before, after in gaps[:4]:
             print(f"    gap {size:7.1f} us: {before[:50]} -> {after[:50]}")
-        for name, dur in s["names"]:
-            by_name[name] += dur
-            launches[name] += 1
-        total_steps += n
+        tally.add(s, n)
         if args.trace and run == args.runs - 1:
             keep = [e for e in events if e.get("cat") in ("kernel", "user_annotation")]
             with gzip.open(args.trace, "wt") as f:
                 json.dump(keep, f)
-    if total_steps:
-        print("kernels by GPU time a step (us a step, launches a step, us a launch):")
-        for name, dur in sorted(by_name.items(), key=lambda kv: -kv[1])[:20]:
-            print(f"  {dur / total_steps:8.1f}  {launches[name] / total_steps:5.1f} x {dur / launches[name]:7.2f}  "
-                  f"{name[:90]}")
+    tally.print(20)
 
 
 if __name__ == "__main__":

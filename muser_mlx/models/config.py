@@ -298,13 +298,13 @@ def scaled_rope(meta: Metadata, tensors: dict, rotary_dim: int, base: float, con
         raise ModelConfigError(f"metadata key {meta.key('rope.freq_base')!r} is 1: YaRN needs another base")
     with np.errstate(all="ignore"):  # what overflows is refused below
         rope = _scaled_frequencies(meta, tensors, factors, scaling, factor, original, rotary_dim, base)
-    if not (_float32_finite(rope.freqs if rope.freqs is not None else 0.0, rope.mscale) and rope.mscale > 0):
+    if not (float32_finite(rope.freqs if rope.freqs is not None else 0.0, rope.mscale) and rope.mscale > 0):
         raise ModelConfigError(f"metadata keys {meta.key('rope.freq_base')!r} and {meta.key('rope.scaling')}.* "
                                f"make RoPE's frequencies or scale out of range")
     return rope
 
 
-def _float32_finite(*values) -> bool:
+def float32_finite(*values) -> bool:
     """Whether every value is a finite float32 (the graph's numbers are)."""
     with np.errstate(all="ignore"):
         return all(bool(np.all(np.isfinite(np.asarray(v, dtype=np.float64).astype(np.float32)))) for v in values)
@@ -353,7 +353,7 @@ def with_scaled_rope(meta: Metadata, tensors: dict, config: ModelConfig, factors
                                f"{config.rotary_dim} of {config.head_dim} channels is not supported")
     with np.errstate(all="ignore"):
         scale = float(np.float64(config.attention_scale) * np.float64(rope.mscale) ** 2)
-    if not _float32_finite(scale) or scale <= 0:
+    if not float32_finite(scale) or scale <= 0:
         raise ModelConfigError(f"{meta.key('rope.scaling')}.*: a magnitude scale {rope.mscale:g} makes the "
                                f"attention scale {scale:g}")
     return dataclasses.replace(config, rope_freqs=rope.freqs, attention_scale=scale)

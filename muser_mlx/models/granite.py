@@ -9,7 +9,8 @@ exactly rms(x). No other norm reads the stream, so every step, kernel and cache 
 
 import numpy as np
 
-from muser_mlx.models.config import Metadata, ModelConfig, ModelConfigError, common_config, with_scaled_rope
+from muser_mlx.models.config import (Metadata, ModelConfig, ModelConfigError, common_config, float32_finite,
+                                     with_scaled_rope)
 
 ARCHITECTURE = "granite"
 
@@ -24,9 +25,7 @@ def config(metadata: dict, tensors: dict) -> ModelConfig:
             logit_scale=1.0 / np.float64(meta.float("logit_scale", positive=True)),
         )
     for name, value in overrides.items():
-        with np.errstate(all="ignore"):
-            single = np.float32(value)  # the graph's
-        if not np.isfinite(single) or (name != "eps" and single == 0):
+        if not float32_finite(value) or (name != "eps" and np.float32(value) == 0):  # the graph's numbers
             raise ModelConfigError(f"metadata keys {meta.key('residual_scale')!r}, {meta.key('embedding_scale')!r}, "
                                    f"{meta.key('logit_scale')!r} and the epsilon give {name} = {value}: out of range")
         overrides[name] = float(value)
