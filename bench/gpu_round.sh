@@ -27,7 +27,7 @@
 # (bench/history/session-37-38.md): the suite beside llama.cpp's build reached a quarter of its
 # shards in 200 s; time benches only once the build has ended.
 set -uo pipefail
-what=${1:?start, tests, bench or before-after}
+what=${1:?start, tests, bench, ncu, timeline or before-after}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -46,7 +46,8 @@ write_file() {  # bench/decode.py's full-scale random Muse Glimmer file, once
 
 case "$what" in
 start)
-  mkdir -p /tmp/w && cp .device/a/* /tmp/w/ && bash .device/a/llamacpp.sh build /tmp/lcpp
+  mkdir -p /tmp/w && cp .device/a/* /tmp/w/
+  [ "${LLAMA:-1}" = 0 ] || bash .device/a/llamacpp.sh build /tmp/lcpp
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   ;;
 tests)
@@ -69,22 +70,28 @@ bench)
     tail -n 5 "$OUT/pre-tests.txt"
   fi
   write_file
-  for _ in $(seq 1 300); do [ -f /tmp/lcpp/build.rc ] && break; sleep 1; done
-  echo "llama.cpp build: $(cat /tmp/lcpp/build.rc 2>/dev/null || echo 'not done')"
-  bin=/tmp/lcpp/llama.cpp/build/bin
-  LD_LIBRARY_PATH=$bin timeout 200 "$bin/llama-batched-bench" -m /dev/shm/muse-glimmer-random-52.gguf -ngl 99 -fa 1 \
-    -c 20480 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,8,32,64 --output-format jsonl \
-    > "$OUT/llama-batched.jsonl" 2> "$OUT/llama-batched.err"
-  grep -v '^$' "$OUT/llama-batched.jsonl" | tail -n 4
-  tail -n 3 "$OUT/llama-batched.err"
-  timeout "${BATCH_SECONDS:-300}" python3 bench/batch.py --keep --batches 1,8,32,64 --llama-jsonl "$OUT/llama-batched.jsonl" ${BATCH_ARGS:-} 2>&1 | tee "$OUT/batch.txt"
-  if [ -n "${NCU_SECONDS:-}" ]; then  # a diagnostic: a few products of a step under ncu (default: 64 rows)
-    timeout "$NCU_SECONDS" ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
-      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
-      -k "regex:${NCU_KERNEL:-product}" --launch-skip "${NCU_SKIP:-400}" --launch-count 4 \
-      python3 bench/batch.py --keep --steps 3 ${NCU_ARGS:---batches 64} > "$OUT/ncu.txt" 2>&1
-    grep -E "^  [a-z_]+.*product|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles" "$OUT/ncu.txt" | head -80
+  if [ "${LLAMA:-1}" != 0 ]; then  # LLAMA=0: our figures only (a diagnostic round)
+    for _ in $(seq 1 300); do [ -f /tmp/lcpp/build.rc ] && break; sleep 1; done
+    echo "llama.cpp build: $(cat /tmp/lcpp/build.rc 2>/dev/null || echo 'not done')"
+    bin=/tmp/lcpp/llama.cpp/build/bin
+    LD_LIBRARY_PATH=$bin timeout 200 "$bin/llama-batched-bench" -m /dev/shm/muse-glimmer-random-52.gguf -ngl 99 -fa 1 \
+      -c 20480 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,8,32,64 --output-format jsonl \
+      > "$OUT/llama-batched.jsonl" 2> "$OUT/llama-batched.err"
+    grep -v '^$' "$OUT/llama-batched.jsonl" | tail -n 4
+    tail -n 3 "$OUT/llama-batched.err"
   fi
+  timeout "${BATCH_SECONDS:-300}" python3 bench/batch.py --keep --batches 1,8,32,64 --llama-jsonl "$OUT/llama-batched.jsonl" ${BATCH_ARGS:-} 2>&1 | tee "$OUT/batch.txt"
+  [ -z "${NCU_SECONDS:-}" ] || bash "$0" ncu
+  ;;
+ncu)  # a diagnostic: a few products of a step under ncu (NCU_KERNEL, NCU_ARGS: batch.py's options)
+  timeout "$NCU_SECONDS" ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+    -k "regex:${NCU_KERNEL:-product}" --launch-skip "${NCU_SKIP:-400}" --launch-count 4 \
+    python3 bench/batch.py --keep --steps 3 ${NCU_ARGS:---batches 64} > "$OUT/ncu${NCU_NAME:-}.txt" 2>&1
+  grep -E "^  [a-z_]+.*product|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles" "$OUT/ncu${NCU_NAME:-}.txt" | head -80
+  ;;
+timeline)  # where a batched step's time goes (CUPTI), TIMELINE_ARGS: timeline.py's options
+  timeout "${TIMELINE_SECONDS:-200}" python3 bench/timeline.py ${TIMELINE_ARGS:---batch 64 --runs 2 --steps 16 --kernels 24} 2>&1 | tee "$OUT/timeline.txt"
   ;;
 before-after)
   # Issue 44's before-and-after: bench/decode.py in a tree of the commit before (carried as
@@ -102,7 +109,7 @@ before-after)
   done
   ;;
 *)
-  echo "start, tests, bench or before-after" >&2
+  echo "start, tests, bench, ncu, timeline or before-after" >&2
   exit 2
   ;;
 esac
