@@ -94,6 +94,10 @@ class Settings:
     # their weights at 0.4-0.8 TB/s on the H200 (bench/RESULTS.md).
     tile_prefetch: bool = False
     tile_fit_tokens: bool = False
+    # tile_split_glu: gate and up as one tile product of two weights, its input split into
+    # chunks like the others (a gated launch takes whole sums: 312 threadgroups for Muse
+    # Glimmer's 19,968 rows, ~2.4 an SM, each through all 26 spans), the activation after it.
+    tile_split_glu: bool = False
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any

@@ -764,20 +764,22 @@ def test_an_endless_loop_is_reported(rng):
 
 # Muse Glimmer's layer (QK norm, attention gate, sliding window); OLMo 2's (q/k norm over the
 # whole projections, no pre-norms); Gemma 2's (attention softcap, here one that bites).
-@pytest.mark.parametrize("chosen, tiles_from, tiles", [(False, 9, False), (True, 9, True), (None, 3, True),
-                                                       (None, 4, False)],
-                         ids=["grouped", "tiles", "tiles-by-count", "grouped-by-count"])
-def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from, tiles):
+@pytest.mark.parametrize("chosen, tiles_from, tiles, split", [(False, 9, False, False), (True, 9, True, False),
+                                                              (None, 3, True, False), (None, 4, False, False),
+                                                              (True, 9, True, True)],
+                         ids=["grouped", "tiles", "tiles-by-count", "grouped-by-count", "tiles-split-glu"])
+def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from, tiles, split):
     """BatchStep's GPU form, with its grouped products (kernels product / product_glu) or its tile
     products (kernel product_tiles), chosen or picked by the count of sequences
     (Settings.batch_tiles_from), on a 1-layer tiny Muse Glimmer (Q4_K and Q6_K weights;
     ffn_down 1,024 wide: the tile form splits it in 2 chunks), 3 sequences of their own lengths
     padded to 8 rows, against the same step's CPU rendering from the same store: the products sum
-    in another order, which may move an int8 code of a later input (test_batch.py's bounds)."""
+    in another order, which may move an int8 code of a later input (test_batch.py's bounds).
+    split: Settings.tile_split_glu (gate and up one chunked launch, the activation after it)."""
     path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1, ff=1024)
     from muser_mlx.models.batch_decode import BatchKV, BatchStep
     with gguf.read(path) as file:
-        model = build_model(file, Settings(batch_tiles_from=tiles_from))
+        model = build_model(file, Settings(batch_tiles_from=tiles_from, tile_split_glu=split))
         assert BatchStep(model, q8x=True, tiles=chosen).uses_tiles(3) == tiles
         caches = [model.make_cache(mx.float16) for _ in range(3)]
         for n, cache in zip((3, 9, 5), caches):
@@ -796,6 +798,7 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from,
     assert ("product_tiles" in names) == tiles
     assert {"product", "product_glu"}.isdisjoint(names) == tiles
     assert any(dict(launch[1]).get("CHUNKS", 1) > 1 for launch in launches) == tiles
+    assert any(dict(launch[1]).get("GLU", 0) for launch in launches) == (tiles and not split)
     assert np.isfinite(logits).all() and logits.shape == expected.shape
     for row, row_expected in zip(logits, expected):
         assert relative_error(row, row_expected) <= FUSED_NUMERICS_BOUND

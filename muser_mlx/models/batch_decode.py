@@ -172,8 +172,10 @@ class BatchStep:
                 layers.append(dict(
                     inputs=[product(*stacks[i : i + 2]) for i in range(0, len(stacks), 2)],
                     output=product(block.attention.o_proj.weight_tensor),
-                    gate_up=(ops.TileProduct(ff.gate, ff.up, ff.activation_name, settings=settings) if tiles
-                             else ops.GatedProduct(ff.gate, ff.up, ff.activation_name, **grouped)),
+                    gate_up=(ops.GatedProduct(ff.gate, ff.up, ff.activation_name, **grouped) if not tiles
+                             else ops.TileProduct(ff.gate, ff.up, settings=settings) if settings.tile_split_glu
+                             else ops.TileProduct(ff.gate, ff.up, ff.activation_name, settings=settings)),
+                    activation=ff.activation_name if tiles and settings.tile_split_glu else None,
                     down=product(ff.down_proj.weight_tensor)))
             self._launches[tiles] = (layers, product(model.output))
         return self._launches[tiles]
@@ -181,8 +183,13 @@ class BatchStep:
     @staticmethod
     def feed_forward(launches: dict, h):
         """A layer's gated FFN on q8x h [padded, hidden] with its launches: float32 [padded,
-        hidden]. A tile product's gated half is float32: quantized for the down projection."""
+        hidden]. A tile product's gated half is float32: quantized for the down projection.
+        With Settings.tile_split_glu the gate and up products are one chunked launch and the
+        activation runs after it."""
         f = launches["gate_up"](h)
+        if launches["activation"] is not None:  # Settings.tile_split_glu: [x G.T | x U.T], chunked
+            gate, up = mx.split(f, 2, axis=-1)
+            f = ops.glu(gate, up, launches["activation"])
         return launches["down"](ops.quantize_rows(f) if isinstance(launches["gate_up"], ops.TileProduct) else f)
 
     def __call__(self, tokens: mx.array, kv: BatchKV) -> mx.array:

@@ -327,7 +327,7 @@ class TileProduct:
             other = linear(values, self.second)
             if self.activation is None:
                 return mx.concatenate([y, other], axis=-1)
-            return (y * mx.sigmoid(y) if self.activation == "silu" else gelu_tanh(y)) * other
+            return glu(y, other, self.activation)
         rows = x.shape[0]
         template, grid, threadgroup, chunks = self.launch_arguments(rows)
         (y,) = kernels.launch(
@@ -375,3 +375,10 @@ def greedy(best: mx.array) -> mx.array:
 def gelu_tanh(x: mx.array) -> mx.array:
     """gelu with tanh's approximation, as the kernel computes it."""
     return 0.5 * x * (1.0 + mx.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
+
+
+def glu(gate: mx.array, up: mx.array, activation: str) -> mx.array:
+    """act(gate) * up, act silu or gelu_tanh, as MLX ops (kernel product_tiles' GLU 1 math)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    return (gate * mx.sigmoid(gate) if activation == "silu" else gelu_tanh(gate)) * up
