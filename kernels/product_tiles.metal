@@ -28,7 +28,8 @@
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN (a
 // multiple of 32; of 256 for Q4_K and Q6_K), TOKENS (a multiple of 8), WARPS, CHUNKS, GLU,
 // ACTIVATION, PREFETCH (1: each SIMD group's loads of span s + 1 go out before it multiplies
-// span s; 0: before span s's stage).
+// span s; 0: before span s's stage), STAGE (1: x staged as above; 0: each SIMD group reads
+// its x from device memory (L1), no threadgroup memory and no barriers).
 #include "lib/tiles.metal"
 const int NT = TOKENS / 8;
 const int SUMS = GLU != 0 ? 2 * NT * 4 : NT * 4;  // a lane's sums (GLU: gate's, then up's)
@@ -37,8 +38,8 @@ const int PER_CHUNK = (SPANS + CHUNKS - 1) / CHUNKS;
 const int RAW = MUSER_TILE_RAW(FORMAT_A) > MUSER_TILE_RAW(FORMAT_B) ? MUSER_TILE_RAW(FORMAT_A) : MUSER_TILE_RAW(FORMAT_B);
 const uint GROUPS_A = (uint(OUT_A) + 15u) / 16u;
 const uint GROUPS_B = GLU != 0 ? 0u : (uint(OUT_B) + 15u) / 16u;
-threadgroup uint4 stage_codes[TOKENS * MUSER_TILE_ROW_WORDS(IN) / 4];
-threadgroup float4 stage_scales[MUSER_TILE_SPAN(IN) * TOKENS / 2];
+threadgroup uint4 stage_codes[STAGE != 0 ? TOKENS * MUSER_TILE_ROW_WORDS(IN) / 4 : 1];
+threadgroup float4 stage_scales[STAGE != 0 ? MUSER_TILE_SPAN(IN) * TOKENS / 2 : 1];
 uint lane = thread_index_in_simdgroup;
 uint first_tile = threadgroup_position_in_grid.y * uint(WARPS);
 if (first_tile >= GROUPS_A + GROUPS_B) {
@@ -83,10 +84,12 @@ for (uint span = first_span; span < end_span; ++span) {
     muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
                                                       span, t);
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // every SIMD group is done with the last span
-  muser_tile_stage<IN, TOKENS, 32 * WARPS>(stage_codes, stage_scales, xq, xd, xs, first_token, tokens, span,
-                                           thread_position_in_threadgroup.x);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (STAGE != 0) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // every SIMD group is done with the last span
+    muser_tile_stage<IN, TOKENS, 32 * WARPS>(stage_codes, stage_scales, xq, xd, xs, first_token, tokens, span,
+                                             thread_position_in_threadgroup.x);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
   // PREFETCH: the next span's loads go out now, in flight through this span's products, the next
   // stage and its barriers.
   bool ahead = PREFETCH != 0 && active && span + 1u < end_span;
@@ -98,12 +101,15 @@ for (uint span = first_span; span < end_span; ++span) {
   }
   if (active) {
     if (in_a) {
-      muser_tile_span_product<FORMAT_A, NT, IN, TOKENS>(raw, stage_codes, stage_scales, live, lane, acc);
+      muser_tile_span_product<FORMAT_A, NT, IN, TOKENS, STAGE>(raw, stage_codes, stage_scales, xq, xd, xs,
+                                                               first_token, span, live, lane, acc);
     } else {
-      muser_tile_span_product<FORMAT_B, NT, IN, TOKENS>(raw, stage_codes, stage_scales, live, lane, acc);
+      muser_tile_span_product<FORMAT_B, NT, IN, TOKENS, STAGE>(raw, stage_codes, stage_scales, xq, xd, xs,
+                                                               first_token, span, live, lane, acc);
     }
     if (GLU != 0) {
-      muser_tile_span_product<FORMAT_B, NT, IN, TOKENS>(up_raw, stage_codes, stage_scales, live, lane, acc + NT * 4);
+      muser_tile_span_product<FORMAT_B, NT, IN, TOKENS, STAGE>(up_raw, stage_codes, stage_scales, xq, xd, xs,
+                                                             first_token, span, live, lane, acc + NT * 4);
     }
   }
   if (ahead) {

@@ -98,6 +98,9 @@ class Settings:
     # chunks like the others (a gated launch takes whole sums: 312 threadgroups for Muse
     # Glimmer's 19,968 rows, ~2.4 an SM, each through all 26 spans), the activation after it.
     tile_split_glu: bool = False
+    # tile_stage False: each SIMD group reads its x from device memory (L1) instead of the
+    # threadgroup's stage: no barriers, so a SIMD group's loads wait for no other's.
+    tile_stage: bool = True
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any

@@ -123,17 +123,18 @@ def test_tile_products_match_numpy(backend, rng, formats_ab, rows):
     assert relative_error(glu, g / (1 + np.exp(-g)) * (x_values @ up_values.T)) <= PRODUCT_BOUND
 
 
-@pytest.mark.parametrize("prefetch, fit", [(True, False), (False, True), (True, True)],
-                         ids=["prefetch", "fit-tokens", "both"])
+@pytest.mark.parametrize("prefetch, fit, stage", [(True, False, True), (False, True, True), (True, True, True),
+                                                 (False, False, False), (True, True, False)],
+                         ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged"])
 @pytest.mark.parametrize("formats_ab", [(GGMLType.Q4_K, GGMLType.Q6_K), (GGMLType.Q8_0, GGMLType.Q4_K)],
                          ids=lambda p: "+".join(t.name for t in p))
 @pytest.mark.parametrize("rows", [24, 72])
-def test_tile_products_in_their_untimed_forms_match_numpy(backend, rng, formats_ab, rows, prefetch, fit):
-    """Settings.tile_prefetch and tile_fit_tokens (TOKENS 32 for 24 rows; 72 rows: 64 and a
-    partial second group), plain and gated, over 2-4 spans of input: the kernel's forms that the
+def test_tile_products_in_their_untimed_forms_match_numpy(backend, rng, formats_ab, rows, prefetch, fit, stage):
+    """Settings.tile_prefetch, tile_fit_tokens (TOKENS 32 for 24 rows; 72 rows: 64 and a
+    partial second group) and tile_stage (x staged or not), plain and gated, over 2-4 spans of input: the kernel's forms that the
     next GPU round times, checked there first."""
     first, second = formats_ab
-    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit)
+    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit, tile_stage=stage)
     in_features = 256 * int(rng.integers(2, 5))
     a, a_values = weight(rng, first, in_features, 37, "a")
     b, b_values = weight(rng, second, in_features, 45, "b")

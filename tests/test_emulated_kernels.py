@@ -310,20 +310,22 @@ def test_tile_products(rng, rows, first, second, activation, n):
         ops.TileProduct(a)(q8x(rng.standard_normal((12, n)).astype(np.float32))[0])
 
 
-@pytest.mark.parametrize("prefetch, fit", [(True, False), (False, True), (True, True)],
-                         ids=["prefetch", "fit-tokens", "both"])
+@pytest.mark.parametrize("prefetch, fit, stage", [(True, False, True), (False, True, True), (True, True, True),
+                                                 (False, False, False), (True, True, False)],
+                         ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged"])
 @pytest.mark.parametrize("rows, first, second, activation, n",
                          [(24, GGMLType.Q4_K, GGMLType.Q6_K, None, 1024), (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu", 768),
                           (72, GGMLType.Q6_K, None, None, 512)],
                          ids=["Q4_K+Q6_K-24-chunks", "glu-Q4_K+Q8_0-16", "Q6_K-72"])
-def test_tile_products_in_their_untimed_forms(rng, prefetch, fit, rows, first, second, activation, n):
+def test_tile_products_in_their_untimed_forms(rng, prefetch, fit, stage, rows, first, second, activation, n):
     """Settings.tile_prefetch (span s + 1's weight loads before span s's products: chunks of 2
     spans, 3 spans in one run for the gated product) and tile_fit_tokens (TOKENS 32 for 24 rows,
-    16 for 16 rows, 64 for 72: two token groups, the second partial) give the same products."""
-    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit)
+    16 for 16 rows, 64 for 72: two token groups, the second partial) give the same products, x
+    staged or not (tile_stage: each SIMD group reads x from device memory)."""
+    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit, tile_stage=stage)
     launches, _ = tile_product_against_numpy(rng, rows, first, second, activation, n, settings)
     template = dict(launches[0][1])
-    assert template["PREFETCH"] == int(prefetch)
+    assert template["PREFETCH"] == int(prefetch) and template["STAGE"] == int(stage)
     assert template["TOKENS"] == ({24: 32, 16: 16, 72: 64}[rows] if fit else 64)
 
 

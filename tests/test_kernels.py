@@ -148,17 +148,17 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 24 * 16), InputSpec(mx.float32, 2, 24 * 64)],
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 37), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
-         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("PREFETCH", 0), ("CHUNKS", 2), ("GLU", 0),
-         ("ACTIVATION", 0)]
+         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("PREFETCH", 0), ("STAGE", 1), ("CHUNKS", 2),
+         ("GLU", 0), ("ACTIVATION", 0)]
     ),
-    "product_tiles_glu_q8_0": (  # and the other form's loads (PREFETCH), 8 rows of x a threadgroup
+    "product_tiles_glu_q8_0": (  # the other forms' loads (PREFETCH; x unstaged), 8 rows of x a threadgroup
         "product_tiles",
         [InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.int8, 2, 8 * 512),
          InputSpec(mx.float32, 2, 8 * 16), InputSpec(mx.float32, 2, 8 * 64)],
         [mx.float32],
         [("FORMAT_A", 8), ("ROW_BYTES_A", 544), ("OUT_A", 64), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
-         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("PREFETCH", 1), ("CHUNKS", 1), ("GLU", 1),
-         ("ACTIVATION", 1)]
+         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("PREFETCH", 1), ("STAGE", 0), ("CHUNKS", 1),
+         ("GLU", 1), ("ACTIVATION", 1)]
     ),
     "quantize_rows": (
         "quantize_rows",
@@ -489,15 +489,16 @@ MUSE_TILE_PRODUCTS = {  # (in, out) and format of A, then of B (None: no B), gat
 }
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+@pytest.mark.parametrize("prefetch, stage", [(False, True), (True, True), (True, False)],
+                         ids=["", "prefetch", "prefetch-unstaged"])
 @pytest.mark.parametrize("case", sorted(MUSE_TILE_PRODUCTS))
-def test_tile_product_launches_fit_the_register_file(case, prefetch, tmp_path):
+def test_tile_product_launches_fit_the_register_file(case, prefetch, stage, tmp_path):
     # Settings.tile_prefetch holds a second span's weight words: gate+up's 167 registers a
     # thread become 246 (2 threadgroups an SM), still without spills.
     shape, ggml_type, second_shape, second_type, gated = MUSE_TILE_PRODUCTS[case]
     second = _stand_in(second_shape, second_type, "b") if second_shape else None
     product = ops.TileProduct(_stand_in(shape, ggml_type, "a"), second, "silu" if gated else None,
-                              settings=Settings(tile_prefetch=prefetch))
+                              settings=Settings(tile_prefetch=prefetch, tile_stage=stage))
     template, grid, threadgroup, chunks = product.launch_arguments(64)
     values = dict(template)
     inputs = [InputSpec(mx.uint8, 2, product.out_a * values["ROW_BYTES_A"]),

@@ -184,6 +184,30 @@ inline void muser_tile_stage(threadgroup uint4* codes, threadgroup float4* scale
   }
 }
 
+// Block k of span `span` of x for the 8 tokens from `token0`, read from device memory (no
+// stage: kernel product_tiles' STAGE 0), the same values as muser_tile_staged's: token
+// token0 + g's codes, the scales and code sums of tokens token0 + 2t, + 2t + 1.
+template <int FORMAT, int IN>
+inline void muser_tile_direct(thread muser_tile_x& x, const device int8_t* xq, const device float* xd,
+                              const device float* xs, uint token0, uint span, uint k, uint g, uint t) {
+  uint block = uint(MUSER_TILE_SPAN(IN)) * span + k;
+  const device uint* words = (const device uint*)(xq + size_t(token0 + g) * uint(IN) + 32u * block);
+  if (FORMAT == MUSER_Q6_K) {
+    x.b0 = words[t];
+    x.b1 = words[4u + t];
+  } else {
+    uint2 pair = ((const device uint2*)words)[t];
+    x.b0 = pair.x;
+    x.b1 = pair.y;
+  }
+  for (uint i = 0; i < 2u; ++i) {
+    size_t row = size_t(token0 + 2u * t + i);
+    float4 sums = *((const device float4*)(xs + row * uint(IN / 8) + 4u * block));
+    x.scale[i] = xd[row * uint(IN / 32) + block];
+    x.sum[i] = (sums.x + sums.y) + (sums.z + sums.w);
+  }
+}
+
 // Block k of the staged span for 8-token tile j (tokens 8j..8j+7 of the stage).
 template <int FORMAT, int IN, int TOKENS>
 inline void muser_tile_staged(thread muser_tile_x& x, const threadgroup uint4* codes, const threadgroup float4* scales,
@@ -244,11 +268,14 @@ inline void muser_tile_row_offsets(thread size_t* offsets, uint first_row, uint 
 }
 
 // One span of a 16-row tile (its words `raw`, muser_tile_load's) times `live` 8-token tiles (of
-// at most NT) of the staged x: acc[j * 4 + e] (e as muser_tile_block's). The weights' share of
-// a block is unpacked once for all the token tiles.
-template <int FORMAT, int NT, int IN, int TOKENS>
+// at most NT) of x: acc[j * 4 + e] (e as muser_tile_block's). x staged (STAGE 1: codes,
+// scales) or read from device memory (STAGE 0: xq, xd, xs from token first_token). The weights'
+// share of a block is unpacked once for all the token tiles.
+template <int FORMAT, int NT, int IN, int TOKENS, int STAGE>
 inline void muser_tile_span_product(thread const uint* raw, const threadgroup uint4* codes,
-                                    const threadgroup float4* scales, uint live, uint lane, thread float* acc) {
+                                    const threadgroup float4* scales, const device int8_t* xq,
+                                    const device float* xd, const device float* xs, uint first_token, uint span,
+                                    uint live, uint lane, thread float* acc) {
   uint g = lane / 4u;
   uint t = lane % 4u;
   MUSER_UNROLL
@@ -258,7 +285,11 @@ inline void muser_tile_span_product(thread const uint* raw, const threadgroup ui
     for (int j = 0; j < NT; ++j) {
       if (uint(j) < live) {
         muser_tile_x x;
-        muser_tile_staged<FORMAT, IN, TOKENS>(x, codes, scales, uint(j), k, g, t);
+        if (STAGE != 0) {
+          muser_tile_staged<FORMAT, IN, TOKENS>(x, codes, scales, uint(j), k, g, t);
+        } else {
+          muser_tile_direct<FORMAT, IN>(x, xq, xd, xs, first_token + 8u * uint(j), span, k, g, t);
+        }
         muser_tile_block<FORMAT>(w, x, lane, acc + j * 4);
       }
     }

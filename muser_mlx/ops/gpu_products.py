@@ -295,7 +295,8 @@ class TileProduct:
         self._template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
                           + _weight_template("B", second if second is not None else weight)
                           + [("OUT_B", self.out_b), ("IN", self.in_features)])
-        self._shape = [("WARPS", self.warps), ("PREFETCH", int(settings.tile_prefetch))]
+        self._shape = [("WARPS", self.warps), ("PREFETCH", int(settings.tile_prefetch)),
+                       ("STAGE", int(settings.tile_stage))]
         self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
         self.fit_tokens = settings.tile_fit_tokens
 
