@@ -65,8 +65,8 @@ bench)
   if [ -d .device/b ]; then
     install_wheels || exit 1
   fi
-  if [ -n "${PRE_TESTS:-}" ]; then  # a few tests first (e.g. a new kernel's), before the file and the benches
-    timeout 120 python3 -m pytest -q -p no:cacheprovider $PRE_TESTS > "$OUT/pre-tests.txt" 2>&1
+  if [ -n "${PRE_TESTS:-}" ]; then  # a few tests first (e.g. a new kernel's; PRE_K: pytest's -k), before the benches
+    timeout 120 python3 -m pytest -q -p no:cacheprovider $PRE_TESTS ${PRE_K:+-k "$PRE_K"} > "$OUT/pre-tests.txt" 2>&1
     tail -n 5 "$OUT/pre-tests.txt"
   fi
   write_file
