@@ -65,11 +65,12 @@ bench)
   if [ -d .device/b ]; then
     install_wheels || exit 1
   fi
+  write_file &  # written while the first tests run
   if [ -n "${PRE_TESTS:-}" ]; then  # a few tests first (e.g. a new kernel's; PRE_K: pytest's -k), before the benches
     timeout 120 python3 -m pytest -q -p no:cacheprovider $PRE_TESTS ${PRE_K:+-k "$PRE_K"} > "$OUT/pre-tests.txt" 2>&1
     tail -n 5 "$OUT/pre-tests.txt"
   fi
-  write_file
+  wait
   if [ "${LLAMA:-1}" != 0 ]; then  # LLAMA=0: our figures only (a diagnostic round)
     for _ in $(seq 1 300); do [ -f /tmp/lcpp/build.rc ] && break; sleep 1; done
     echo "llama.cpp build: $(cat /tmp/lcpp/build.rc 2>/dev/null || echo 'not done')"
