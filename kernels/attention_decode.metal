@@ -3,16 +3,18 @@
 // outputs: partial
 //
 // One decode token's attention, first pass (flash-decoding), fused with what precedes it: the
-// norm and RoPE of q and k (kernel qk_norm_rope's work) and the KV-cache write.
-//   y: the q/k/v projections' output f32 [Y_WIDTH]: q at Q_OFF (HEADS * HEAD_DIM), k at K_OFF
-//      and v at V_OFF (KV_HEADS * HEAD_DIM each); bias: q, k, v biases concatenated (BIAS 1);
+// norm and RoPE of q and k (kernel qk_norm_rope's work) and the KV-cache write; for one
+// sequence, or for each of a batch's rows (grid y: row r; below, y, state, the caches and
+// partial are row r's; the rows' positions and lengths differ).
+//   y: the q/k/v projections' output f32 [ROWS, Y_WIDTH]: q at Q_OFF (HEADS * HEAD_DIM), k at K_OFF
+//      and v at V_OFF (KV_HEADS * HEAD_DIM each) of a row; bias: q, k, v biases concatenated (BIAS 1);
 //      q_weight, k_weight: the norm weights, [HEAD_DIM] for a norm per head (QK_NORM 1), or
 //      [HEADS * HEAD_DIM], [KV_HEADS * HEAD_DIM] for a norm over each whole projection
 //      (QK_NORM 2, OLMo 2's: every SIMD group sums the squares of q's whole projection itself,
-//      and of k's where it writes the key); inv_freq [ROTARY / 2]; state int32 [1]: the
-//      token's position p; params f32 [3]: eps, the attention scale (folded into q), the
+//      and of k's where it writes the key); inv_freq [ROTARY / 2]; state int32 [ROWS] (or
+//      longer): each row's token's position p; params f32 [3]: eps, the attention scale (folded into q), the
 //      softcap c (SOFTCAP 1, Gemma 2's: each score s becomes c * tanh(s / c)).
-//   k_cache, v_cache: f16 [1, KV_HEADS, CAPACITY, HEAD_DIM]. The token's key and value are
+//   k_cache, v_cache: f16 [ROWS or more, KV_HEADS, CAPACITY, HEAD_DIM]. A row's key and value are
 //      written IN PLACE at slot w = p % CAPACITY (MLX knows these arrays only as inputs: the
 //      caller keeps them alive and orders every later reader after this launch through the
 //      outputs; `after`, an output of the last step that wrote them, unread here, is an input
@@ -32,15 +34,15 @@
 // of every head, the probabilities broadcast by simd_shuffle. A block's key and value rows are
 // all loaded before any is used, the first block's before q is prepared: at a short context
 // the SIMD group waits for memory about once.
-// partial f32 [HEADS * SPLITS * (HEAD_DIM + 2)] holds two arrays (one output: each array of a
+// partial f32 [ROWS, HEADS * SPLITS * (HEAD_DIM + 2)]: a row's holds two arrays (one output: each array of a
 // launch is host work at every step):
 //   partial_o [HEADS, SPLITS, HEAD_DIM]: sum_slots e^(score - m) v (not yet divided);
 //   partial_stats [HEADS, SPLITS, 2] after it: (m, l); an empty split writes (-3e38, 0) and
 //   no o (attention_combine reads o only of the splits that hold keys: the first ones).
 // Kernel attention_combine merges the splits.
-// Grid: KV_HEADS * (GROUP / HEAD_GROUP) * SPLITS SIMD groups, up to 4 per threadgroup, each on
-// its own (no threadgroup barrier).
-// Bytes per call: n * KV_HEADS * HEAD_DIM * 4 read (f16 keys and values), y and weights,
+// Grid: KV_HEADS * (GROUP / HEAD_GROUP) * SPLITS SIMD groups along x, up to 4 per threadgroup,
+// each on its own (no threadgroup barrier); ROWS along y.
+// Bytes per call and row: n * KV_HEADS * HEAD_DIM * 4 read (f16 keys and values), y and weights,
 // HEADS * SPLITS * (HEAD_DIM + 2) * 4 written; QK_NORM 2: each SIMD group reads q's whole
 // projection once more (HEADS * HEAD_DIM * 4 bytes, from L2), and k's where it writes the key.
 // Bounds: SIMD groups past the last (the last threadgroup's surplus) return whole; lanes past
@@ -66,8 +68,12 @@ while (SPLIT * uint(MAX_SPLITS) < CAPACITY) {
   SPLIT *= 2u;
 }
 const uint SPLITS = (CAPACITY + SPLIT - 1u) / SPLIT;
-device float* partial_o = partial;
-device float* partial_stats = partial + size_t(HEADS) * SPLITS * size_t(HEAD_DIM);
+// Row r of a batch (grid y): its projections, position, caches' row and partial results.
+const uint row = threadgroup_position_in_grid.y;
+const device float* y_row = y + size_t(row) * uint(y_shape[1]);
+const size_t CACHE_ROW = size_t(KV_HEADS) * CAPACITY * size_t(HEAD_DIM);
+device float* partial_o = partial + size_t(row) * size_t(HEADS) * SPLITS * size_t(HEAD_DIM + 2);
+device float* partial_stats = partial_o + size_t(HEADS) * SPLITS * size_t(HEAD_DIM);
 threadgroup float4 q_tiles[4 * HEAD_GROUP * HEAD_DIM / 4];
 threadgroup float kv_tiles[4 * 2 * HEAD_DIM];
 uint lane = thread_index_in_simdgroup;
@@ -83,7 +89,7 @@ uint first_head = kv_head * uint(GROUP) + head_group * uint(HEAD_GROUP);
 threadgroup float4* q_tile = q_tiles + warp * uint(HEAD_GROUP * HEAD_DIM / 4);
 threadgroup float* k_tile = kv_tiles + warp * uint(2 * HEAD_DIM);
 threadgroup float* v_tile = k_tile + HEAD_DIM;
-int position = state[0];
+int position = state[row];
 uint count = min(uint(position) + 1u, CAPACITY);
 uint write_slot = uint(position) % CAPACITY;
 uint first = split * SPLIT;
@@ -109,8 +115,8 @@ for (int i = 0; i < HEAD_GROUP; ++i) {
     acc[i * CHANNELS + c] = 0.0f;
   }
 }
-const device half* keys = k_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
-const device half* values = v_cache + size_t(kv_head) * CAPACITY * HEAD_DIM;
+const device half* keys = k_cache + size_t(row) * CACHE_ROW + size_t(kv_head) * CAPACITY * HEAD_DIM;
+const device half* values = v_cache + size_t(row) * CACHE_ROW + size_t(kv_head) * CAPACITY * HEAD_DIM;
 // A block of 32 slots at a time: lane l's key row (slot base + l, 16-byte loads) and, for the
 // value pass, lane l's channels 2l, 2l+1, 2l+64, ... of all 32 slots, all loaded before any is
 // used. The first block's loads are issued before q's preparation (they do not depend on q),
@@ -134,23 +140,23 @@ float new_value[CHANNELS];
 for (int c = 0; c < CHANNELS; ++c) {
   uint e = lane + 32u * uint(c);
   uint k_bias = uint(HEADS * HEAD_DIM) + kv_head * uint(HEAD_DIM);
-  new_value[c] = holds_new ? y[V_OFF + kv_head * uint(HEAD_DIM) + e] +
+  new_value[c] = holds_new ? y_row[V_OFF + kv_head * uint(HEAD_DIM) + e] +
                                  (BIAS ? bias[k_bias + uint(KV_HEADS * HEAD_DIM) + e] : 0.0f)
                            : 0.0f;
 }
-float q_whole = QK_NORM == 2 ? muser_projection_inverse_rms<HEADS * HEAD_DIM, BIAS>(y + Q_OFF, bias, eps, lane)
+float q_whole = QK_NORM == 2 ? muser_projection_inverse_rms<HEADS * HEAD_DIM, BIAS>(y_row + Q_OFF, bias, eps, lane)
                              : 1.0f;
 muser_heads_prepare<HEAD_GROUP, HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
-    y + Q_OFF + first_head * uint(HEAD_DIM), bias + first_head * uint(HEAD_DIM),
+    y_row + Q_OFF + first_head * uint(HEAD_DIM), bias + first_head * uint(HEAD_DIM),
     q_weight + (QK_NORM == 2 ? first_head * uint(HEAD_DIM) : 0u), inv_freq, float(position), eps, q_whole,
     params[1], lane, (threadgroup float*)q_tile);
 if (holds_new) {
   uint k_bias = uint(HEADS * HEAD_DIM) + kv_head * uint(HEAD_DIM);
   float k_whole = QK_NORM == 2 ? muser_projection_inverse_rms<KV_HEADS * HEAD_DIM, BIAS>(
-                                     y + K_OFF, bias + HEADS * HEAD_DIM, eps, lane)
+                                     y_row + K_OFF, bias + HEADS * HEAD_DIM, eps, lane)
                                : 1.0f;
   muser_heads_prepare<1, HEAD_DIM, ROTARY, TRADITIONAL, QK_NORM, BIAS>(
-      y + K_OFF + kv_head * uint(HEAD_DIM), bias + k_bias,
+      y_row + K_OFF + kv_head * uint(HEAD_DIM), bias + k_bias,
       k_weight + (QK_NORM == 2 ? kv_head * uint(HEAD_DIM) : 0u), inv_freq, float(position), eps, k_whole,
       1.0f, lane, k_tile);
   for (int c = 0; c < CHANNELS; ++c) {
@@ -159,8 +165,10 @@ if (holds_new) {
 }
 simdgroup_barrier(mem_flags::mem_threadgroup);
 if (holds_new && head_group == 0u) {
-  device half* k_store = (device half*)k_cache + (size_t(kv_head) * CAPACITY + write_slot) * HEAD_DIM;
-  device half* v_store = (device half*)v_cache + (size_t(kv_head) * CAPACITY + write_slot) * HEAD_DIM;
+  device half* k_store = (device half*)k_cache + size_t(row) * CACHE_ROW +
+                        (size_t(kv_head) * CAPACITY + write_slot) * HEAD_DIM;
+  device half* v_store = (device half*)v_cache + size_t(row) * CACHE_ROW +
+                        (size_t(kv_head) * CAPACITY + write_slot) * HEAD_DIM;
   for (int c = 0; c < CHANNELS; ++c) {
     uint e = lane + 32u * uint(c);
     k_store[e] = half(k_tile[e]);

@@ -807,6 +807,51 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from,
     assert stores[1].lengths == stores[0].lengths == [4, 10, 6]
 
 
+def test_the_batched_steps_write_their_store_in_place_on_the_emulated_gpu(tmp_path, rng):
+    """BatchStep's GPU form over 10 steps: its attention kernels (attention_decode with rows)
+    write each row's key and value into the store in place, and the store's own MLX ops (a row
+    removed, a sequence joining, a row taken out) wait for those writes (BatchKV.finish_writes).
+    Against the same steps' CPU rendering (new store arrays each step) from the same caches: a
+    4-layer tiny Muse Glimmer (3 sliding-window layers of 8 keys and a full one), rows of
+    their own lengths (3, 9, 5; the window wraps), a row leaving after step 4 and a sequence of 2
+    positions joining."""
+    path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=4)
+    from muser_mlx.models.batch_decode import BatchKV, BatchStep
+
+    def caches(lengths):
+        made = [model.make_cache(mx.float16) for _ in lengths]
+        for n, cache in zip(lengths, made):
+            mx.eval(model.hidden(mx.array(rng.integers(0, model.config.vocab, size=(1, n))), cache))
+        return made
+
+    with gguf.read(path) as file:
+        model = build_model(file)
+        stores = {name: BatchKV(model, mx.float16) for name in ("cpu", "gpu")}
+        for cache in caches((3, 9, 5)):
+            for kv in stores.values():
+                kv.add(cache)
+        for step in range(10):
+            if step == 5:
+                joining = caches((2,))[0]
+                for kv in stores.values():
+                    kv.remove(1)
+                    kv.add(joining)
+            tokens = mx.array(rng.integers(0, model.config.vocab, size=3), dtype=mx.int32)
+            expected = np.array(BatchStep(model, q8x=True)(tokens, stores["cpu"]))
+            with emulated_gpu() as launches, kernels.poisoned_outputs():
+                logits = np.array(BatchStep(model, q8x=True)(tokens, stores["gpu"]))
+            assert {"attention_decode", "attention_combine"} <= {launch[0] for launch in launches}
+            assert stores["gpu"].written_by is not None and np.isfinite(logits).all()
+            for row, row_expected in zip(logits, expected):
+                assert relative_error(row, row_expected) <= FUSED_NUMERICS_BOUND, step
+        assert stores["gpu"].lengths == stores["cpu"].lengths == [13, 15, 7]
+        taken = {name: kv.take(2) for name, kv in stores.items()}
+        assert stores["gpu"].written_by is None
+        for got, want in zip(taken["gpu"], taken["cpu"]):
+            assert got.offset == want.offset == 7
+            assert relative_error(np.array(got.keys, dtype=np.float32), np.array(want.keys, dtype=np.float32)) <= 1e-2
+
+
 @pytest.mark.parametrize("architecture, metadata", [("muse-glimmer", {}), ("olmo2", {}),
                                                     ("gemma2", {"gemma2.attn_logit_softcapping": 0.25})],
                          ids=["muse-glimmer", "olmo2", "gemma2"])

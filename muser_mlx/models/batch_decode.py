@@ -16,8 +16,13 @@ A layer is layers.decoder_layer with this step's pieces:
   launch count per layer does not depend on B; the rows are padded to a multiple of 8.
 - elsewhere (the CPU): ops.linear on [B, 1, hidden] rows (the compiled CPU products, rounded
   inputs as generate()'s CPU steps: Settings.cpu_rounded) and the general step's seams.
-Attention, the q/k norms and RoPE (per-row positions) are MLX ops over the store; on the CPU the
-attention runs per row over its own keys (the compiled primitive takes no batch mask).
+In the GPU form a layer's attention is the fused step's two kernels over the batch's rows
+(ops.attention_decode with rows: each row's q/k norms, RoPE at its own position, its key and
+value written into its store row in place, attention over its own slots), so the store is
+written in place and MLX ops that touch it wait for the last step first (BatchKV.finish_writes).
+Elsewhere attention, the q/k norms and RoPE (per-row positions) are MLX ops over the store; on
+the CPU the attention runs per row over its own keys (the compiled primitive takes no batch
+mask).
 """
 
 from __future__ import annotations
@@ -49,6 +54,16 @@ class BatchKV:
         self.keys = [None] * c.layers
         self.values = [None] * c.layers
         self.lengths: list[int] = []
+        # An output of the last GPU step, whose kernels wrote the store in place (MLX sees no
+        # such write): the next step's attention launches take it as an input, and MLX ops
+        # that read or write the store wait for it first (finish_writes).
+        self.written_by = None
+
+    def finish_writes(self) -> None:
+        """Wait for the step that last wrote the store in place before MLX ops read or write it."""
+        if self.written_by is not None:
+            mx.eval(self.written_by)
+            self.written_by = None
 
     @property
     def rows(self) -> int:
@@ -66,6 +81,7 @@ class BatchKV:
             capacity = self._capacity(window, end)
             if have is not None and have.shape[0] >= rows and have.shape[2] >= capacity:
                 continue
+            self.finish_writes()  # the copy below reads what the last step may still be writing
             shape = (max(need_rows, have.shape[0] if have is not None else 0), self.kv_heads,
                      max(capacity, have.shape[2] if have is not None else 0), self.head_dim)
             for store in (self.keys, self.values):
@@ -81,6 +97,7 @@ class BatchKV:
         length = cache[0].offset
         row = self.rows
         self.reserve(row + 1, length + 1)
+        self.finish_writes()
         for i, layer_cache in enumerate(cache):
             finish_fused_writes(layer_cache)
             if layer_cache.offset != length:
@@ -97,6 +114,7 @@ class BatchKV:
     def take(self, row: int) -> list:
         """Row `row` as a sequence's own cache (copies), as model.make_cache() makes them."""
         length = self.lengths[row]
+        self.finish_writes()
         out = []
         for i, window in enumerate(self.windows):
             layer_cache = KVCache(self.dtype) if window is None else SlidingWindowCache(window, self.dtype)
@@ -115,6 +133,7 @@ class BatchKV:
     def remove(self, row: int) -> None:
         """Drop row `row`; the last row moves into its place."""
         last = self.rows - 1
+        self.finish_writes()
         if row != last:
             for store in (self.keys, self.values):
                 for i, array in enumerate(store):
@@ -205,6 +224,8 @@ class BatchStep:
         self._step = _StepState(c, lengths, kv)
         if self.q8x:
             logits = self._q8x(tokens, kv, batch)
+            if kernels.backend() != "cpu":  # the attention kernels wrote the store in place
+                kv.written_by = logits
         elif self.layer_nodes:
             logits = self._layer_nodes(tokens, kv)
         else:
@@ -374,18 +395,27 @@ class _Q8XPieces:
         self.config = step.model.config
 
     def attention(self, index: int, block, h, kv):
-        launches = self.layers[index]
+        """The fused step's attention kernels over the batch's rows (ops.attention_decode with
+        rows: each row's norm, RoPE at its position, key and value written into its store row
+        in place, attention over its own slots, the gate, o as q8x for the o-projection)."""
+        c, launches, step = self.config, self.layers[index], self.step._step
         pieces = [launch(h) for launch in launches["inputs"]]
-        y = (pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1))[: self.batch]
-        proj = block.attention.input_proj
-        parts = {}
-        for name, first in proj.offsets.items():
-            part = y[:, first : first + proj.widths[name]]
-            parts[name] = part + proj.biases[name] if name in proj.biases else part
-        o = self.step.attend(index, block, parts, kv)
-        if self.padded > self.batch:
-            o = mx.concatenate([o, mx.zeros((self.padded - self.batch, o.shape[1]), dtype=o.dtype)])
-        return launches["output"](ops.quantize_rows(o)), kv
+        y = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
+        attention = block.attention
+        offsets = attention.input_proj.offsets
+        keys, values = kv.keys[index], kv.values[index]
+        kv.keys[index] = kv.values[index] = None  # the CPU rendering's writes may take their buffers
+        o, kv.keys[index], kv.values[index] = ops.attention_decode(
+            y, keys, values, step.positions, kv.written_by if kv.written_by is not None else step.positions,
+            heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
+            offsets=(offsets["q"], offsets["k"], offsets["v"]), gate=offsets.get("gate"),
+            q_weight=attention.q_norm if c.qk_norm else None, k_weight=attention.k_norm if c.qk_norm else None,
+            bias=attention.qkv_bias if c.qkv_bias else None, rope=c.rope(index), eps=c.eps,
+            scale=c.attention_scale, woven=getattr(launches["output"], "x_woven", False),
+            qk_norm_whole=c.qk_norm_whole, softcap=c.attn_softcap, rows=self.batch, out_rows=self.padded,
+            splits=self.step.model.settings.attention_splits,
+            head_group=self.step.model.settings.attention_head_group)
+        return launches["output"](o), kv
 
     def seam(self, x, branch, branch_weight, next_weight):
         c = self.config

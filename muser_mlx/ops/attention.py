@@ -197,8 +197,10 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                      q_weight: mx.array | None, k_weight: mx.array | None, bias: mx.array | None,
                      rope: dict | None, eps: float, scale: float, woven: bool = False,
                      splits: int = DEFAULT.attention_splits, head_group: int = DEFAULT.attention_head_group,
-                     qk_norm_whole: bool = False, softcap: float | None = None):
-    """One decode token's attention from its projections to the output projection's input.
+                     qk_norm_whole: bool = False, softcap: float | None = None, rows: int = 1,
+                     out_rows: int | None = None):
+    """One decode token's attention from its projections to the output projection's input, for
+    one sequence or for each row of a batch (`rows` > 1, below).
 
     y: float32 [1, width], the q/k/v (and gate) projections' output: q at offsets[0]
     (heads * head_dim), k at offsets[1], v at offsets[2] (kv_heads * head_dim each), the gate's
@@ -216,18 +218,39 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
     splits: the splits of a cache the first pass aims for (1..128; enough SIMD groups to fill the
     GPU); head_group: the query heads a SIMD group takes, at most (more share each key row's
     load, fewer spread q's preparation): Settings.attention_splits / attention_head_group.
-    Returns (o as q8x [1, heads * head_dim], keys, values): on a GPU, kernels attention_decode
-    (norm, RoPE, cache write in place, split attention) and attention_combine (splits merged,
-    gate, quantized), the caches returned as given; on the CPU, MLX ops and new cache arrays."""
-    batch, capacity = keys.shape[0], keys.shape[2]
-    if batch != 1 or y.shape[0] != 1 or keys.dtype != mx.float16 or head_dim % 64 or heads % kv_heads:
-        raise ValueError(f"attention_decode takes one token of batch 1, a float16 cache and head_dim a "
-                         f"multiple of 64; got y {list(y.shape)}, cache {list(keys.shape)} {keys.dtype}, "
-                         f"heads {heads}/{kv_heads}, head_dim {head_dim}")
+    rows: a batch's rows (BatchStep): y [rows or more, width] (row r the batch's r-th sequence),
+    position int32 [rows or more] (each row's), keys and values [rows or more, kv_heads,
+    capacity, head_dim] (a BatchKV store: row r the r-th sequence's, one capacity for all);
+    out_rows (>= rows; None: rows): o's rows, those past `rows` zeros (a batch padded for its
+    products).
+    Returns (o as q8x [out_rows, heads * head_dim], keys, values): on a GPU, kernels
+    attention_decode (norm, RoPE, cache write in place, split attention) and attention_combine
+    (splits merged, gate, quantized), the caches returned as given; on the CPU, MLX ops and new
+    cache arrays."""
+    capacity = keys.shape[2]
+    out_rows = rows if out_rows is None else out_rows
+    if not (1 <= rows <= min(y.shape[0], keys.shape[0], values.shape[0], position.shape[0]) and rows <= out_rows) \
+            or y.ndim != 2 or keys.dtype != mx.float16 or head_dim % 64 or heads % kv_heads:
+        raise ValueError(f"attention_decode takes {rows} row(s) ({out_rows} out) of y [rows, width], positions and a "
+                         f"float16 cache, and head_dim a multiple of 64; got y {list(y.shape)}, positions "
+                         f"{list(position.shape)}, cache {list(keys.shape)} {keys.dtype}, heads {heads}/{kv_heads}, "
+                         f"head_dim {head_dim}")
     q_off, k_off, v_off = offsets
     if kernels.backend() == "cpu":
-        o, keys, values = _attention_decode_mlx(y, keys, values, position, heads, kv_heads, head_dim, offsets, gate,
-                                                q_weight, k_weight, bias, rope, eps, scale, qk_norm_whole, softcap)
+        key_rows, value_rows, outputs = [], [], []
+        for r in range(rows):
+            o, k, v = _attention_decode_mlx(y[r : r + 1], keys[r : r + 1], values[r : r + 1], position[r : r + 1],
+                                            heads, kv_heads, head_dim, offsets, gate, q_weight, k_weight, bias, rope,
+                                            eps, scale, qk_norm_whole, softcap)
+            outputs.append(o)
+            key_rows.append(k)
+            value_rows.append(v)
+        o = outputs[0] if rows == 1 else Q8X(*(mx.concatenate(parts) for parts in zip(*outputs)))
+        if out_rows > rows:
+            o = Q8X(*(mx.concatenate([part, mx.zeros((out_rows - rows, *part.shape[1:]), part.dtype)]) for part in o))
+        rest = [] if keys.shape[0] == rows else [(keys[rows:], values[rows:])]
+        keys, values = (mx.concatenate(parts) if len(parts) > 1 else parts[0]
+                        for parts in ([*key_rows, *(k for k, _ in rest)], [*value_rows, *(v for _, v in rest)]))
         return (weave(o) if woven else o), keys, values
     group = heads // kv_heads
     head_group = max(g for g in range(1, min(group, head_group) + 1) if group % g == 0)
@@ -250,9 +273,9 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
                   ("TRADITIONAL", int(bool(rope and rope["traditional"]))),
                   ("QK_NORM", 0 if q_weight is None else 2 if qk_norm_whole else 1),
                   ("SOFTCAP", int(softcap is not None)), ("BIAS", int(bias is not None)), ("MAX_SPLITS", max_splits), ("HEAD_GROUP", head_group), ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off)],
-        grid=(32 * kv_heads * (group // head_group) * splits, 1, 1),
+        grid=(32 * kv_heads * (group // head_group) * splits, rows, 1),
         threadgroup=(128, 1, 1),
-        output_shapes=[(heads * splits * (head_dim + 2),)],  # o [heads, splits, head_dim], then (m, l)
+        output_shapes=[(rows, heads * splits * (head_dim + 2))],  # a row's o [heads, splits, head_dim], (m, l)
         output_dtypes=[mx.float32],
     )
     codes, scales, sums = kernels.launch(
@@ -260,9 +283,9 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
         inputs=[partial, y],
         template=[("HEADS", heads), ("HEAD_DIM", head_dim), ("GATE", int(gate is not None)),
                   ("G_OFF", gate or 0), ("WOVEN", int(bool(woven)))],
-        grid=(heads * head_dim, 1, 1),  # a SIMD group per 32 channels
+        grid=(heads * head_dim, out_rows, 1),  # a SIMD group per 32 channels
         threadgroup=(256, 1, 1),
-        output_shapes=q8x_shapes((1,), heads * head_dim),
+        output_shapes=q8x_shapes((out_rows,), heads * head_dim),
         output_dtypes=Q8X_DTYPES,
     )
     return (WovenQ8X if woven else Q8X)(codes, scales, sums), keys, values
