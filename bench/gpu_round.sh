@@ -67,7 +67,7 @@ bench)
   fi
   write_file &  # written while the first tests run
   if [ -n "${PRE_TESTS:-}" ]; then  # a few tests first (e.g. a new kernel's; PRE_K: pytest's -k), before the benches
-    timeout 120 python3 -m pytest -q -p no:cacheprovider $PRE_TESTS ${PRE_K:+-k "$PRE_K"} > "$OUT/pre-tests.txt" 2>&1
+    timeout "${PRE_SECONDS:-120}" python3 -m pytest -q -p no:cacheprovider $PRE_TESTS ${PRE_K:+-k "$PRE_K"} > "$OUT/pre-tests.txt" 2>&1
     tail -n 5 "$OUT/pre-tests.txt"
   fi
   wait
