@@ -299,6 +299,7 @@ class TileProduct:
                        ("STAGE", int(settings.tile_stage))]
         self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
         self.fit_tokens = settings.tile_fit_tokens
+        self._launches = {}
 
     def tokens(self, rows: int) -> int:
         """The rows of x a threadgroup takes (kernel product_tiles' TOKENS): TILE_TOKENS, or with
@@ -308,7 +309,13 @@ class TileProduct:
         return min(TILE_TOKENS, max(8, 1 << (rows - 1).bit_length()))
 
     def launch_arguments(self, rows: int):
-        """(template, grid, threadgroup, chunks) for `rows` rows of x."""
+        """(template, grid, threadgroup, chunks) for `rows` rows of x (made once for each count)."""
+        made = self._launches.get(rows)
+        if made is None:
+            made = self._launches[rows] = self._launch_arguments(rows)
+        return made
+
+    def _launch_arguments(self, rows: int):
         tokens = self.tokens(rows)
         groups = -(-rows // tokens)
         chunks = tile_chunks(self.spans, groups * self.blocks, self.activation is not None, self.target)
