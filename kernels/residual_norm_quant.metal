@@ -12,7 +12,8 @@
 //                                                     that reads the stream unnormed).
 // rms(v, e) = v / sqrt(mean(v^2) + e), in float32 (an eps of 1e-8 vanishes in float16).
 // residual, branch, total: f32 [T, HIDDEN]; weights f32 [HIDDEN]; xq int8 [T, HIDDEN], xd
-// [T, HIDDEN/32], xs [T, HIDDEN/8].
+// [T, HIDDEN/32], xs [T, HIDDEN/8]. CHUNKS > 1: branch [CHUNKS, T, HIDDEN], a tile product's
+// partial sums over runs of its input (kernel product_tiles' CHUNKS), added here in order.
 // Grid: T * SLICES threadgroups of THREADS threads, SLICES = ceil(HIDDEN / 32 / SLICE_BLOCKS);
 // threadgroup g takes token g / SLICES and writes only slice g % SLICES: SLICE_BLOCKS whole
 // 32-value blocks of total, xq, xd, xs (the last slice may hold fewer). A decode token so
@@ -33,7 +34,7 @@
 // float4 (slice), never stored; SIMD groups with no value of the slice return after the
 // barriers.
 // Template constants: HIDDEN, RESIDUAL, BRANCH_NORM, NEXT_NORM, SLICE_BLOCKS (blocks per threadgroup),
-// THREADS (threads per threadgroup).
+// THREADS (threads per threadgroup), CHUNKS.
 const int BLOCKS = HIDDEN / 32;
 const int QUADS = HIDDEN / 4;                        // float4s in a row
 const int SLICES = (BLOCKS + SLICE_BLOCKS - 1) / SLICE_BLOCKS;
@@ -49,6 +50,7 @@ uint lane = thread_index_in_simdgroup;
 uint warp = simdgroup_index_in_threadgroup;
 size_t row = size_t(token) * size_t(HIDDEN);
 const device float4* branch4 = (const device float4*)(branch + row);
+const size_t CHUNK_QUADS = CHUNKS > 1 ? size_t(branch_shape[1]) * size_t(QUADS) : 0;  // a chunk's float4s
 const device float4* residual4 = (const device float4*)(residual + row);
 const device float4* branch_weight4 = (const device float4*)(branch_weight);
 const device float4* next_weight4 = (const device float4*)(next_weight);
@@ -57,6 +59,10 @@ const device float4* next_weight4 = (const device float4*)(next_weight);
 uint first = slice * uint(SLICE_BLOCKS * 8);         // the slice's first float4
 uint quad = min(first + position, uint(QUADS - 1));
 float4 mine = branch4[quad];
+for (int c = 1; c < CHUNKS; ++c) {
+  float4 more = branch4[size_t(c) * CHUNK_QUADS + quad];
+  mine = float4(mine.x + more.x, mine.y + more.y, mine.z + more.z, mine.w + more.w);
+}
 float4 mine_residual = RESIDUAL ? residual4[quad] : float4(0.0f, 0.0f, 0.0f, 0.0f);
 float4 mine_weight = BRANCH_NORM ? branch_weight4[quad] : float4(1.0f, 1.0f, 1.0f, 1.0f);
 float4 mine_next = NEXT_NORM ? next_weight4[quad] : float4(1.0f, 1.0f, 1.0f, 1.0f);
@@ -67,6 +73,10 @@ for (int i = 0; i < PER_THREAD; ++i) {
   uint q = uint(i * THREADS) + position;
   bool inside = i < FULL || q < uint(QUADS);         // only the last pass can leave the row
   values[i] = inside ? branch4[q] : float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int c = 1; c < CHUNKS; ++c) {  // the same sums, in the same order, as `mine`
+    float4 more = inside ? branch4[size_t(c) * CHUNK_QUADS + q] : float4(0.0f, 0.0f, 0.0f, 0.0f);
+    values[i] = float4(values[i].x + more.x, values[i].y + more.y, values[i].z + more.z, values[i].w + more.w);
+  }
   residuals[i] = RESIDUAL && inside ? residual4[q] : float4(0.0f, 0.0f, 0.0f, 0.0f);
   weights[i] = BRANCH_NORM && inside ? branch_weight4[q] : float4(1.0f, 1.0f, 1.0f, 1.0f);
 }

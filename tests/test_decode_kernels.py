@@ -473,14 +473,17 @@ def test_product_refuses_a_format_it_has_no_kernel_for(rng):
 # The kernel cuts a row into slices of ops.norm.SEAM_SLICE_BLOCKS 32-value blocks, one
 # threadgroup each: 416 (13 blocks) is one partial slice, 2880 (90 blocks) ends in one.
 @pytest.mark.parametrize("hidden, tokens", [(256, 2), (6656, 2), (416, 3), (2880, 3)])
-def test_residual_norm_quant_matches_numpy(backend, rng, residual, branch_norm, next_norm, hidden, tokens):
+@pytest.mark.parametrize("chunks", [1, 3], ids=["", "chunked"])  # a tile product's partial sums, added
+def test_residual_norm_quant_matches_numpy(backend, rng, residual, branch_norm, next_norm, hidden, tokens, chunks):
     x = rng.standard_normal((tokens, hidden)).astype(np.float32) * 3
-    branch = rng.standard_normal((tokens, hidden)).astype(np.float32) * 40
+    parts = rng.standard_normal((chunks, tokens, hidden)).astype(np.float32) * 40
+    branch = parts.astype(np.float64).sum(axis=0)
     branch_weight, next_weight = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
     with kernels.poisoned_outputs():
-        total, normed = ops.residual_norm_quant(mx.array(x) if residual else None, mx.array(branch),
+        total, normed = ops.residual_norm_quant(mx.array(x) if residual else None, mx.array(parts if chunks > 1 else parts[0]),
                                                 mx.array(branch_weight) if branch_norm else None,
-                                                mx.array(next_weight) if next_norm else None, 1e-8, 1e-5, 0.75)
+                                                mx.array(next_weight) if next_norm else None, 1e-8, 1e-5, 0.75,
+                                                chunked=chunks > 1)
         mx.eval(total, normed)
     b = branch.astype(np.float64)
     if branch_norm:

@@ -448,14 +448,17 @@ def test_product_glu(rng, activation, tokens):
                          [(True, True, 256, 2, True), (False, True, 6656, 2, True), (True, False, 416, 3, True),
                           (True, True, 2880, 3, True), (True, True, 416, 3, False)],
                          ids=["sandwich-256", "embedding-6656", "plain-416x3", "sandwich-2880x3", "post-only-416x3"])
-def test_residual_norm_quant(rng, residual, branch_norm, hidden, tokens, next_norm):
+@pytest.mark.parametrize("chunks", [1, 3], ids=["", "chunked"])  # a tile product's partial sums, added
+def test_residual_norm_quant(rng, residual, branch_norm, hidden, tokens, next_norm, chunks):
     x = rng.standard_normal((tokens, hidden)).astype(np.float32) * 3
-    branch = rng.standard_normal((tokens, hidden)).astype(np.float32) * 40
+    parts = rng.standard_normal((chunks, tokens, hidden)).astype(np.float32) * 40
+    branch = parts.astype(np.float64).sum(axis=0)
     branch_weight, next_weight = (rng.uniform(0.5, 1.5, hidden).astype(np.float32) for _ in range(2))
     with emulated_gpu() as launches, kernels.poisoned_outputs():
-        total, normed = ops.residual_norm_quant(mx.array(x) if residual else None, mx.array(branch),
+        total, normed = ops.residual_norm_quant(mx.array(x) if residual else None, mx.array(parts if chunks > 1 else parts[0]),
                                                 mx.array(branch_weight) if branch_norm else None,
-                                                mx.array(next_weight) if next_norm else None, 1e-8, 1e-5, 0.75)
+                                                mx.array(next_weight) if next_norm else None, 1e-8, 1e-5, 0.75,
+                                                chunked=chunks > 1)
     b = branch.astype(np.float64)
     if branch_norm:
         b = rms(b, 1e-8) * branch_weight

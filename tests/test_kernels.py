@@ -172,15 +172,15 @@ LAUNCHES = {
          InputSpec(mx.float32, 1, 6656), InputSpec(mx.float32, 1, 3)],
         [mx.float32, mx.int8, mx.float32, mx.float32],
         [("HIDDEN", 6656), ("RESIDUAL", 1), ("BRANCH_NORM", 1), ("NEXT_NORM", 1), ("SLICE_BLOCKS", 16),
-         ("THREADS", 256)],
+         ("THREADS", 256), ("CHUNKS", 1)],
     ),
-    "residual_norm_quant_unnormed": (  # OLMo 2's seam: the next branch reads the sum itself
-        "residual_norm_quant",
-        [InputSpec(mx.float32, 2, 2048), InputSpec(mx.float32, 2, 2048), InputSpec(mx.float32, 1, 2048),
+    "residual_norm_quant_unnormed": (  # OLMo 2's seam: the next branch reads the sum itself; a
+        "residual_norm_quant",         # tile product's branch in 3 chunks
+        [InputSpec(mx.float32, 2, 2048), InputSpec(mx.float32, 3, 3 * 2048), InputSpec(mx.float32, 1, 2048),
          InputSpec(mx.float32, 2, 2048), InputSpec(mx.float32, 1, 3)],
         [mx.float32, mx.int8, mx.float32, mx.float32],
         [("HIDDEN", 2048), ("RESIDUAL", 1), ("BRANCH_NORM", 1), ("NEXT_NORM", 0), ("SLICE_BLOCKS", 16),
-         ("THREADS", 256)],
+         ("THREADS", 256), ("CHUNKS", 3)],
     ),
     "residual_norm_rows_f16": (  # a prefill seam: the product's float16 output as the branch
         "residual_norm_rows",

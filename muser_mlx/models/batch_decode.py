@@ -200,16 +200,19 @@ class BatchStep:
         return self._launches[tiles]
 
     @staticmethod
-    def feed_forward(launches: dict, h):
+    def feed_forward(launches: dict, h, summed: bool = True):
         """A layer's gated FFN on q8x h [padded, hidden] with its launches: float32 [padded,
         hidden]. A tile product's gated half is float32: quantized for the down projection.
         With Settings.tile_split_glu the gate and up products are one chunked launch and the
-        activation runs after it."""
+        activation runs after it. summed False: a tile product's down projection as its chunks'
+        partial sums [chunks, padded, hidden] (the seam adds them)."""
         f = launches["gate_up"](h)
         if launches["activation"] is not None:  # Settings.tile_split_glu: [x G.T | x U.T], chunked
             gate, up = mx.split(f, 2, axis=-1)
             f = ops.glu(gate, up, launches["activation"])
-        return launches["down"](ops.quantize_rows(f) if isinstance(launches["gate_up"], ops.TileProduct) else f)
+        if not isinstance(launches["gate_up"], ops.TileProduct):
+            return launches["down"](f)
+        return launches["down"](ops.quantize_rows(f), summed=summed)
 
     def __call__(self, tokens: mx.array, kv: BatchKV) -> mx.array:
         model, c = self.model, self.model.config
@@ -415,11 +418,18 @@ class _Q8XPieces:
             qk_norm_whole=c.qk_norm_whole, softcap=c.attn_softcap, rows=self.batch, out_rows=self.padded,
             splits=self.step.model.settings.attention_splits,
             head_group=self.step.model.settings.attention_head_group)
-        return launches["output"](o), kv
+        return _unsummed(launches["output"], o), kv
 
     def seam(self, x, branch, branch_weight, next_weight):
+        """A tile product's branch comes as its chunks' partial sums, added in the seam's kernel."""
         c = self.config
-        return ops.residual_norm_quant(x, branch, branch_weight, next_weight, c.post_eps, c.eps)
+        return ops.residual_norm_quant(x, branch, branch_weight, next_weight, c.post_eps, c.eps,
+                                       chunked=branch.ndim == 3)
 
     def feed_forward(self, index: int, block, h):
-        return BatchStep.feed_forward(self.layers[index], h)
+        return BatchStep.feed_forward(self.layers[index], h, summed=False)
+
+
+def _unsummed(launch, x):
+    """launch(x), a tile product's chunks left unsummed ([chunks, rows, out]) for the seam."""
+    return launch(x, summed=False) if isinstance(launch, ops.TileProduct) else launch(x)

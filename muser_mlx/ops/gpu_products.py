@@ -323,7 +323,9 @@ class TileProduct:
         template = self._template + [("TOKENS", tokens)] + self._shape + [("CHUNKS", chunks)] + self._glu
         return template, (threadgroup[0] * groups, self.blocks, chunks), threadgroup, chunks
 
-    def __call__(self, x: Q8X) -> mx.array:
+    def __call__(self, x: Q8X, summed: bool = True) -> mx.array:
+        """summed False: the chunks' partial sums [chunks, rows, out] as the kernel writes them
+        (for a consumer that adds them itself: ops.residual_norm_quant's chunked)."""
         if len(x.shape) != 2 or x.shape[1] != self.in_features or x.shape[0] % 8 or x.shape[0] == 0:
             raise ValueError(f"product_tiles: x must be [rows, {self.in_features}] with rows a positive multiple "
                              f"of 8, got {list(x.shape)}")
@@ -331,11 +333,13 @@ class TileProduct:
             values = x.dequantize()
             y = linear(values, self.weight)
             if self.second is None:
-                return y
+                return y if summed else y[None]
             other = linear(values, self.second)
             if self.activation is None:
-                return mx.concatenate([y, other], axis=-1)
-            return glu(y, other, self.activation)
+                y = mx.concatenate([y, other], axis=-1)
+                return y if summed else y[None]
+            y = glu(y, other, self.activation)
+            return y if summed else y[None]
         rows = x.shape[0]
         template, grid, threadgroup, chunks = self.launch_arguments(rows)
         (y,) = kernels.launch(
@@ -347,7 +351,7 @@ class TileProduct:
             output_shapes=[(chunks, rows, self.out_features)],
             output_dtypes=[mx.float32],
         )
-        return y[0] if chunks == 1 else y.sum(axis=0)
+        return y if not summed else y[0] if chunks == 1 else y.sum(axis=0)
 
 
 def product(x: Q8X, weight, second=None, head: tuple[float, float] | None = None, settings: Settings = DEFAULT):

@@ -84,7 +84,7 @@ def _residual_norm_rows(residual, branch, branch_weight, next_weight, branch_eps
 
 def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weight: mx.array | None,
                         next_weight: mx.array | None, branch_eps: float, next_eps: float,
-                        branch_scale: float = 1.0):
+                        branch_scale: float = 1.0, chunked: bool = False):
     """The seam of a decode step, ready for the next products (kernel residual_norm_quant):
 
         total  = residual + b * branch_scale      (residual None: total = b * branch_scale)
@@ -93,12 +93,16 @@ def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weig
 
     residual, branch: float32 [T, hidden] (T <= 8); weights float32 [hidden]. Returns (total,
     normed as ops.Q8X). The first seam of a step has no residual (the embedding row becomes
-    the residual stream, normed without a weight by a model with embed_norm: pass ones)."""
+    the residual stream, normed without a weight by a model with embed_norm: pass ones).
+    chunked: branch is [chunks, T, hidden], partial sums to add first (TileProduct's, unsummed)."""
     hidden = branch.shape[-1]
+    chunks = branch.shape[0] if chunked else 1
+    if chunked and branch.ndim != 3:
+        raise ValueError(f"residual_norm_quant: a chunked branch is [chunks, T, hidden], got {list(branch.shape)}")
     if hidden % 32:
         raise ValueError(f"residual_norm_quant: hidden {hidden} is not a multiple of 32")
     if kernels.backend() == "cpu":
-        b = branch.astype(mx.float32)
+        b = (branch.sum(axis=0) if chunked else branch).astype(mx.float32)
         if branch_weight is not None:
             b = mx.fast.rms_norm(b, branch_weight, branch_eps)
         total = b * branch_scale if residual is None else residual + b * branch_scale
@@ -107,15 +111,15 @@ def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weig
         raise ValueError(f"residual_norm_quant: {SEAM_THREADS} threads cannot hold a slice of "
                          f"{SEAM_SLICE_BLOCKS} blocks (8 threads a block, whole SIMD groups)")
     slices = -(-(hidden // 32) // SEAM_SLICE_BLOCKS)
-    lead = tuple(branch.shape[:-1])
+    lead = tuple(branch.shape[1 if chunked else 0 : -1])
     total, codes, scales, sums = kernels.launch(
         "residual_norm_quant",
-        inputs=[branch if residual is None else residual, branch,
+        inputs=[(branch[0] if chunked else branch) if residual is None else residual, branch,
                 *(weight if weight is not None else branch for weight in (branch_weight, next_weight)),
                 kernels.parameters(branch_eps, next_eps, branch_scale)],
         template=[("HIDDEN", hidden), ("RESIDUAL", int(residual is not None)),
                   ("BRANCH_NORM", int(branch_weight is not None)), ("NEXT_NORM", int(next_weight is not None)),
-                  ("SLICE_BLOCKS", SEAM_SLICE_BLOCKS), ("THREADS", SEAM_THREADS)],
+                  ("SLICE_BLOCKS", SEAM_SLICE_BLOCKS), ("THREADS", SEAM_THREADS), ("CHUNKS", chunks)],
         grid=(math.prod(lead) * slices * SEAM_THREADS, 1, 1),
         threadgroup=(SEAM_THREADS, 1, 1),
         output_shapes=[(*lead, hidden)] + q8x_shapes(lead, hidden),
