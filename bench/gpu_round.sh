@@ -11,16 +11,25 @@
 #   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
 #   step, BATCH_ARGS more batch.py options, e.g. "--parts --both"; `tests` may follow it)
 #   (or call 2/3 `before-after`: issue 44's decode figures of two trees in one call, below)
-#   The tile products' untimed forms (Settings.tile_prefetch, tile_fit_tokens, more threadgroups)
-#   against today's and the grouped form, tiles at every B (B = 8 runs grouped by default), one call:
-#     PRE_TESTS="tests/test_decode_kernels.py -k untimed" BATCH_SECONDS=420 BATCH_ARGS="--batches 1,8,16,32,64
-#     --set batch_tiles_from=1 --both --parts --variant pf:tile_prefetch=True --variant
-#     fit:tile_fit_tokens=True,tile_threadgroups=1024 --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024"
-#     bash bench/gpu_round.sh bench
-#   Where a batched step's time goes beside its products (CUPTI kernels a step, gaps), after `bench`:
-#     python3 bench/timeline.py --batch 64 --runs 2 --steps 16 --kernels 24
-#   Where a product's time goes (stall reasons, occupancy, DRAM rate), tile products at B = 8:
-#     NCU_SECONDS=200 NCU_KERNEL=product_tiles NCU_ARGS="--batches 8 --set batch_tiles_from=1" ... bench
+#   The next round (session 44's GPU code never ran: no machine could be started), four calls:
+#   1. carry [".device/a"]: bash bench/gpu_round.sh start
+#   2. carry [".device/b"] (~560 s): the GPU tests of session 44's code first (the batched step's
+#      attention kernels over its rows, written in place; the tile kernel's untimed forms), then
+#      every untimed form against today's, tiles at every B, then ncu of the tile products at B = 8:
+#        LLAMA=0 PRE_SECONDS=150 PRE_TESTS="tests/test_batch.py tests/test_decode_kernels.py
+#        tests/test_emulated_kernels.py" PRE_K="batch or untimed or attention or residual_norm_quant"
+#        BATCH_SECONDS=300 BATCH_ARGS="--batches 8,32,64 --steps 32 --set batch_tiles_from=1 --parts
+#        --variant pf:tile_prefetch=True --variant dfit:tile_stage=False,tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024
+#        --variant split:tile_split_glu=True --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True
+#        --variant dall:tile_stage=False,tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True"
+#        NCU_SECONDS=100 NCU_KERNEL=product_tiles NCU_ARGS="--batches 8 --steps 2 --set batch_tiles_from=1"
+#        bash bench/gpu_round.sh bench
+#   3. no carry (~200 s): llama.cpp's figures and ours, the winner's settings as --set, same run:
+#        BATCH_SECONDS=150 BATCH_ARGS="--steps 64 --set batch_tiles_from=N --set <winner>" bash bench/gpu_round.sh bench
+#   4. TESTS_SECONDS=540 bash bench/gpu_round.sh tests
+#   Where a batched step's time goes beside its products (CUPTI kernels a step, gaps):
+#     bash bench/gpu_round.sh timeline   (TIMELINE_ARGS: timeline.py's, default --batch 64)
+#   Where a product's time goes (stall reasons, occupancy, DRAM rate): NCU_* as above with `ncu`.
 #
 # What comes back (under $OUT): test-gpu.tgz (every shard's log in one file: a reply brings back a
 # few files only), test-gpu.summary, batch.txt, llama-batched.jsonl. Learnt the hard way
