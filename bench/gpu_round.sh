@@ -16,8 +16,8 @@
 #   2. carry [".device/b"] (~560 s): the GPU tests of session 44's code first (the batched step's
 #      attention kernels over its rows, written in place; the tile kernel's untimed forms), then
 #      every untimed form against today's, tiles at every B, then ncu of the tile products at B = 8:
-#        LLAMA=0 PRE_SECONDS=150 PRE_TESTS="tests/test_batch.py tests/test_decode_kernels.py
-#        tests/test_emulated_kernels.py" PRE_K="batch or untimed or attention or residual_norm_quant"
+#        LLAMA=0 PRE_SECONDS=150 PRE_TESTS="tests/test_batch.py tests/test_decode_kernels.py"
+#        PRE_K="batch or untimed or attention_decode or residual_norm_quant"
 #        BATCH_SECONDS=300 BATCH_ARGS="--batches 8,32,64 --steps 32 --set batch_tiles_from=1 --parts
 #        --variant pf:tile_prefetch=True --variant dfit:tile_stage=False,tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024
 #        --variant split:tile_split_glu=True --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True

@@ -509,11 +509,13 @@ ATTENTION_VARIANTS = {
 }
 
 
-def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec, softcap=None):
+def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm, rope_spec, softcap=None,
+                   shared: dict | None = None):
     """Random projections and a cache that already holds positions < position; the numpy
     float64 result of attention_decode for them: (inputs, expected o, expected key/value rows).
     qk_norm: False, True (per head) or "whole" (over each whole projection, OLMo 2's); softcap:
-    the scores' cap (Gemma 2's) or None."""
+    the scores' cap (Gemma 2's) or None. shared: another case's inputs, whose norm weights and
+    bias this one takes (a batch's rows share the model's)."""
     q_width, kv_width = heads * HEAD_DIM, kv_heads * HEAD_DIM
     gate_off = q_width + 2 * kv_width if gate else None
     y = rng.standard_normal((1, q_width + 2 * kv_width + (q_width if gate else 0))).astype(np.float32)
@@ -523,6 +525,9 @@ def attention_case(rng, heads, kv_heads, capacity, position, gate, bias, qk_norm
     weights = [rng.uniform(0.5, 1.5, size).astype(np.float32)
                for size in ((q_width, kv_width) if whole else (HEAD_DIM, HEAD_DIM))] if qk_norm else [None, None]
     bias_values = (0.3 * rng.standard_normal(q_width + 2 * kv_width)).astype(np.float32) if bias else None
+    if shared is not None:
+        weights = [np.array(shared[k]) if shared[k] is not None else None for k in ("q_weight", "k_weight")]
+        bias_values = np.array(shared["bias"]) if shared["bias"] is not None else None
     rope_dict = None if rope_spec is None else dict(dims=rope_spec[0], traditional=rope_spec[1], base=10000.0)
     eps, scale = 1e-6, HEAD_DIM**-0.5
     # numpy float64
@@ -588,6 +593,37 @@ def test_attention_decode_matches_numpy_and_writes_its_slot(backend, rng, capaci
     others = np.arange(capacity) != slot
     np.testing.assert_array_equal(written_keys[:, :, others], keys[:, :, others])
     np.testing.assert_array_equal(written_values[:, :, others], values[:, :, others])
+
+
+@pytest.mark.parametrize("capacity, positions", [(8, (5, 29, 8)), (256, (200, 0, 17))], ids=["ring", "full"])
+@pytest.mark.parametrize("variant", ["muse", "olmo2", "gemma2"])
+def test_attention_decode_over_a_batchs_rows(backend, rng, capacity, positions, variant):
+    """rows=3 (the batched step's): each row its own position, projections and store row, against
+    numpy; store row 3 (no sequence) untouched; o's rows 3..7 (padding) zeros."""
+    heads, kv_heads = ATTENTION_VARIANTS[variant][:2]
+    first = attention_case(rng, heads, kv_heads, capacity, positions[0], *ATTENTION_VARIANTS[variant][2:])
+    cases = [first] + [attention_case(rng, heads, kv_heads, capacity, position, *ATTENTION_VARIANTS[variant][2:],
+                                      shared=first[0]) for position in (*positions[1:], 0)]
+    inputs = dict(cases[0][0], rows=3, out_rows=8,
+                  y=mx.concatenate([case[0]["y"] for case in cases]),
+                  keys=mx.concatenate([case[0]["keys"] for case in cases]),
+                  values=mx.concatenate([case[0]["values"] for case in cases]),
+                  position=mx.array([*positions, 0], dtype=mx.int32))
+    with kernels.poisoned_outputs():
+        out, cache_keys, cache_values = ops.attention_decode(**inputs)
+        mx.eval(out, cache_keys, cache_values)
+    assert out.shape == (8, heads * HEAD_DIM)
+    written_keys, written_values = np.array(cache_keys), np.array(cache_values)
+    for row, (_, expected, (slot, new_k, new_v, keys, values)) in enumerate(cases[:3]):
+        assert_within_half_a_code(ops.Q8X(*(part[row : row + 1] for part in out)), expected, slack=2e-3)
+        np.testing.assert_allclose(written_keys[row, :, slot].astype(np.float64), new_k, atol=2e-3, rtol=2e-3)
+        np.testing.assert_allclose(written_values[row, :, slot].astype(np.float64), new_v, atol=2e-3, rtol=2e-3)
+        others = np.arange(capacity) != slot
+        np.testing.assert_array_equal(written_keys[row, :, others], keys[0, :, others])
+        np.testing.assert_array_equal(written_values[row, :, others], values[0, :, others])
+    np.testing.assert_array_equal(written_keys[3], cases[3][2][3][0])
+    np.testing.assert_array_equal(written_values[3], cases[3][2][4][0])
+    assert not np.array(out.codes)[3:].any() and not np.array(out.scales)[3:].any()
 
 
 @pytest.mark.parametrize("variant", ["muse", "llama"])
