@@ -36,7 +36,7 @@
 # (bench/history/session-37-38.md): the suite beside llama.cpp's build reached a quarter of its
 # shards in 200 s; time benches only once the build has ended.
 set -uo pipefail
-what=${1:?start, tests, bench, ncu, timeline or before-after}
+what=${1:?start, tests, bench, check, ncu, timeline or before-after}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -93,6 +93,11 @@ bench)
   timeout "${BATCH_SECONDS:-300}" python3 bench/batch.py --keep --batches 1,8,32,64 --llama-jsonl "$OUT/llama-batched.jsonl" ${BATCH_ARGS:-} 2>&1 | tee "$OUT/batch.txt"
   [ -z "${NCU_SECONDS:-}" ] || bash "$0" ncu
   ;;
+check)  # the wheels installed (carry .device/b), then PRE_TESTS alone (a short round)
+  install_wheels || exit 1
+  timeout "${PRE_SECONDS:-120}" python3 -m pytest -q -p no:cacheprovider $PRE_TESTS ${PRE_K:+-k "$PRE_K"} > "$OUT/pre-tests.txt" 2>&1
+  tail -n 25 "$OUT/pre-tests.txt"
+  ;;
 ncu)  # a diagnostic: a few products of a step under ncu (NCU_KERNEL, NCU_ARGS: batch.py's options)
   timeout "$NCU_SECONDS" ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
@@ -119,7 +124,7 @@ before-after)
   done
   ;;
 *)
-  echo "start, tests, bench, ncu, timeline or before-after" >&2
+  echo "start, tests, bench, check, ncu, timeline or before-after" >&2
   exit 2
   ;;
 esac
