@@ -48,6 +48,11 @@ install_wheels() {  # the second half of the wheels (.device/b, carried) joined 
     && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl
 }
 
+pre_tests() {  # PRE_TESTS (pytest's arguments; PRE_K its -k) within PRE_SECONDS; the log's last $1 lines
+  timeout "${PRE_SECONDS:-120}" python3 -m pytest -q -p no:cacheprovider $PRE_TESTS ${PRE_K:+-k "$PRE_K"} > "$OUT/pre-tests.txt" 2>&1
+  tail -n "$1" "$OUT/pre-tests.txt"
+}
+
 write_file() {  # bench/decode.py's full-scale random Muse Glimmer file, once
   [ -f /dev/shm/muse-glimmer-random-52.gguf ] || (cd bench && python3 -c "import numpy as np, decode, pathlib; \
     decode.write_file(pathlib.Path('/dev/shm/muse-glimmer-random-52.gguf'), np.random.default_rng(0))")
@@ -75,10 +80,7 @@ bench)
     install_wheels || exit 1
   fi
   write_file &  # written while the first tests run
-  if [ -n "${PRE_TESTS:-}" ]; then  # a few tests first (e.g. a new kernel's; PRE_K: pytest's -k), before the benches
-    timeout "${PRE_SECONDS:-120}" python3 -m pytest -q -p no:cacheprovider $PRE_TESTS ${PRE_K:+-k "$PRE_K"} > "$OUT/pre-tests.txt" 2>&1
-    tail -n 5 "$OUT/pre-tests.txt"
-  fi
+  [ -z "${PRE_TESTS:-}" ] || pre_tests 5  # a few tests first (e.g. a new kernel's), before the benches
   wait
   if [ "${LLAMA:-1}" != 0 ]; then  # LLAMA=0: our figures only (a diagnostic round)
     for _ in $(seq 1 300); do [ -f /tmp/lcpp/build.rc ] && break; sleep 1; done
@@ -95,8 +97,7 @@ bench)
   ;;
 check)  # the wheels installed (carry .device/b), then PRE_TESTS alone (a short round)
   install_wheels || exit 1
-  timeout "${PRE_SECONDS:-120}" python3 -m pytest -q -p no:cacheprovider $PRE_TESTS ${PRE_K:+-k "$PRE_K"} > "$OUT/pre-tests.txt" 2>&1
-  tail -n 25 "$OUT/pre-tests.txt"
+  pre_tests 25
   ;;
 ncu)  # a diagnostic: a few products of a step under ncu (NCU_KERNEL, NCU_ARGS: batch.py's options)
   timeout "$NCU_SECONDS" ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \

@@ -245,12 +245,14 @@ def attention_decode(y: mx.array, keys: mx.array, values: mx.array, position: mx
             outputs.append(o)
             key_rows.append(k)
             value_rows.append(v)
-        o = outputs[0] if rows == 1 else Q8X(*(mx.concatenate(parts) for parts in zip(*outputs)))
-        if out_rows > rows:
-            o = Q8X(*(mx.concatenate([part, mx.zeros((out_rows - rows, *part.shape[1:]), part.dtype)]) for part in o))
-        rest = [] if keys.shape[0] == rows else [(keys[rows:], values[rows:])]
-        keys, values = (mx.concatenate(parts) if len(parts) > 1 else parts[0]
-                        for parts in ([*key_rows, *(k for k, _ in rest)], [*value_rows, *(v for _, v in rest)]))
+        if out_rows > rows:  # padding rows: zeros
+            outputs.append(Q8X(*(mx.zeros((out_rows - rows, *part.shape[1:]), part.dtype) for part in outputs[0])))
+        if keys.shape[0] > rows:  # store rows without a sequence, as they were
+            key_rows.append(keys[rows:])
+            value_rows.append(values[rows:])
+        o = outputs[0] if len(outputs) == 1 else Q8X(*(mx.concatenate(parts) for parts in zip(*outputs)))
+        keys = key_rows[0] if len(key_rows) == 1 else mx.concatenate(key_rows)
+        values = value_rows[0] if len(value_rows) == 1 else mx.concatenate(value_rows)
         return (weave(o) if woven else o), keys, values
     group = heads // kv_heads
     head_group = max(g for g in range(1, min(group, head_group) + 1) if group % g == 0)

@@ -332,14 +332,10 @@ class TileProduct:
         if kernels.backend() == "cpu":
             values = x.dequantize()
             y = linear(values, self.weight)
-            if self.second is None:
-                return y if summed else y[None]
-            other = linear(values, self.second)
-            if self.activation is None:
-                y = mx.concatenate([y, other], axis=-1)
-                return y if summed else y[None]
-            y = glu(y, other, self.activation)
-            return y if summed else y[None]
+            if self.second is not None:
+                other = linear(values, self.second)
+                y = mx.concatenate([y, other], axis=-1) if self.activation is None else glu(y, other, self.activation)
+            return y if summed else y[None]  # one chunk
         rows = x.shape[0]
         template, grid, threadgroup, chunks = self.launch_arguments(rows)
         (y,) = kernels.launch(
