@@ -174,7 +174,21 @@ def each_product(model, batch: int, bandwidth: float, tiles: bool | None = None,
         ms = 1e3 * median_seconds(lambda: mx.eval([product(x) for _ in range(20)]), runs) / 20
         lines.append(f"    {name:<9} {ms:8.3f} ms  floor {1e3 * nbytes / bandwidth:7.3f} ms  "
                      f"{nbytes / (ms / 1e3) / 1e9:7.1f} GB/s  {rows * values / (ms / 1e3) / 1e12:6.1f} T int8 MAC/s")
+        if isinstance(product, ops.TileProduct):  # what bounds it: its loads alone, a plain read (tile_read.py)
+            try:
+                lines.append(_read_line(product, rows, weights, nbytes, runs))
+            except Exception as error:  # a diagnostic: the run goes on without it
+                lines.append(f"      read probes failed: {type(error).__name__}: {error}")
     return lines
+
+
+def _read_line(product, rows: int, weights: list, nbytes: int, runs: int) -> str:
+    """A tile product's weight loads alone in its pattern, and a plain read of its weights."""
+    import tile_read
+    tiles = 1e3 * median_seconds(lambda: mx.eval([tile_read.tiles_read(product, rows) for _ in range(20)]), runs) / 20
+    flat = 1e3 * median_seconds(lambda: mx.eval([tile_read.flat_read(w) for w in weights for _ in range(20)]), runs) / 20
+    return (f"      read: its loads alone {tiles:8.3f} ms {nbytes / (tiles / 1e3) / 1e9:7.1f} GB/s;  "
+            f"plain read {flat:8.3f} ms {nbytes / (flat / 1e3) / 1e9:7.1f} GB/s")
 
 
 def llama_speeds(path) -> dict:

@@ -509,3 +509,22 @@ def test_tile_product_launches_fit_the_register_file(case, prefetch, stage, tmp_
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     assert registers * threadgroup[0] <= 65536, (registers, template)
     assert " 0 bytes spill stores" in report and " 0 bytes stack frame" in report, report
+
+
+@pytest.mark.parametrize("probe", ["tiles_read", "flat_read"])
+def test_bench_read_probes_render_for_metal_and_cuda(probe, tmp_path):
+    # bench/tile_read.py's probes (what bounds a tile product: its loads alone, a plain read)
+    # through both compile checks, with product_tiles' own template.
+    import bench.tile_read as tile_read
+
+    text, names = ((tile_read.TILES_READ, ("weight_a", "weight_b")) if probe == "tiles_read"
+                   else (tile_read.FLAT_READ, ("weight",)))
+    kernel = kernels.kernel_source(probe, names, ("y",), text)
+    _, specs, _, template = LAUNCHES["product_tiles"]
+    specs = specs[: len(names)]
+    template = (template + [("GRID_X", 1), ("GRID_Y", 3)] if probe == "tiles_read"
+                else [("THREADGROUPS", tile_read.FLAT_THREADGROUPS)])
+    for program, compile_ in ((kernels.metal_program(probe, specs, [mx.uint32], template, kernel=kernel), compile_metal),
+                              (kernels.cuda_program(probe, specs, [mx.uint32], template, kernel=kernel), compile_cuda)):
+        result = compile_(program, tmp_path)
+        assert result.returncode == 0, result.stderr
