@@ -29,7 +29,10 @@
 // multiple of 32; of 256 for Q4_K and Q6_K), TOKENS (a multiple of 8), WARPS, CHUNKS, GLU,
 // ACTIVATION, PREFETCH (1: each SIMD group's loads of span s + 1 go out before it multiplies
 // span s; 0: before span s's stage), STAGE (1: x staged as above; 0: each SIMD group reads
-// its x from device memory (L1), no threadgroup memory and no barriers).
+// its x from device memory (L1), no threadgroup memory and no barriers), AHEAD (spans: each
+// SIMD group asks L2 for the lines of span s + AHEAD of its rows as it starts span s, and for
+// the first AHEAD - 1 spans' up front: the weight stream's bytes in flight without registers;
+// 0: no asks).
 #include "lib/tiles.metal"
 const int NT = TOKENS / 8;
 const int SUMS = GLU != 0 ? 2 * NT * 4 : NT * 4;  // a lane's sums (GLU: gate's, then up's)
@@ -75,11 +78,21 @@ for (int i = 0; i < SUMS; ++i) {
 const int UP_RAW = GLU != 0 ? 2 * MUSER_TILE_RAW(FORMAT_B) : 1;
 uint raw[2 * RAW];
 uint up_raw[UP_RAW];
+if (AHEAD != 0 && active) {
+  for (uint d = 1u; d < uint(AHEAD) && first_span + d < end_span; ++d) {
+    muser_tile_prefetch_rows<FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, GLU>(
+        weight_a, weight_b, in_a, first_row, first_span + d, lane);
+  }
+}
 if (PREFETCH != 0 && active && first_span < end_span) {
   muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
                                                     first_span, t);
 }
 for (uint span = first_span; span < end_span; ++span) {
+  if (AHEAD != 0 && active && span + uint(AHEAD) < end_span) {
+    muser_tile_prefetch_rows<FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, GLU>(
+        weight_a, weight_b, in_a, first_row, span + uint(AHEAD), lane);
+  }
   if (PREFETCH == 0 && active) {  // the weight loads go out before the stage, and land while it is copied
     muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
                                                       span, t);

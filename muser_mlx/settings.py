@@ -101,6 +101,10 @@ class Settings:
     # tile_stage False: each SIMD group reads its x from device memory (L1) instead of the
     # threadgroup's stage: no barriers, so a SIMD group's loads wait for no other's.
     tile_stage: bool = True
+    # tile_l2_ahead N > 0: each SIMD group asks L2 for its rows' weights N spans ahead of its
+    # loads (a hint; no registers, nothing waits on it): the weight stream's bytes in flight
+    # beyond what a SIMD group's registers hold. 0: no asks.
+    tile_l2_ahead: int = 0
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any
@@ -133,6 +137,8 @@ class Settings:
             raise ValueError(f"batch_tiles_from must be at least 1 (sequences), got {self.batch_tiles_from}")
         if not 1 <= self.tile_warps <= 8:
             raise ValueError(f"tile_warps must be 1..8 (SIMD groups of a threadgroup), got {self.tile_warps}")
+        if not 0 <= self.tile_l2_ahead <= 8:
+            raise ValueError(f"tile_l2_ahead must be 0..8 (spans), got {self.tile_l2_ahead}")
         if self.tile_threadgroups < 1:
             raise ValueError(f"tile_threadgroups must be at least 1, got {self.tile_threadgroups}")
         if self.attention_head_group < 1:

@@ -123,18 +123,19 @@ def test_tile_products_match_numpy(backend, rng, formats_ab, rows):
     assert relative_error(glu, g / (1 + np.exp(-g)) * (x_values @ up_values.T)) <= PRODUCT_BOUND
 
 
-@pytest.mark.parametrize("prefetch, fit, stage", [(True, False, True), (False, True, True), (True, True, True),
-                                                 (False, False, False), (True, True, False)],
-                         ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged"])
+@pytest.mark.parametrize("prefetch, fit, stage, ahead",
+                         [(True, False, True, 0), (False, True, True, 0), (True, True, True, 0), (False, False, False, 0),
+                          (True, True, False, 0), (False, False, True, 2), (True, True, True, 3)],
+                         ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged", "l2-ahead", "l2-ahead-all"])
 @pytest.mark.parametrize("formats_ab", [(GGMLType.Q4_K, GGMLType.Q6_K), (GGMLType.Q8_0, GGMLType.Q4_K)],
                          ids=lambda p: "+".join(t.name for t in p))
 @pytest.mark.parametrize("rows", [24, 72])
-def test_tile_products_in_their_untimed_forms_match_numpy(backend, rng, formats_ab, rows, prefetch, fit, stage):
+def test_tile_products_in_their_untimed_forms_match_numpy(backend, rng, formats_ab, rows, prefetch, fit, stage, ahead):
     """Settings.tile_prefetch, tile_fit_tokens (TOKENS 32 for 24 rows; 72 rows: 64 and a
     partial second group) and tile_stage (x staged or not), plain and gated, over 2-4 spans of input: the kernel's forms that the
     next GPU round times, checked there first."""
     first, second = formats_ab
-    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit, tile_stage=stage)
+    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit, tile_stage=stage, tile_l2_ahead=ahead)
     in_features = 256 * int(rng.integers(2, 5))
     a, a_values = weight(rng, first, in_features, 37, "a")
     b, b_values = weight(rng, second, in_features, 45, "b")

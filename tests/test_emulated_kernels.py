@@ -310,22 +310,23 @@ def test_tile_products(rng, rows, first, second, activation, n):
         ops.TileProduct(a)(q8x(rng.standard_normal((12, n)).astype(np.float32))[0])
 
 
-@pytest.mark.parametrize("prefetch, fit, stage", [(True, False, True), (False, True, True), (True, True, True),
-                                                 (False, False, False), (True, True, False)],
-                         ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged"])
+@pytest.mark.parametrize("prefetch, fit, stage, ahead",
+                         [(True, False, True, 0), (False, True, True, 0), (True, True, True, 0), (False, False, False, 0),
+                          (True, True, False, 0), (False, False, True, 2), (True, True, True, 3)],
+                         ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged", "l2-ahead", "l2-ahead-all"])
 @pytest.mark.parametrize("rows, first, second, activation, n",
                          [(24, GGMLType.Q4_K, GGMLType.Q6_K, None, 1024), (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu", 768),
                           (72, GGMLType.Q6_K, None, None, 512)],
                          ids=["Q4_K+Q6_K-24-chunks", "glu-Q4_K+Q8_0-16", "Q6_K-72"])
-def test_tile_products_in_their_untimed_forms(rng, prefetch, fit, stage, rows, first, second, activation, n):
+def test_tile_products_in_their_untimed_forms(rng, prefetch, fit, stage, ahead, rows, first, second, activation, n):
     """Settings.tile_prefetch (span s + 1's weight loads before span s's products: chunks of 2
     spans, 3 spans in one run for the gated product) and tile_fit_tokens (TOKENS 32 for 24 rows,
     16 for 16 rows, 64 for 72: two token groups, the second partial) give the same products, x
     staged or not (tile_stage: each SIMD group reads x from device memory)."""
-    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit, tile_stage=stage)
+    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit, tile_stage=stage, tile_l2_ahead=ahead)
     launches, _ = tile_product_against_numpy(rng, rows, first, second, activation, n, settings)
     template = dict(launches[0][1])
-    assert template["PREFETCH"] == int(prefetch) and template["STAGE"] == int(stage)
+    assert template["PREFETCH"] == int(prefetch) and template["STAGE"] == int(stage) and template["AHEAD"] == ahead
     assert template["TOKENS"] == ({24: 32, 16: 16, 72: 64}[rows] if fit else 64)
 
 

@@ -148,7 +148,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 24 * 16), InputSpec(mx.float32, 2, 24 * 64)],
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 37), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
-         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("PREFETCH", 0), ("STAGE", 1), ("CHUNKS", 2),
+         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("PREFETCH", 0), ("STAGE", 1), ("AHEAD", 0), ("CHUNKS", 2),
          ("GLU", 0), ("ACTIVATION", 0)]
     ),
     "product_tiles_glu_q8_0": (  # the other forms' loads (PREFETCH; x unstaged), 8 rows of x a threadgroup
@@ -157,7 +157,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 8 * 16), InputSpec(mx.float32, 2, 8 * 64)],
         [mx.float32],
         [("FORMAT_A", 8), ("ROW_BYTES_A", 544), ("OUT_A", 64), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
-         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("PREFETCH", 1), ("STAGE", 0), ("CHUNKS", 1),
+         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("PREFETCH", 1), ("STAGE", 0), ("AHEAD", 2), ("CHUNKS", 1),
          ("GLU", 1), ("ACTIVATION", 1)]
     ),
     "quantize_rows": (

@@ -83,6 +83,40 @@ inline void muser_tile_load(thread uint* raw, const device uint8_t* weight, size
   }
 }
 
+// The bytes of one row's span (MUSER_TILE_SPAN blocks).
+#define MUSER_TILE_SPAN_BYTES(FORMAT, IN) \
+  ((FORMAT) == MUSER_Q4_K ? 144 : (FORMAT) == MUSER_Q6_K ? 210 : 34 * MUSER_TILE_SPAN(IN))
+
+// The L2 lines of span `span` of the 16 rows from first_row (rows past OUT: row OUT - 1) asked
+// for ahead of their loads (muser_prefetch_l2, a hint): each row's first byte, every 128th
+// after it and its last, so that every line it touches is asked for; the SIMD group's lanes
+// share the asks. Every lane calls it (uniform).
+template <int FORMAT, int ROW_BYTES, int OUT, int IN>
+inline void muser_tile_prefetch(const device uint8_t* weight, uint first_row, uint span, uint lane) {
+  const uint BYTES = uint(MUSER_TILE_SPAN_BYTES(FORMAT, IN));
+  const uint PER_ROW = (BYTES + 127u) / 128u + 1u;
+  for (uint item = lane; item < 16u * PER_ROW; item += 32u) {
+    uint row = min(first_row + item / PER_ROW, uint(OUT - 1));
+    uint at = min(128u * (item % PER_ROW), BYTES - 1u);
+    muser_prefetch_l2(weight + size_t(row) * uint(ROW_BYTES) + size_t(BYTES) * span + at);
+  }
+}
+
+// muser_tile_prefetch of span `span` of a SIMD group's tile: its rows of A (in_a) or of B, and
+// with GLU the same rows of B.
+template <int FORMAT_A, int ROW_BYTES_A, int OUT_A, int FORMAT_B, int ROW_BYTES_B, int OUT_B, int IN, int GLU>
+inline void muser_tile_prefetch_rows(const device uint8_t* weight_a, const device uint8_t* weight_b, bool in_a,
+                                     uint first_row, uint span, uint lane) {
+  if (in_a) {
+    muser_tile_prefetch<FORMAT_A, ROW_BYTES_A, OUT_A, IN>(weight_a, first_row, span, lane);
+  } else {
+    muser_tile_prefetch<FORMAT_B, ROW_BYTES_B, OUT_B, IN>(weight_b, first_row, span, lane);
+  }
+  if (GLU != 0) {
+    muser_tile_prefetch<FORMAT_B, ROW_BYTES_B, OUT_B, IN>(weight_b, first_row, span, lane);
+  }
+}
+
 // A SIMD group's loads of span `span` of its tile: its rows of A (in_a) or of B into raw, and
 // with GLU the same rows of B (the up projection) into up_raw.
 template <int FORMAT_A, int FORMAT_B, int IN, int GLU>
