@@ -226,7 +226,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                         help="also each B >= 2 with the model rebuilt with these settings, same run")
     parser.add_argument("--each", action="store_true",
-                        help="also each product of layer 0 and the head alone at each B >= 2 (both forms with --both)")
+                        help="also each product of layer 0 and the head alone at each B >= 2, the settings' form "
+                             "(both forms with --both; not the variants)")
     parser.add_argument("--llama-jsonl", default=None,
                         help="llama-batched-bench's --output-format jsonl of the same run: its S_TG beside ours")
     parser.add_argument("--both", action="store_true",
@@ -302,10 +303,6 @@ def main() -> None:
                 for tiles in ([picked, not picked] if args.both else [picked]):
                     print(f"  each product alone, {'tiles' if tiles else 'grouped'}:", flush=True)
                     for each in each_product(model, batch, bandwidth, tiles=tiles):
-                        print(each, flush=True)
-                for name, variant in variants.items():
-                    print(f"  each product alone, {name}:", flush=True)
-                    for each in each_product(variant, batch, bandwidth):
                         print(each, flush=True)
     finally:
         if written is not None and not args.keep:

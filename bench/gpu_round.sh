@@ -11,22 +11,18 @@
 #   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
 #   step, BATCH_ARGS more batch.py options, e.g. "--parts --both"; `tests` may follow it)
 #   (or call 2/3 `before-after`: issue 44's decode figures of two trees in one call, below)
-#   The next round (session 44's GPU code never ran: no machine could be started), four calls:
-#   1. carry [".device/a"]: bash bench/gpu_round.sh start
-#   2. carry [".device/b"] (~560 s): the GPU tests of session 44's code first (the batched step's
-#      attention kernels over its rows, written in place; the tile kernel's untimed forms), then
-#      every untimed form against today's, tiles at every B, then ncu of the tile products at B = 8:
-#        LLAMA=0 PRE_SECONDS=150 PRE_TESTS="tests/test_batch.py tests/test_decode_kernels.py"
+#   The next round (sessions 44-45's GPU code never ran: no machine could be started), two calls
+#   when device time is short (a failed start costs 90-180 s of it):
+#   1. carry [".device/a"]: bash bench/gpu_round.sh start   (llama.cpp's build starts, ~280 s)
+#   2. carry [".device/b"] (~520 s): the GPU tests of the new code, ncu of the LM head's tile
+#      launch at B = 8 while llama.cpp still builds, then llama-batched-bench and every form:
+#        NCU_FIRST=1 PRE_SECONDS=100 PRE_TESTS="tests/test_batch.py tests/test_decode_kernels.py"
 #        PRE_K="batch or untimed or attention_decode or residual_norm_quant"
-#        BATCH_SECONDS=300 BATCH_ARGS="--batches 8,32,64 --steps 32 --set batch_tiles_from=1 --parts
-#        --variant pf:tile_prefetch=True --variant dfit:tile_stage=False,tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024
-#        --variant split:tile_split_glu=True --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True
-#        --variant dall:tile_stage=False,tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True"
-#        NCU_SECONDS=100 NCU_KERNEL=product_tiles NCU_ARGS="--batches 8 --steps 2 --set batch_tiles_from=1"
-#        bash bench/gpu_round.sh bench
-#   3. no carry (~200 s): llama.cpp's figures and ours, the winner's settings as --set, same run:
-#        BATCH_SECONDS=150 BATCH_ARGS="--steps 64 --set batch_tiles_from=N --set <winner>" bash bench/gpu_round.sh bench
-#   4. TESTS_SECONDS=540 bash bench/gpu_round.sh tests
+#        NCU_SECONDS=100 NCU_SKIP=413 NCU_COUNT=5 NCU_KERNEL=product_tiles
+#        NCU_ARGS="--batches 8 --steps 2 --set batch_tiles_from=1" BATCH_SECONDS=260
+#        BATCH_ARGS="--batches 8,64,32 --steps 24 --set batch_tiles_from=1 --parts --each
+#        --variant pf:tile_prefetch=True --variant l2:tile_l2_ahead=2 ..." bash bench/gpu_round.sh bench
+#   3. with time left: TESTS_SECONDS=540 bash bench/gpu_round.sh tests
 #   Where a batched step's time goes beside its products (CUPTI kernels a step, gaps):
 #     bash bench/gpu_round.sh timeline   (TIMELINE_ARGS: timeline.py's, default --batch 64)
 #   Where a product's time goes (stall reasons, occupancy, DRAM rate): NCU_* as above with `ncu`.
@@ -82,6 +78,8 @@ bench)
   write_file &  # written while the first tests run
   [ -z "${PRE_TESTS:-}" ] || pre_tests 5  # a few tests first (e.g. a new kernel's), before the benches
   wait
+  # NCU_FIRST=1: ncu while llama.cpp still builds (its figures do not depend on the host's load)
+  [ -z "${NCU_SECONDS:-}" ] || [ "${NCU_FIRST:-0}" = 0 ] || bash "$0" ncu
   if [ "${LLAMA:-1}" != 0 ]; then  # LLAMA=0: our figures only (a diagnostic round)
     for _ in $(seq 1 300); do [ -f /tmp/lcpp/build.rc ] && break; sleep 1; done
     echo "llama.cpp build: $(cat /tmp/lcpp/build.rc 2>/dev/null || echo 'not done')"
@@ -93,18 +91,23 @@ bench)
     tail -n 3 "$OUT/llama-batched.err"
   fi
   timeout "${BATCH_SECONDS:-300}" python3 bench/batch.py --keep --batches 1,8,32,64 --llama-jsonl "$OUT/llama-batched.jsonl" ${BATCH_ARGS:-} 2>&1 | tee "$OUT/batch.txt"
-  [ -z "${NCU_SECONDS:-}" ] || bash "$0" ncu
+  [ -z "${NCU_SECONDS:-}" ] || [ "${NCU_FIRST:-0}" != 0 ] || bash "$0" ncu
   ;;
 check)  # the wheels installed (carry .device/b), then PRE_TESTS alone (a short round)
   install_wheels || exit 1
   pre_tests 25
   ;;
 ncu)  # a diagnostic: a few products of a step under ncu (NCU_KERNEL, NCU_ARGS: batch.py's options)
-  timeout "$NCU_SECONDS" ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
-    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
-    -k "regex:${NCU_KERNEL:-product}" --launch-skip "${NCU_SKIP:-400}" --launch-count 4 \
-    python3 bench/batch.py --keep --steps 3 ${NCU_ARGS:---batches 64} > "$OUT/ncu${NCU_NAME:-}.txt" 2>&1
-  grep -E "^  [a-z_]+.*product|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles" "$OUT/ncu${NCU_NAME:-}.txt" | head -80
+  profile() {  # $@: more ncu options
+    timeout "$NCU_SECONDS" ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats "$@" \
+      -k "regex:${NCU_KERNEL:-product}" --launch-skip "${NCU_SKIP:-400}" --launch-count "${NCU_COUNT:-4}" \
+      python3 bench/batch.py --keep --steps 3 ${NCU_ARGS:---batches 64} > "$OUT/ncu${NCU_NAME:-}.txt" 2>&1
+  }
+  # the stall reasons as metrics (the section prints only its summary); without them if ncu refuses
+  profile --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    || grep -q Duration "$OUT/ncu${NCU_NAME:-}.txt" || profile
+  grep -E "^  [a-z_]+.*product|Grid Size|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Limit|Stall|stalled|Warp Cycles" "$OUT/ncu${NCU_NAME:-}.txt" | head -120
   ;;
 timeline)  # where a batched step's time goes (CUPTI), TIMELINE_ARGS: timeline.py's options
   timeout "${TIMELINE_SECONDS:-200}" python3 bench/timeline.py ${TIMELINE_ARGS:---batch 64 --runs 2 --steps 16 --kernels 24} 2>&1 | tee "$OUT/timeline.txt"
