@@ -489,16 +489,17 @@ MUSE_TILE_PRODUCTS = {  # (in, out) and format of A, then of B (None: no B), gat
 }
 
 
-@pytest.mark.parametrize("prefetch, stage", [(False, True), (True, True), (True, False)],
-                         ids=["", "prefetch", "prefetch-unstaged"])
+@pytest.mark.parametrize("prefetch, stage, ahead", [(False, True, 0), (True, True, 0), (True, False, 0),
+                                                   (False, True, 2), (True, True, 3)],
+                         ids=["", "prefetch", "prefetch-unstaged", "l2-ahead", "l2-ahead-prefetch"])
 @pytest.mark.parametrize("case", sorted(MUSE_TILE_PRODUCTS))
-def test_tile_product_launches_fit_the_register_file(case, prefetch, stage, tmp_path):
+def test_tile_product_launches_fit_the_register_file(case, prefetch, stage, ahead, tmp_path):
     # Settings.tile_prefetch holds a second span's weight words: gate+up's 167 registers a
     # thread become 246 (2 threadgroups an SM), still without spills.
     shape, ggml_type, second_shape, second_type, gated = MUSE_TILE_PRODUCTS[case]
     second = _stand_in(second_shape, second_type, "b") if second_shape else None
     product = ops.TileProduct(_stand_in(shape, ggml_type, "a"), second, "silu" if gated else None,
-                              settings=Settings(tile_prefetch=prefetch, tile_stage=stage))
+                              settings=Settings(tile_prefetch=prefetch, tile_stage=stage, tile_l2_ahead=ahead))
     template, grid, threadgroup, chunks = product.launch_arguments(64)
     values = dict(template)
     inputs = [InputSpec(mx.uint8, 2, product.out_a * values["ROW_BYTES_A"]),
