@@ -9,16 +9,26 @@ text below, built as tests' probes are: kernels.kernel_source):
               addresses, grid-stride over a fixed grid: the device's read rate for this tensor.
 If the product runs near tiles_read, its loads bound it (their pattern, their bytes in flight);
 if tiles_read runs near flat_read and the product far below both, its arithmetic and latency do.
-Used by bench/batch.py --each (a "read" line under each tile product).
+Used by bench/batch.py --each (a "read" line under each tile product), and alone, with no
+model file (random bytes in Muse Glimmer's shapes: seconds of device time):
+
+    python bench/tile_read.py [--rows 8,64] [--variant NAME:field=value,...]
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import sys
+import time
+from pathlib import Path
 
 import mlx.core as mx
 
-from muser_mlx import kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from muser_mlx import kernels  # noqa: E402
 
 TILES_READ = """
 #include "lib/tiles.metal"
@@ -118,3 +128,80 @@ def flat_read(weight) -> mx.array:
                                 grid=(256 * FLAT_THREADGROUPS, 1, 1), threadgroup=(256, 1, 1),
                                 output_shapes=[(256 * FLAT_THREADGROUPS,)], output_dtypes=[mx.uint32])
     return y
+
+
+# Muse Glimmer's products (GGUF shape [in, out], format of A, of B, gated)
+SHAPES = {
+    "head Q6_K": ((6656, 202048), "Q6_K", None, False),
+    "gate+up Q4_K": ((6656, 19968), "Q4_K", "Q4_K", True),
+    "down Q4_K": ((19968, 6656), "Q4_K", None, False),
+    "q+gate|k+v": ((6656, 8192), "Q4_K", "Q8_0", False),
+}
+
+
+def _random_weight(name: str, shape, format_name: str):
+    """Random bytes (timing only) in a weight's layout, as a GGUF tensor stand-in."""
+    from muser_mlx.formats import GGMLType, block_format
+    from muser_mlx.gguf import StackedRows
+    ggml_type = GGMLType[format_name]
+    if format_name == "Q8_0" and shape == (6656, 8192):
+        shape = (6656, 512)  # k+v beside q+gate
+    row_bytes = block_format(ggml_type).row_bytes(shape[0])
+    data = mx.random.randint(0, 256, (shape[1], row_bytes)).astype(mx.uint8)
+    mx.eval(data)
+    return StackedRows(name, ggml_type, shape, data)
+
+
+def _median_ms(run, runs: int = 5, launches: int = 20) -> float:
+    run()  # built and warm
+    times = []
+    for _ in range(runs):
+        tic = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - tic)
+    return 1e3 * sorted(times)[runs // 2] / launches
+
+
+def main() -> None:
+    from muser_mlx import ops
+    from settings_cli import parse_variant, settings_from
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="8,64")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...")
+    parser.add_argument("--only", default=None, help="these products (comma-separated names of SHAPES)")
+    args = parser.parse_args()
+    forms = {"default": settings_from([])}
+    for variant in args.variant:
+        name, changes = parse_variant(variant)
+        forms[name] = settings_from(changes)
+    names = args.only.split(",") if args.only else list(SHAPES)
+    if kernels.backend() == "cpu":
+        raise SystemExit("tile_read.py times GPU kernels: no GPU here (mx.default_device() is the CPU)")
+    print(f"device {kernels.backend()} ({mx.default_device()}); ms a launch (median of 5 x 20); GB/s of weight bytes",
+          flush=True)
+    for name in names:
+        shape, first, second, gated = SHAPES[name]
+        a = _random_weight("a", shape, first)
+        b = _random_weight("b", shape, second) if second else None
+        weights = [a] + ([b] if b is not None else [])
+        nbytes = sum(w.data.nbytes for w in weights)
+        flat = _median_ms(lambda: mx.eval([flat_read(w) for w in weights for _ in range(20)]))
+        print(f"{name}: {nbytes / 1e9:.3f} GB; plain read {flat:.3f} ms ({nbytes / flat / 1e6:.0f} GB/s)", flush=True)
+        for rows in [int(r) for r in args.rows.split(",")]:
+            x = ops.quantize_rows(mx.random.normal((rows, shape[0])))
+            mx.eval(*x)
+            for form, settings in forms.items():
+                product = ops.TileProduct(a, b, "silu" if gated else None, settings=settings)
+                ms = _median_ms(lambda: mx.eval([product(x, summed=False) for _ in range(20)]))
+                loads = _median_ms(lambda: mx.eval([tiles_read(product, rows) for _ in range(20)]))
+                template, grid, _, chunks = product.launch_arguments(rows)
+                print(f"  {rows:>2} rows {form:<8} product {ms:7.3f} ms ({nbytes / ms / 1e6:5.0f} GB/s)  "
+                      f"its loads alone {loads:7.3f} ms ({nbytes / loads / 1e6:5.0f} GB/s)  "
+                      f"[{grid[0] // (32 * product.warps)} x {grid[1]} x {chunks} threadgroups, "
+                      f"TOKENS {dict(template)['TOKENS']}]", flush=True)
+        del a, b, weights
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
