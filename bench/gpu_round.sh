@@ -23,6 +23,9 @@
 #        BATCH_ARGS="--batches 8,64,32 --steps 24 --set batch_tiles_from=1 --parts --each
 #        --variant pf:tile_prefetch=True --variant l2:tile_l2_ahead=2 ..." bash bench/gpu_round.sh bench
 #   3. with time left: TESTS_SECONDS=540 bash bench/gpu_round.sh tests
+#   With little device time (~250 s): call 1 with LLAMA=0, then, carry [".device/b"],
+#   `bash bench/gpu_round.sh reads` (bench/tile_read.py: each tile product of Muse Glimmer's
+#   shapes beside its loads alone and a plain read, per form; random bytes, no model file).
 #   Where a batched step's time goes beside its products (CUPTI kernels a step, gaps):
 #     bash bench/gpu_round.sh timeline   (TIMELINE_ARGS: timeline.py's, default --batch 64)
 #   Where a product's time goes (stall reasons, occupancy, DRAM rate): NCU_* as above with `ncu`.
@@ -32,7 +35,7 @@
 # (bench/history/session-37-38.md): the suite beside llama.cpp's build reached a quarter of its
 # shards in 200 s; time benches only once the build has ended.
 set -uo pipefail
-what=${1:?start, tests, bench, check, ncu, timeline or before-after}
+what=${1:?start, tests, bench, reads, check, ncu, timeline or before-after}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -93,6 +96,11 @@ bench)
   timeout "${BATCH_SECONDS:-300}" python3 bench/batch.py --keep --batches 1,8,32,64 --llama-jsonl "$OUT/llama-batched.jsonl" ${BATCH_ARGS:-} 2>&1 | tee "$OUT/batch.txt"
   [ -z "${NCU_SECONDS:-}" ] || [ "${NCU_FIRST:-0}" != 0 ] || bash "$0" ncu
   ;;
+reads)  # the shortest useful round (carry .device/b): what bounds each tile product, no model file
+  install_wheels || exit 1
+  timeout "${READS_SECONDS:-150}" python3 bench/tile_read.py ${READS_ARGS:---rows 8,64 --variant l2:tile_l2_ahead=2 --variant pf:tile_prefetch=True} \
+    2>&1 | tee "$OUT/tile_read.txt"
+  ;;
 check)  # the wheels installed (carry .device/b), then PRE_TESTS alone (a short round)
   install_wheels || exit 1
   pre_tests 25
@@ -128,7 +136,7 @@ before-after)
   done
   ;;
 *)
-  echo "start, tests, bench, check, ncu, timeline or before-after" >&2
+  echo "start, tests, bench, reads, check, ncu, timeline or before-after" >&2
   exit 2
   ;;
 esac
