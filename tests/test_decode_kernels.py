@@ -387,6 +387,9 @@ def test_settings_refuse_a_product_config_that_cannot_launch():
         Settings(tile_threadgroups=0)
     with pytest.raises(ValueError, match="batch_tiles_from must be at least 1"):
         Settings(batch_tiles_from=0)
+    for ahead in (-1, 9):
+        with pytest.raises(ValueError, match="tile_l2_ahead must be 0..8"):
+            Settings(tile_l2_ahead=ahead)
 
 
 def test_wide_units_take_at_most_two_tokens_and_fewer_units_at_once(rng):
