@@ -21,7 +21,13 @@
 #        NCU_SECONDS=100 NCU_SKIP=413 NCU_COUNT=5 NCU_KERNEL=product_tiles
 #        NCU_ARGS="--batches 8 --steps 2 --set batch_tiles_from=1" BATCH_SECONDS=260
 #        BATCH_ARGS="--batches 8,64,32 --steps 24 --set batch_tiles_from=1 --parts --each
-#        --variant pf:tile_prefetch=True --variant l2:tile_l2_ahead=2 ..." bash bench/gpu_round.sh bench
+#        --variant pf:tile_prefetch=True --variant l2:tile_l2_ahead=2
+#        --variant l2pf:tile_l2_ahead=3,tile_prefetch=True --variant split:tile_split_glu=True
+#        --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True,tile_l2_ahead=2
+#        --variant dall:tile_stage=False,tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True"
+#        bash bench/gpu_round.sh bench
+#      (a step launches product_tiles 209 times, 4 a layer and the head: launches 413-417 are
+#      the last layer's four and the head of the second of the 3 warm-up steps)
 #   3. with time left: TESTS_SECONDS=540 bash bench/gpu_round.sh tests
 #   With little device time (~250 s): call 1 with LLAMA=0, then, carry [".device/b"],
 #   `bash bench/gpu_round.sh reads` (bench/tile_read.py: each tile product of Muse Glimmer's
