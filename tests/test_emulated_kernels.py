@@ -851,9 +851,17 @@ def test_the_batched_steps_write_their_store_in_place_on_the_emulated_gpu(tmp_pa
         assert stores["gpu"].lengths == stores["cpu"].lengths == [13, 15, 7]
         taken = {name: kv.take(2) for name, kv in stores.items()}
         assert stores["gpu"].written_by is None
-        for got, want in zip(taken["gpu"], taken["cpu"]):
+        # Layer 0's keys and values come from the same embeddings in both forms, so they agree to
+        # the products' summation order; a deeper layer's come from hidden states that already
+        # differ by the step's rounding, so they get the logits' bound (a seed gave 1.2e-2 at
+        # layer 3 of 4).
+        for layer, (got, want) in enumerate(zip(taken["gpu"], taken["cpu"])):
             assert got.offset == want.offset == 7
-            assert relative_error(np.array(got.keys, dtype=np.float32), np.array(want.keys, dtype=np.float32)) <= 1e-2
+            bound = 1e-3 if layer == 0 else FUSED_NUMERICS_BOUND
+            for name in ("keys", "values"):
+                error = relative_error(np.array(getattr(got, name), dtype=np.float32),
+                                       np.array(getattr(want, name), dtype=np.float32))
+                assert error <= bound, (layer, name)
 
 
 @pytest.mark.parametrize("architecture, metadata", [("muse-glimmer", {}), ("olmo2", {}),
