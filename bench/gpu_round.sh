@@ -11,7 +11,7 @@
 #   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
 #   step, BATCH_ARGS more batch.py options, e.g. "--parts --both"; `tests` may follow it)
 #   (or call 2/3 `before-after`: issue 44's decode figures of two trees in one call, below)
-#   The next round (sessions 44-45's GPU code never ran: no machine could be started), two calls
+#   The next round (sessions 44-46's GPU code never ran: no machine could be started), two calls
 #   when device time is short (a failed start costs 90-180 s of it):
 #   1. carry [".device/a"]: bash bench/gpu_round.sh start   (llama.cpp's build starts, ~280 s)
 #   2. carry [".device/b"] (~520 s): the GPU tests of the new code, ncu of the LM head's tile
@@ -21,6 +21,7 @@
 #        NCU_SECONDS=100 NCU_SKIP=413 NCU_COUNT=5 NCU_KERNEL=product_tiles
 #        NCU_ARGS="--batches 8 --steps 2 --set batch_tiles_from=1" BATCH_SECONDS=260
 #        BATCH_ARGS="--batches 8,64,32 --steps 24 --set batch_tiles_from=1 --parts --each
+#        --variant f16:tile_half=True --variant f16pf:tile_half=True,tile_prefetch=True
 #        --variant pf:tile_prefetch=True --variant l2:tile_l2_ahead=2
 #        --variant l2pf:tile_l2_ahead=3,tile_prefetch=True --variant split:tile_split_glu=True
 #        --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True,tile_l2_ahead=2
@@ -104,7 +105,7 @@ bench)
   ;;
 reads)  # the shortest useful round (carry .device/b): what bounds each tile product, no model file
   install_wheels || exit 1
-  timeout "${READS_SECONDS:-150}" python3 bench/tile_read.py ${READS_ARGS:---rows 8,64 --variant l2:tile_l2_ahead=2 --variant pf:tile_prefetch=True} \
+  timeout "${READS_SECONDS:-150}" python3 bench/tile_read.py ${READS_ARGS:---rows 8,64 --variant f16:tile_half=True --variant l2:tile_l2_ahead=2 --variant pf:tile_prefetch=True} \
     2>&1 | tee "$OUT/tile_read.txt"
   ;;
 check)  # the wheels installed (carry .device/b), then PRE_TESTS alone (a short round)

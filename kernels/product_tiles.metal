@@ -32,7 +32,9 @@
 // its x from device memory (L1), no threadgroup memory and no barriers), AHEAD (spans: each
 // SIMD group asks L2 for the lines of span s + AHEAD of its rows as it starts span s, and for
 // the first AHEAD - 1 spans' up front: the weight stream's bytes in flight without registers;
-// 0: no asks).
+// 0: no asks), HALF (1: the products in f16 on x's values and the weights' (lib/tiles.metal's
+// f16 form: no scaling per block and token tile; needs STAGE 1); 0: int8 products of the codes,
+// scaled per block).
 #include "lib/tiles.metal"
 const int NT = TOKENS / 8;
 const int SUMS = GLU != 0 ? 2 * NT * 4 : NT * 4;  // a lane's sums (GLU: gate's, then up's)
@@ -41,8 +43,13 @@ const int PER_CHUNK = (SPANS + CHUNKS - 1) / CHUNKS;
 const int RAW = MUSER_TILE_RAW(FORMAT_A) > MUSER_TILE_RAW(FORMAT_B) ? MUSER_TILE_RAW(FORMAT_A) : MUSER_TILE_RAW(FORMAT_B);
 const uint GROUPS_A = (uint(OUT_A) + 15u) / 16u;
 const uint GROUPS_B = GLU != 0 ? 0u : (uint(OUT_B) + 15u) / 16u;
-threadgroup uint4 stage_codes[STAGE != 0 ? TOKENS * MUSER_TILE_ROW_WORDS(IN) / 4 : 1];
-threadgroup float4 stage_scales[STAGE != 0 ? MUSER_TILE_SPAN(IN) * TOKENS / 2 : 1];
+// One array for the stage: the codes, then the scales (HALF 1: x's f16 values alone, 32 KB for
+// 64 tokens, Metal's limit).
+const int STAGE_CODES = STAGE != 0 ? TOKENS * MUSER_TILE_ROW_WORDS(IN) / 4 : 0;
+const int STAGE_SCALES = STAGE != 0 ? MUSER_TILE_SPAN(IN) * TOKENS / 2 : 0;
+const int ITEMS = (TOKENS * 4 + 32 * WARPS - 1) / (32 * WARPS);  // the f16 stage's items a thread
+threadgroup uint4 stage_codes[HALF != 0 ? TOKENS * MUSER_TILE_SPAN(IN) * 4 : STAGE != 0 ? STAGE_CODES + STAGE_SCALES : 1];
+threadgroup float4* stage_scales = (threadgroup float4*)(stage_codes + STAGE_CODES);
 uint lane = thread_index_in_simdgroup;
 uint first_tile = threadgroup_position_in_grid.y * uint(WARPS);
 if (first_tile >= GROUPS_A + GROUPS_B) {
@@ -84,6 +91,11 @@ if (AHEAD != 0 && active) {
         weight_a, weight_b, in_a, first_row, first_span + d, lane);
   }
 }
+float top[HALF != 0 ? ITEMS : 1];  // the f16 stage's M of this thread's items
+if (HALF != 0) {
+  muser_tile_f16_scales<IN, TOKENS, 32 * WARPS, ITEMS>(top, xd, first_token, tokens, first_span, end_span,
+                                                       thread_position_in_threadgroup.x);
+}
 if (PREFETCH != 0 && active && first_span < end_span) {
   muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
                                                     first_span, t);
@@ -99,8 +111,13 @@ for (uint span = first_span; span < end_span; ++span) {
   }
   if (STAGE != 0) {
     threadgroup_barrier(mem_flags::mem_threadgroup);  // every SIMD group is done with the last span
-    muser_tile_stage<IN, TOKENS, 32 * WARPS>(stage_codes, stage_scales, xq, xd, xs, first_token, tokens, span,
-                                             thread_position_in_threadgroup.x);
+    if (HALF != 0) {
+      muser_tile_stage_f16<IN, TOKENS, 32 * WARPS, ITEMS>(stage_codes, xq, xd, top, first_token, tokens, span,
+                                                          thread_position_in_threadgroup.x);
+    } else {
+      muser_tile_stage<IN, TOKENS, 32 * WARPS>(stage_codes, stage_scales, xq, xd, xs, first_token, tokens, span,
+                                               thread_position_in_threadgroup.x);
+    }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   // PREFETCH: the next span's loads go out now, in flight through this span's products, the next
@@ -112,7 +129,16 @@ for (uint span = first_span; span < end_span; ++span) {
     muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(next, next_up, weight_a, weight_b, offsets, up_offsets, in_a,
                                                       span + 1u, t);
   }
-  if (active) {
+  if (active && HALF != 0) {
+    if (in_a) {
+      muser_tile_span_product_f16<FORMAT_A, NT, IN>(raw, stage_codes, live, lane, acc);
+    } else {
+      muser_tile_span_product_f16<FORMAT_B, NT, IN>(raw, stage_codes, live, lane, acc);
+    }
+    if (GLU != 0) {
+      muser_tile_span_product_f16<FORMAT_B, NT, IN>(up_raw, stage_codes, live, lane, acc + NT * 4);
+    }
+  } else if (active) {
     if (in_a) {
       muser_tile_span_product<FORMAT_A, NT, IN, TOKENS, STAGE>(raw, stage_codes, stage_scales, xq, xd, xs,
                                                                first_token, span, live, lane, acc);
@@ -134,6 +160,11 @@ for (uint span = first_span; span < end_span; ++span) {
     }
   }
 }
+if (HALF != 0) {  // M to the store, through the stage
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  muser_tile_f16_share<TOKENS, 32 * WARPS, ITEMS>(stage_codes, top, thread_position_in_threadgroup.x);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
 if (!active) {
   return;
 }
@@ -146,11 +177,12 @@ for (int j = 0; j < NT; ++j) {
     uint row = first_row + g + 8u * uint(e / 2);
     uint token = first_token + 8u * uint(j) + 2u * t + uint(e % 2);
     if (uint(j) < live && row < out_rows) {
-      float value = acc[j * 4 + e];
+      float scale = HALF != 0 ? muser_tile_f16_scale(stage_codes, token - first_token) : 1.0f;
+      float value = acc[j * 4 + e] * scale;
       if (GLU != 0) {
         float activated = ACTIVATION == 0 ? value / (1.0f + exp(-value))
                                           : 0.5f * value * (1.0f + tanh(0.7978845608f * (value + 0.044715f * value * value * value)));
-        value = activated * acc[GLU != 0 ? NT * 4 + j * 4 + e : 0];
+        value = activated * acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;
       }
       out[size_t(token) * WIDTH + column + row] = value;
     }

@@ -105,6 +105,14 @@ class Settings:
     # loads (a hint; no registers, nothing waits on it): the weight stream's bytes in flight
     # beyond what a SIMD group's registers hold. 0: no asks.
     tile_l2_ahead: int = 0
+    # tile_half: the products in f16 on tensor cores (mma m16n8k16, float sums): the weights'
+    # values (scales and Q4_K's minimum applied, once for all the token tiles) and x's (code
+    # times scale over the token's largest scale, once a threadgroup, as the stage is written),
+    # summed in the float accumulators directly. The int8 form scales each block's integer dot
+    # for each token tile: ~34 PTX instructions an mma at 64 rows, ~14 ms of issue in a step at
+    # B = 64 on the H200 (counted, not timed); the f16 form needs no such scaling, at half the
+    # int8 tensor rate. Needs tile_stage. Weights' values must lie in f16's range.
+    tile_half: bool = False
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any
@@ -137,6 +145,8 @@ class Settings:
             raise ValueError(f"batch_tiles_from must be at least 1 (sequences), got {self.batch_tiles_from}")
         if not 1 <= self.tile_warps <= 8:
             raise ValueError(f"tile_warps must be 1..8 (SIMD groups of a threadgroup), got {self.tile_warps}")
+        if self.tile_half and not self.tile_stage:
+            raise ValueError("tile_half needs tile_stage (the f16 form reads x from the threadgroup's stage)")
         if not 0 <= self.tile_l2_ahead <= 8:
             raise ValueError(f"tile_l2_ahead must be 0..8 (spans), got {self.tile_l2_ahead}")
         if self.tile_threadgroups < 1:

@@ -24,7 +24,7 @@ from muser_mlx.reference import Reference, rms
 from muser_mlx.settings import DEFAULT, Settings
 from tests.conftest import gpu_available, relative_error
 from tests.emulate import EmulationError, emulated_gpu, run
-from tests.test_decode_kernels import (ATTENTION_VARIANTS, PRODUCT_BOUND, assert_within_half_a_code, attention_case,
+from tests.test_decode_kernels import (ATTENTION_VARIANTS, HALF_PRODUCT_BOUND, PRODUCT_BOUND, assert_within_half_a_code, attention_case,
                                        q8x, weight)
 from tests.test_models import FUSED_NUMERICS_BOUND, decode_one_by_one
 from tests.test_qk_norm_rope import reference as rope_reference
@@ -310,23 +310,29 @@ def test_tile_products(rng, rows, first, second, activation, n):
         ops.TileProduct(a)(q8x(rng.standard_normal((12, n)).astype(np.float32))[0])
 
 
-@pytest.mark.parametrize("prefetch, fit, stage, ahead",
-                         [(True, False, True, 0), (False, True, True, 0), (True, True, True, 0), (False, False, False, 0),
-                          (True, True, False, 0), (False, False, True, 2), (True, True, True, 3)],
-                         ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged", "l2-ahead", "l2-ahead-all"])
+@pytest.mark.parametrize("prefetch, fit, stage, ahead, half",
+                         [(True, False, True, 0, False), (False, True, True, 0, False), (True, True, True, 0, False),
+                          (False, False, False, 0, False), (True, True, False, 0, False), (False, False, True, 2, False),
+                          (True, True, True, 3, False), (False, False, True, 0, True), (True, True, True, 2, True)],
+                         ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged", "l2-ahead", "l2-ahead-all",
+                              "f16", "f16-all"])
 @pytest.mark.parametrize("rows, first, second, activation, n",
                          [(24, GGMLType.Q4_K, GGMLType.Q6_K, None, 1024), (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu", 768),
                           (72, GGMLType.Q6_K, None, None, 512)],
                          ids=["Q4_K+Q6_K-24-chunks", "glu-Q4_K+Q8_0-16", "Q6_K-72"])
-def test_tile_products_in_their_untimed_forms(rng, prefetch, fit, stage, ahead, rows, first, second, activation, n):
+def test_tile_products_in_their_untimed_forms(rng, prefetch, fit, stage, ahead, half, rows, first, second, activation,
+                                              n):
     """Settings.tile_prefetch (span s + 1's weight loads before span s's products: chunks of 2
     spans, 3 spans in one run for the gated product) and tile_fit_tokens (TOKENS 32 for 24 rows,
     16 for 16 rows, 64 for 72: two token groups, the second partial) give the same products, x
-    staged or not (tile_stage: each SIMD group reads x from device memory)."""
-    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit, tile_stage=stage, tile_l2_ahead=ahead)
+    staged or not (tile_stage: each SIMD group reads x from device memory); tile_half, the f16
+    form, to its bound (the mma emulated in float)."""
+    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit, tile_stage=stage, tile_l2_ahead=ahead,
+                        tile_half=half)
     launches, _ = tile_product_against_numpy(rng, rows, first, second, activation, n, settings)
     template = dict(launches[0][1])
     assert template["PREFETCH"] == int(prefetch) and template["STAGE"] == int(stage) and template["AHEAD"] == ahead
+    assert template["HALF"] == int(half)
     assert template["TOKENS"] == ({24: 32, 16: 16, 72: 64}[rows] if fit else 64)
 
 
@@ -348,7 +354,8 @@ def tile_product_against_numpy(rng, rows, first, second, activation, n, settings
                     * (x_values @ b_values.T))
     elif second:
         expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
-    assert out.shape == expected.shape and relative_error(out, expected) <= PRODUCT_BOUND
+    bound = HALF_PRODUCT_BOUND if settings.tile_half else PRODUCT_BOUND
+    assert out.shape == expected.shape and relative_error(out, expected) <= bound
     return launches, a
 
 
@@ -770,22 +777,23 @@ def test_an_endless_loop_is_reported(rng):
 
 # Muse Glimmer's layer (QK norm, attention gate, sliding window); OLMo 2's (q/k norm over the
 # whole projections, no pre-norms); Gemma 2's (attention softcap, here one that bites).
-@pytest.mark.parametrize("chosen, tiles_from, tiles, split", [(False, 9, False, False), (True, 9, True, False),
-                                                              (None, 3, True, False), (None, 4, False, False),
-                                                              (True, 9, True, True)],
-                         ids=["grouped", "tiles", "tiles-by-count", "grouped-by-count", "tiles-split-glu"])
-def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from, tiles, split):
+@pytest.mark.parametrize("chosen, tiles_from, tiles, split, half",
+                         [(False, 9, False, False, False), (True, 9, True, False, False), (None, 3, True, False, False),
+                          (None, 4, False, False, False), (True, 9, True, True, False), (True, 9, True, False, True)],
+                         ids=["grouped", "tiles", "tiles-by-count", "grouped-by-count", "tiles-split-glu", "tiles-f16"])
+def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from, tiles, split, half):
     """BatchStep's GPU form, with its grouped products (kernels product / product_glu) or its tile
     products (kernel product_tiles), chosen or picked by the count of sequences
     (Settings.batch_tiles_from), on a 1-layer tiny Muse Glimmer (Q4_K and Q6_K weights;
     ffn_down 1,024 wide: the tile form splits it in 2 chunks), 3 sequences of their own lengths
     padded to 8 rows, against the same step's CPU rendering from the same store: the products sum
     in another order, which may move an int8 code of a later input (test_batch.py's bounds).
-    split: Settings.tile_split_glu (gate and up one chunked launch, the activation after it)."""
+    split: Settings.tile_split_glu (gate and up one chunked launch, the activation after it);
+    half: Settings.tile_half (the products in f16, within the same bound)."""
     path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1, ff=1024)
     from muser_mlx.models.batch_decode import BatchKV, BatchStep
     with gguf.read(path) as file:
-        model = build_model(file, Settings(batch_tiles_from=tiles_from, tile_split_glu=split))
+        model = build_model(file, Settings(batch_tiles_from=tiles_from, tile_split_glu=split, tile_half=half))
         assert BatchStep(model, q8x=True, tiles=chosen).uses_tiles(3) == tiles
         caches = [model.make_cache(mx.float16) for _ in range(3)]
         for n, cache in zip((3, 9, 5), caches):
@@ -805,6 +813,7 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from,
     assert {"product", "product_glu"}.isdisjoint(names) == tiles
     assert any(dict(launch[1]).get("CHUNKS", 1) > 1 for launch in launches) == tiles
     assert any(dict(launch[1]).get("GLU", 0) for launch in launches) == (tiles and not split)
+    assert all(dict(launch[1])["HALF"] == int(half) for launch in launches if launch[0] == "product_tiles")
     assert np.isfinite(logits).all() and logits.shape == expected.shape
     for row, row_expected in zip(logits, expected):
         assert relative_error(row, row_expected) <= FUSED_NUMERICS_BOUND

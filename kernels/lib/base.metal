@@ -233,6 +233,62 @@ inline void muser_mma_k16(thread const uint* a, uint b0, thread int* c, uint lan
 }
 #endif
 
+// f16 pairs in a word (the low half the first value; muser_half_low / high read them), for the
+// batched products' f16 form (lib/tiles.metal's muser_tile_*_f16): a float pair rounded to
+// nearest even, a fused multiply-add of pairs (one rounding), and the matrix product
+//   C [16 x 8] (f32) += A [16 x 16] B [16 x 8] (f16): a[0]: A's row g, columns 2t, 2t + 1;
+//   a[1]: row g + 8, the same columns; a[2], a[3]: rows g, g + 8, columns 2t + 8, 2t + 9; b0:
+//   B's rows 2t, 2t + 1 of column g; b1: rows 2t + 8, 2t + 9; c as muser_mma_k32's.
+// CUDA: cvt.rn.f16x2.f32, fma.rn.f16x2 and one mma.sync; elsewhere the same values from float
+// arithmetic and shuffles (the fma in float, then rounded to half: rarely a last bit apart from
+// one rounding).
+#if defined(__CUDACC__)
+inline uint muser_half_pair(float low, float high) {
+  uint pair;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(high), "f"(low));
+  return pair;
+}
+inline uint muser_half_fma(uint a, uint b, uint c) {
+  uint d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+inline void muser_mma_f16(thread const uint* a, uint b0, uint b1, thread float* c, uint lane) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#else
+inline uint muser_half_pair(float low, float high) {
+  return uint(as_type<ushort>(half(low))) | (uint(as_type<ushort>(half(high))) << 16);
+}
+inline uint muser_half_fma(uint a, uint b, uint c) {
+  return muser_half_pair(fma(muser_half_low(a), muser_half_low(b), muser_half_low(c)),
+                         fma(muser_half_high(a), muser_half_high(b), muser_half_high(c)));
+}
+inline void muser_mma_f16(thread const uint* a, uint b0, uint b1, thread float* c, uint lane) {
+  uint g = lane / 4u;
+  uint t = lane % 4u;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    uint column = 2u * t + uint(i % 2);
+    float sum = c[i];
+    for (uint k = 0; k < 4u; ++k) {  // A's columns 2k, 2k + 1 and 2k + 8, 2k + 9 of row g (+ 8)
+      uint low = simd_shuffle(i < 2 ? a[0] : a[1], ushort(4u * g + k));
+      uint high = simd_shuffle(i < 2 ? a[2] : a[3], ushort(4u * g + k));
+      uint x_low = simd_shuffle(b0, ushort(4u * column + k));
+      uint x_high = simd_shuffle(b1, ushort(4u * column + k));
+      sum += muser_half_low(low) * muser_half_low(x_low) + muser_half_high(low) * muser_half_high(x_low);
+      sum += muser_half_low(high) * muser_half_low(x_high) + muser_half_high(high) * muser_half_high(x_high);
+    }
+    out[i] = sum;
+  }
+  for (int i = 0; i < 4; ++i) {
+    c[i] = out[i];
+  }
+}
+#endif
+
 // The 8 bytes at byte `offset` of `base` (base 4-byte aligned, offset even) as two words, from
 // aligned word loads. The third word is read only when the bytes straddle it.
 inline uint2 muser_words2(const device uint8_t* base, size_t offset) {

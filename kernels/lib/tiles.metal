@@ -329,3 +329,205 @@ inline void muser_tile_span_product(thread const uint* raw, const threadgroup ui
     }
   }
 }
+
+// ---- The f16 form (kernel product_tiles' HALF 1) --------------------------------------------
+// The weights' values (scales applied, Q4_K's minimum taken off) and x's as f16, multiplied by
+// muser_mma_f16 with the float sums as its accumulator: no scaling per block and token tile.
+// A 32-value block is two k16 products (h 0, 1); lane t holds 4 positions of each, as
+// muser_mma_f16's columns 2t, 2t + 1, 2t + 8, 2t + 9 in the order 0, 2, 1, 3 (bytes 0 and 2 of
+// a word of codes, then 1 and 3: one mask each). Q4_K and Q8_0: positions 8t + 4h .. 8t + 4h +
+// 3 of the block; Q6_K: 16h + 4t .. 16h + 4t + 3 (its scales are per 16 values).
+// x in f16's range: a token's values are staged over its M, the largest block scale xd of the
+// chunk's spans (|x / M| <= 127); the store multiplies its sums by M. The weights' values must
+// lie in f16's range (those of real models do: |w| < 65,504; below 6.1e-5 they lose bits as
+// subnormals).
+
+// The stage: for each token, its span's values over M in 16-byte groups of 8 positions (8t ..
+// 8t + 7 of a block: the pairs (0, 2), (1, 3), (4, 6), (5, 7)); a block's 4 groups (64 bytes)
+// at slot k ^ (token & 1) of the token's row (rows of 8 blocks: a SIMD group's tokens g and
+// g + 1 then read different banks): TOKENS * 512 bytes, 32 KB for 64 tokens (Metal's limit).
+// A thread's items: i = thread_index + n * THREADS < TOKENS * 4 (n < ITEMS), token i / 4's
+// group i % 4 of each block.
+#define MUSER_TILE_F16_SLOT(IN, token, k) (MUSER_TILE_SPAN(IN) > 1 ? ((k) ^ ((token) & 1u)) : (k))
+#define MUSER_TILE_F16_FLOOR 7.888609e-31f  // 2^-100: M of a token whose scales are all 0
+
+// M of the thread's items' tokens (top[n]) over spans first_span .. end_span - 1: the 4 items of
+// a token (neighbouring lanes) take every 4th block and share their maximum.
+template <int IN, int TOKENS, int THREADS, int ITEMS>
+inline void muser_tile_f16_scales(thread float* top, const device float* xd, uint first_token, uint tokens,
+                                  uint first_span, uint end_span, uint thread_index) {
+  const uint SPAN = uint(MUSER_TILE_SPAN(IN));
+  MUSER_UNROLL
+  for (uint n = 0; n < uint(ITEMS); ++n) {
+    uint i = thread_index + n * uint(THREADS);
+    float m = MUSER_TILE_F16_FLOOR;
+    if (i < uint(TOKENS) * 4u) {  // uniform in a SIMD group (TOKENS * 4 and THREADS are multiples of 32)
+      uint token = i / 4u;
+      if (token < tokens) {
+        const device float* scales = xd + size_t(first_token + token) * uint(IN / 32) + SPAN * first_span;
+        for (uint b = i % 4u; b < SPAN * (end_span - first_span); b += 4u) {
+          m = max(m, scales[b]);
+        }
+      }
+      m = max(m, simd_shuffle_xor(m, 1u));
+      m = max(m, simd_shuffle_xor(m, 2u));
+    }
+    top[n] = m;
+  }
+}
+
+// Two f16 pairs of a word of codes (bytes, after the caller's shift and mask): (byte 0,
+// byte 2) and (byte 1, byte 3) of `mask`ed bytes as 1024 + code (the code into f16's mantissa),
+// minus `bias` (exact), times `scale` plus `least` (one rounding).
+inline void muser_tile_f16_codes(thread uint* low, thread uint* high, uint word, uint mask, uint bias, uint scale,
+                                 uint least) {
+  const uint ONE = 0x3C003C00u;
+  *low = muser_half_fma(muser_half_fma((word & mask) | 0x64006400u, ONE, bias), scale, least);
+  *high = muser_half_fma(muser_half_fma(((word >> 8) & mask) | 0x64006400u, ONE, bias), scale, least);
+}
+
+// Every thread of the threadgroup (THREADS of them) stages its items of span `span` of tokens
+// first_token .. first_token + tokens - 1 (top: their M, muser_tile_f16_scales').
+template <int IN, int TOKENS, int THREADS, int ITEMS>
+inline void muser_tile_stage_f16(threadgroup uint4* stage, const device int8_t* xq, const device float* xd,
+                                 thread const float* top, uint first_token, uint tokens, uint span,
+                                 uint thread_index) {
+  const uint SPAN = uint(MUSER_TILE_SPAN(IN));
+  MUSER_UNROLL
+  for (uint n = 0; n < uint(ITEMS); ++n) {
+    uint i = thread_index + n * uint(THREADS);
+    uint token = i / 4u;
+    uint group = i % 4u;
+    if (i < uint(TOKENS) * 4u && token < tokens) {
+      size_t row = size_t(first_token + token);
+      float inverse = 1.0f / top[n];
+      for (uint k = 0; k < SPAN; ++k) {
+        uint block = SPAN * span + k;
+        float f = xd[row * uint(IN / 32) + block] * inverse;
+        uint factor = muser_half_pair(f, f);
+        uint2 codes = *((const device uint2*)(xq + row * uint(IN) + 32u * block + 8u * group));
+        uint4 pairs;
+        const uint MINUS_1152 = 0xE480E480u;  // 1024 + (code + 128) becomes code
+        muser_tile_f16_codes(&pairs.x, &pairs.y, codes.x ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
+        muser_tile_f16_codes(&pairs.z, &pairs.w, codes.y ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
+        stage[(token * SPAN + MUSER_TILE_F16_SLOT(IN, token, k)) * 4u + group] = pairs;
+      }
+    }
+  }
+}
+
+// After the last span (the stage free): the threads' M written for the store, which reads
+// token `token`'s with muser_tile_f16_scale. Every thread calls both, between barriers.
+template <int TOKENS, int THREADS, int ITEMS>
+inline void muser_tile_f16_share(threadgroup uint4* stage, thread const float* top, uint thread_index) {
+  MUSER_UNROLL
+  for (uint n = 0; n < uint(ITEMS); ++n) {
+    uint i = thread_index + n * uint(THREADS);
+    if (i < uint(TOKENS) * 4u && i % 4u == 0u) {
+      ((threadgroup float*)stage)[i / 4u] = top[n];
+    }
+  }
+}
+
+inline float muser_tile_f16_scale(const threadgroup uint4* stage, uint token) {
+  return ((const threadgroup float*)stage)[token];
+}
+
+// Block k of a span (muser_tile_load's words) as muser_mma_f16's A operands: a[4h .. 4h + 3]
+// for product h (a[4h + r]: row r's (0: g, 1: g + 8) positions 0, 2; a[4h + 2 + r]: 1, 3).
+template <int FORMAT>
+inline void muser_tile_unpack_f16(thread uint* a, thread const uint* raw, uint k) {
+  const int RAW = MUSER_TILE_RAW(FORMAT);
+  for (uint r = 0; r < 2u; ++r) {
+    thread const uint* words = raw + r * uint(RAW);
+    if (FORMAT == MUSER_Q4_K) {  // d sc q - dmin m
+      uint4 pairs = muser_q4k_group_scales(words[1], words[2], words[3], k / 2u);
+      uint sc_m = (k % 2u != 0u ? pairs.z | (pairs.w << 16) : pairs.x | (pairs.y << 16)) | 0x64006400u;
+      // (d sc, dmin m), each rounded once: (sc, m) exactly in f16, times (d, dmin)
+      uint both = muser_half_fma(words[0], muser_half_fma(sc_m, 0x3C003C00u, 0xE400E400u), 0u);
+      uint scales = (both & 65535u) | (both << 16);
+      uint leasts = ((both >> 16) | (both & 0xFFFF0000u)) ^ 0x80008000u;  // -(dmin m), twice
+      for (uint h = 0; h < 2u; ++h) {
+        uint word = words[4u + 2u * (k / 2u) + h] >> (4u * (k % 2u));
+        muser_tile_f16_codes(a + 4u * h + r, a + 4u * h + 2u + r, word, 0x000F000Fu, 0xE400E400u /* -1024 */,
+                             scales, leasts);
+      }
+    } else if (FORMAT == MUSER_Q6_K) {  // d sc (c - 32)
+      uint n = k / 4u;
+      uint q = k % 4u;
+      uint d = words[16] & 65535u;
+      uint byte = 8u * n + 2u * q;  // the two halves' int8 scales: bytes byte, byte + 1 of words 12..15
+      uint sc = (words[12u + byte / 4u] >> (8u * (byte % 4u))) & 65535u;
+      uint sc_pair = (((sc & 255u) | ((sc & 0xFF00u) << 8)) ^ 0x00800080u) | 0x64006400u;  // 1024 + (sc + 128)
+      uint both = muser_half_fma(muser_half_fma(sc_pair, 0x3C003C00u, 0xE480E480u), d | (d << 16), 0u);
+      for (uint h = 0; h < 2u; ++h) {
+        uint low = words[4u * n + 2u * (q % 2u) + h];
+        uint high = words[8u + 2u * n + h];
+        uint codes = ((low >> (4u * (q / 2u))) & 0x0F0F0F0Fu) | (((high >> (2u * q)) & 0x03030303u) << 4);
+        uint scale = h == 0u ? (both & 65535u) | (both << 16) : (both >> 16) | (both & 0xFFFF0000u);
+        muser_tile_f16_codes(a + 4u * h + r, a + 4u * h + 2u + r, codes, 0x00FF00FFu, 0xE420E420u /* -1056 */,
+                             scale, 0u);
+      }
+    } else {  // d q: q + 128 from the flipped sign bit
+      uint d = words[3u * k + 2u] & 65535u;
+      for (uint h = 0; h < 2u; ++h) {
+        muser_tile_f16_codes(a + 4u * h + r, a + 4u * h + 2u + r, words[3u * k + h] ^ 0x80808080u, 0x00FF00FFu,
+                             0xE480E480u /* -1152 */, d | (d << 16), 0u);
+      }
+    }
+  }
+}
+
+// Block k of the staged span for 8-token tile j: muser_mma_f16's B operands b[2h], b[2h + 1]
+// for product h (token 8j + g).
+template <int FORMAT, int IN>
+inline void muser_tile_staged_f16(thread uint* b, const threadgroup uint4* stage, uint j, uint k, uint g, uint t) {
+  uint token = 8u * j + g;
+  const threadgroup uint4* block = stage + (token * uint(MUSER_TILE_SPAN(IN)) + MUSER_TILE_F16_SLOT(IN, token, k)) * 4u;
+  if (FORMAT == MUSER_Q6_K) {
+    for (uint h = 0; h < 2u; ++h) {  // positions 16h + 4t ..: group 2h + t / 2, its pairs 2 (t % 2) ..
+      const threadgroup uint2* halves = (const threadgroup uint2*)(block + 2u * h + t / 2u);
+      uint2 pair = halves[t % 2u];
+      b[2u * h] = pair.x;
+      b[2u * h + 1u] = pair.y;
+    }
+  } else {
+    uint4 group = block[t];
+    b[0] = group.x;
+    b[1] = group.y;
+    b[2] = group.z;
+    b[3] = group.w;
+  }
+}
+
+// muser_tile_span_product's f16 form: the span's products added into the `live` token tiles'
+// sums (acc).
+template <int FORMAT, int NT, int IN>
+inline void muser_tile_span_product_f16(thread const uint* raw, const threadgroup uint4* stage, uint live, uint lane,
+                                        thread float* acc) {
+  uint g = lane / 4u;
+  uint t = lane % 4u;
+  bool full = live == uint(NT);  // every token tile: no test a tile (uniform)
+  MUSER_UNROLL
+  for (uint k = 0; k < uint(MUSER_TILE_SPAN(IN)); ++k) {
+    uint a[8];
+    muser_tile_unpack_f16<FORMAT>(a, raw, k);
+    if (full) {
+      for (int j = 0; j < NT; ++j) {
+        uint b[4];
+        muser_tile_staged_f16<FORMAT, IN>(b, stage, uint(j), k, g, t);
+        muser_mma_f16(a, b[0], b[1], acc + j * 4, lane);
+        muser_mma_f16(a + 4, b[2], b[3], acc + j * 4, lane);
+      }
+    } else {
+      for (int j = 0; j < NT; ++j) {
+        if (uint(j) < live) {
+          uint b[4];
+          muser_tile_staged_f16<FORMAT, IN>(b, stage, uint(j), k, g, t);
+          muser_mma_f16(a, b[0], b[1], acc + j * 4, lane);
+          muser_mma_f16(a + 4, b[2], b[3], acc + j * 4, lane);
+        }
+      }
+    }
+  }
+}

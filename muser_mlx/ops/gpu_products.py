@@ -296,7 +296,8 @@ class TileProduct:
                           + _weight_template("B", second if second is not None else weight)
                           + [("OUT_B", self.out_b), ("IN", self.in_features)])
         self._shape = [("WARPS", self.warps), ("PREFETCH", int(settings.tile_prefetch)),
-                       ("STAGE", int(settings.tile_stage)), ("AHEAD", settings.tile_l2_ahead)]
+                       ("STAGE", int(settings.tile_stage)), ("AHEAD", settings.tile_l2_ahead),
+                       ("HALF", int(settings.tile_half))]
         self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
         self.fit_tokens = settings.tile_fit_tokens
         self._launches = {}
