@@ -130,13 +130,17 @@ for (uint span = first_span; span < end_span; ++span) {
                                                       span + 1u, t);
   }
   if (active && HALF != 0) {
-    if (in_a) {
-      muser_tile_span_product_f16<FORMAT_A, NT, IN>(raw, stage_codes, live, lane, acc);
+    if (GLU != 0 && FORMAT_A == FORMAT_B) {  // gate and up from one read of each x tile
+      muser_tile_span_product_f16<FORMAT_A, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
     } else {
-      muser_tile_span_product_f16<FORMAT_B, NT, IN>(raw, stage_codes, live, lane, acc);
-    }
-    if (GLU != 0) {
-      muser_tile_span_product_f16<FORMAT_B, NT, IN>(up_raw, stage_codes, live, lane, acc + NT * 4);
+      if (in_a) {
+        muser_tile_span_product_f16<FORMAT_A, NT, IN, 0>(raw, raw, stage_codes, live, lane, acc);
+      } else {
+        muser_tile_span_product_f16<FORMAT_B, NT, IN, 0>(raw, raw, stage_codes, live, lane, acc);
+      }
+      if (GLU != 0) {
+        muser_tile_span_product_f16<FORMAT_B, NT, IN, 0>(up_raw, up_raw, stage_codes, live, lane, acc + NT * 4);
+      }
     }
   } else if (active) {
     if (in_a) {

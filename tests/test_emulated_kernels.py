@@ -318,8 +318,8 @@ def test_tile_products(rng, rows, first, second, activation, n):
                               "f16", "f16-all"])
 @pytest.mark.parametrize("rows, first, second, activation, n",
                          [(24, GGMLType.Q4_K, GGMLType.Q6_K, None, 1024), (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu", 768),
-                          (72, GGMLType.Q6_K, None, None, 512)],
-                         ids=["Q4_K+Q6_K-24-chunks", "glu-Q4_K+Q8_0-16", "Q6_K-72"])
+                          (72, GGMLType.Q6_K, None, None, 512), (24, GGMLType.Q4_K, GGMLType.Q4_K, "silu", 512)],
+                         ids=["Q4_K+Q6_K-24-chunks", "glu-Q4_K+Q8_0-16", "Q6_K-72", "glu-Q4_K-24"])
 def test_tile_products_in_their_untimed_forms(rng, prefetch, fit, stage, ahead, half, rows, first, second, activation,
                                               n):
     """Settings.tile_prefetch (span s + 1's weight loads before span s's products: chunks of 2

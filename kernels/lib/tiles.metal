@@ -400,17 +400,20 @@ inline void muser_tile_stage_f16(threadgroup uint4* stage, const device int8_t* 
     uint group = i % 4u;
     if (i < uint(TOKENS) * 4u && token < tokens) {
       size_t row = size_t(first_token + token);
+      const device uint2* codes = (const device uint2*)(xq + row * uint(IN) + 32u * SPAN * span + 8u * group);
+      const device float* scales = xd + row * uint(IN / 32) + SPAN * span;
+      threadgroup uint4* out = stage + token * SPAN * 4u + group;
       float inverse = 1.0f / top[n];
+      MUSER_UNROLL
       for (uint k = 0; k < SPAN; ++k) {
-        uint block = SPAN * span + k;
-        float f = xd[row * uint(IN / 32) + block] * inverse;
+        float f = scales[k] * inverse;
         uint factor = muser_half_pair(f, f);
-        uint2 codes = *((const device uint2*)(xq + row * uint(IN) + 32u * block + 8u * group));
+        uint2 code = codes[4u * k];
         uint4 pairs;
         const uint MINUS_1152 = 0xE480E480u;  // 1024 + (code + 128) becomes code
-        muser_tile_f16_codes(&pairs.x, &pairs.y, codes.x ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
-        muser_tile_f16_codes(&pairs.z, &pairs.w, codes.y ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
-        stage[(token * SPAN + MUSER_TILE_F16_SLOT(IN, token, k)) * 4u + group] = pairs;
+        muser_tile_f16_codes(&pairs.x, &pairs.y, code.x ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
+        muser_tile_f16_codes(&pairs.z, &pairs.w, code.y ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
+        out[4u * MUSER_TILE_F16_SLOT(IN, token, k)] = pairs;
       }
     }
   }
@@ -482,8 +485,11 @@ inline void muser_tile_unpack_f16(thread uint* a, thread const uint* raw, uint k
 // for product h (token 8j + g).
 template <int FORMAT, int IN>
 inline void muser_tile_staged_f16(thread uint* b, const threadgroup uint4* stage, uint j, uint k, uint g, uint t) {
-  uint token = 8u * j + g;
-  const threadgroup uint4* block = stage + (token * uint(MUSER_TILE_SPAN(IN)) + MUSER_TILE_F16_SLOT(IN, token, k)) * 4u;
+  // slot k ^ (g & 1): k + (g & 1) for even k, k - (g & 1) for odd (with k and j unrolled, a
+  // constant offset from one of two addresses of the lane)
+  uint swap = MUSER_TILE_SPAN(IN) > 1 ? 4u * (g & 1u) : 0u;
+  const threadgroup uint4* row = stage + (8u * j + g) * uint(MUSER_TILE_SPAN(IN)) * 4u + 4u * k;
+  const threadgroup uint4* block = k % 2u == 0u ? row + swap : row - swap;
   if (FORMAT == MUSER_Q6_K) {
     for (uint h = 0; h < 2u; ++h) {  // positions 16h + 4t ..: group 2h + t / 2, its pairs 2 (t % 2) ..
       const threadgroup uint2* halves = (const threadgroup uint2*)(block + 2u * h + t / 2u);
@@ -500,32 +506,44 @@ inline void muser_tile_staged_f16(thread uint* b, const threadgroup uint4* stage
   }
 }
 
+// One block's products of the staged token tile j: A's (a) into acc[j * 4 ..], and with
+// TWO the up projection's (up) into acc[NT * 4 + j * 4 ..], from one read of the stage.
+template <int FORMAT, int NT, int IN, int TWO>
+inline void muser_tile_block_f16(thread const uint* a, thread const uint* up, const threadgroup uint4* stage, uint j,
+                                 uint k, uint lane, thread float* acc) {
+  uint b[4];
+  muser_tile_staged_f16<FORMAT, IN>(b, stage, j, k, lane / 4u, lane % 4u);
+  muser_mma_f16(a, b[0], b[1], acc + j * 4u, lane);
+  muser_mma_f16(a + 4, b[2], b[3], acc + j * 4u, lane);
+  if (TWO != 0) {
+    muser_mma_f16(up, b[0], b[1], acc + uint(NT * 4) + j * 4u, lane);
+    muser_mma_f16(up + 4, b[2], b[3], acc + uint(NT * 4) + j * 4u, lane);
+  }
+}
+
 // muser_tile_span_product's f16 form: the span's products added into the `live` token tiles'
-// sums (acc).
-template <int FORMAT, int NT, int IN>
-inline void muser_tile_span_product_f16(thread const uint* raw, const threadgroup uint4* stage, uint live, uint lane,
-                                        thread float* acc) {
-  uint g = lane / 4u;
-  uint t = lane % 4u;
+// sums (acc), and with TWO (GLU: gate and up of one format) the up projection's (up_raw) into
+// acc[NT * 4 ..]: each x tile read from the stage once for both.
+template <int FORMAT, int NT, int IN, int TWO>
+inline void muser_tile_span_product_f16(thread const uint* raw, thread const uint* up_raw,
+                                        const threadgroup uint4* stage, uint live, uint lane, thread float* acc) {
   bool full = live == uint(NT);  // every token tile: no test a tile (uniform)
   MUSER_UNROLL
   for (uint k = 0; k < uint(MUSER_TILE_SPAN(IN)); ++k) {
     uint a[8];
+    uint up[TWO != 0 ? 8 : 1];
     muser_tile_unpack_f16<FORMAT>(a, raw, k);
+    if (TWO != 0) {
+      muser_tile_unpack_f16<FORMAT>(up, up_raw, k);
+    }
     if (full) {
       for (int j = 0; j < NT; ++j) {
-        uint b[4];
-        muser_tile_staged_f16<FORMAT, IN>(b, stage, uint(j), k, g, t);
-        muser_mma_f16(a, b[0], b[1], acc + j * 4, lane);
-        muser_mma_f16(a + 4, b[2], b[3], acc + j * 4, lane);
+        muser_tile_block_f16<FORMAT, NT, IN, TWO>(a, up, stage, uint(j), k, lane, acc);
       }
     } else {
       for (int j = 0; j < NT; ++j) {
         if (uint(j) < live) {
-          uint b[4];
-          muser_tile_staged_f16<FORMAT, IN>(b, stage, uint(j), k, g, t);
-          muser_mma_f16(a, b[0], b[1], acc + j * 4, lane);
-          muser_mma_f16(a + 4, b[2], b[3], acc + j * 4, lane);
+          muser_tile_block_f16<FORMAT, NT, IN, TWO>(a, up, stage, uint(j), k, lane, acc);
         }
       }
     }
