@@ -22,6 +22,7 @@
 #        NCU_ARGS="--batches 8 --steps 2 --set batch_tiles_from=1" BATCH_SECONDS=260
 #        BATCH_ARGS="--batches 8,64,32 --steps 24 --set batch_tiles_from=1 --parts --each
 #        --variant f16:tile_half=True --variant f16pf:tile_half=True,tile_prefetch=True
+#        --variant f16w8:tile_half=True,tile_warps=8
 #        --variant pf:tile_prefetch=True --variant l2:tile_l2_ahead=2
 #        --variant l2pf:tile_l2_ahead=3,tile_prefetch=True --variant split:tile_split_glu=True
 #        --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True,tile_l2_ahead=2
