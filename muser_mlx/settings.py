@@ -109,9 +109,9 @@ class Settings:
     # values (scales and Q4_K's minimum applied, once for all the token tiles) and x's (code
     # times scale over the token's largest scale, once a threadgroup, as the stage is written),
     # summed in the float accumulators directly. The int8 form scales each block's integer dot
-    # for each token tile: ~34 PTX instructions an mma at 64 rows, ~14 ms of issue in a step at
-    # B = 64 on the H200 (counted, not timed); the f16 form needs no such scaling, at half the
-    # int8 tensor rate. Needs tile_stage. Weights' values must lie in f16's range.
+    # for each token tile: ~31-36 PTX instructions an mma, ~1 a weight byte at 64 rows against
+    # the f16 form's ~0.5 (counted, not timed: bench/history/session-46.md), at half the int8
+    # tensor rate. Needs tile_stage. Weights' values must lie in f16's range.
     tile_half: bool = False
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
