@@ -24,6 +24,13 @@ PRODUCT_BOUND = 2e-5
 # values and x's rounded to f16 (2^-11 relative each; the per-block scales rounded too): measured
 # 4e-4 to 8e-4 on random blocks.
 HALF_PRODUCT_BOUND = 3e-3
+# The tile products' forms not yet timed on a GPU (Settings fields), for the tests that check them.
+UNTIMED_TILE_FORMS = pytest.mark.parametrize(
+    "prefetch, fit, stage, ahead, half",
+    [(True, False, True, 0, False), (False, True, True, 0, False), (True, True, True, 0, False),
+     (False, False, False, 0, False), (True, True, False, 0, False), (False, False, True, 2, False),
+     (True, True, True, 3, False), (False, False, True, 0, True), (True, True, True, 2, True)],
+    ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged", "l2-ahead", "l2-ahead-all", "f16", "f16-all"])
 
 
 def with_products(products: dict, **fields) -> Settings:
@@ -127,12 +134,7 @@ def test_tile_products_match_numpy(backend, rng, formats_ab, rows):
     assert relative_error(glu, g / (1 + np.exp(-g)) * (x_values @ up_values.T)) <= PRODUCT_BOUND
 
 
-@pytest.mark.parametrize("prefetch, fit, stage, ahead, half",
-                         [(True, False, True, 0, False), (False, True, True, 0, False), (True, True, True, 0, False),
-                          (False, False, False, 0, False), (True, True, False, 0, False), (False, False, True, 2, False),
-                          (True, True, True, 3, False), (False, False, True, 0, True), (True, True, True, 2, True)],
-                         ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged", "l2-ahead", "l2-ahead-all",
-                              "f16", "f16-all"])
+@UNTIMED_TILE_FORMS
 @pytest.mark.parametrize("formats_ab", [(GGMLType.Q4_K, GGMLType.Q6_K), (GGMLType.Q8_0, GGMLType.Q4_K)],
                          ids=lambda p: "+".join(t.name for t in p))
 @pytest.mark.parametrize("rows", [24, 72])

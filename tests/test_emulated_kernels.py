@@ -24,8 +24,8 @@ from muser_mlx.reference import Reference, rms
 from muser_mlx.settings import DEFAULT, Settings
 from tests.conftest import gpu_available, relative_error
 from tests.emulate import EmulationError, emulated_gpu, run
-from tests.test_decode_kernels import (ATTENTION_VARIANTS, HALF_PRODUCT_BOUND, PRODUCT_BOUND, assert_within_half_a_code, attention_case,
-                                       q8x, weight)
+from tests.test_decode_kernels import (ATTENTION_VARIANTS, HALF_PRODUCT_BOUND, PRODUCT_BOUND, UNTIMED_TILE_FORMS,
+                                       assert_within_half_a_code, attention_case, q8x, weight)
 from tests.test_models import FUSED_NUMERICS_BOUND, decode_one_by_one
 from tests.test_qk_norm_rope import reference as rope_reference
 
@@ -310,12 +310,7 @@ def test_tile_products(rng, rows, first, second, activation, n):
         ops.TileProduct(a)(q8x(rng.standard_normal((12, n)).astype(np.float32))[0])
 
 
-@pytest.mark.parametrize("prefetch, fit, stage, ahead, half",
-                         [(True, False, True, 0, False), (False, True, True, 0, False), (True, True, True, 0, False),
-                          (False, False, False, 0, False), (True, True, False, 0, False), (False, False, True, 2, False),
-                          (True, True, True, 3, False), (False, False, True, 0, True), (True, True, True, 2, True)],
-                         ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged", "l2-ahead", "l2-ahead-all",
-                              "f16", "f16-all"])
+@UNTIMED_TILE_FORMS
 @pytest.mark.parametrize("rows, first, second, activation, n",
                          [(24, GGMLType.Q4_K, GGMLType.Q6_K, None, 1024), (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu", 768),
                           (72, GGMLType.Q6_K, None, None, 512), (24, GGMLType.Q4_K, GGMLType.Q4_K, "silu", 512)],
