@@ -11,7 +11,8 @@
 //   GLU 1: y [rows, OUT_A] = act(x A.T) * (x B.T), A the gate and B the up projection (OUT_B =
 //          OUT_A), act silu (ACTIVATION 0) or tanh-approximated gelu (1); CHUNKS 1.
 // Grid: threadgroup (token group, row block, chunk) of WARPS SIMD groups. SIMD group w takes the
-// 16-row tile WARPS * (row block) + w of A (then of B; with GLU the same rows of both) and the
+// 16-row tile WARPS * (row block) + w of A (then of B; with GLU the same rows of both; PAIR:
+// 32-row tiles, two 16-row ones a SIMD group, lib/tiles.metal's SECOND 2) and the
 // TOKENS rows of x from TOKENS * (token group), over the spans of chunk c (IN's spans split in
 // CHUNKS runs: products of few rows still fill the GPU). Span by span, the threadgroup stages
 // x's span in threadgroup memory (muser_tile_stage: x read from L2 once a threadgroup, not once
@@ -34,15 +35,17 @@
 // the first AHEAD - 1 spans' up front: the weight stream's bytes in flight without registers;
 // 0: no asks), HALF (1: the products in f16 on x's values and the weights' (lib/tiles.metal's
 // f16 form: no scaling per block and token tile; needs STAGE 1); 0: int8 products of the codes,
-// scaled per block).
+// scaled per block), PAIR (with HALF and not GLU: 32 rows a SIMD group, as two tiles).
 #include "lib/tiles.metal"
 const int NT = TOKENS / 8;
-const int SUMS = GLU != 0 ? 2 * NT * 4 : NT * 4;  // a lane's sums (GLU: gate's, then up's)
+const int SECOND = MUSER_TILE_SECOND(HALF, GLU, PAIR);  // a SIMD group's second tile (lib/tiles.metal)
+const uint TILE_ROWS = MUSER_TILE_ROWS(HALF, GLU, PAIR);  // a SIMD group's rows
+const int SUMS = SECOND != 0 ? 2 * NT * 4 : NT * 4;  // a lane's sums (its tile's, then the second's)
 const int SPANS = IN / (32 * MUSER_TILE_SPAN(IN));
 const int PER_CHUNK = (SPANS + CHUNKS - 1) / CHUNKS;
 const int RAW = MUSER_TILE_RAW(FORMAT_A) > MUSER_TILE_RAW(FORMAT_B) ? MUSER_TILE_RAW(FORMAT_A) : MUSER_TILE_RAW(FORMAT_B);
-const uint GROUPS_A = (uint(OUT_A) + 15u) / 16u;
-const uint GROUPS_B = GLU != 0 ? 0u : (uint(OUT_B) + 15u) / 16u;
+const uint GROUPS_A = (uint(OUT_A) + TILE_ROWS - 1u) / TILE_ROWS;
+const uint GROUPS_B = GLU != 0 ? 0u : (uint(OUT_B) + TILE_ROWS - 1u) / TILE_ROWS;
 // One array for the stage: the codes, then the scales (HALF 1: x's f16 values alone, 32 KB for
 // 64 tokens, Metal's limit).
 const int STAGE_CODES = STAGE != 0 ? TOKENS * MUSER_TILE_ROW_WORDS(IN) / 4 : 0;
@@ -58,7 +61,7 @@ if (first_tile >= GROUPS_A + GROUPS_B) {
 uint tile = first_tile + simdgroup_index_in_threadgroup;
 bool active = tile < GROUPS_A + GROUPS_B;
 bool in_a = tile < GROUPS_A;
-uint first_row = (in_a ? tile : tile - GROUPS_A) * 16u;
+uint first_row = (in_a ? tile : tile - GROUPS_A) * TILE_ROWS;
 uint first_token = threadgroup_position_in_grid.x * uint(TOKENS);
 uint rows = uint(xq_shape[0]);
 uint tokens = min(uint(TOKENS), rows - first_token);
@@ -69,25 +72,27 @@ uint end_span = min(first_span + uint(PER_CHUNK), uint(SPANS));
 uint g = lane / 4u;
 uint t = lane % 4u;
 size_t offsets[2];
-size_t up_offsets[2];  // GLU: the same rows of B
+size_t up_offsets[2];  // the second tile's: GLU, the same rows of B; SECOND 2, its weight's next 16
 if (in_a) {
   muser_tile_row_offsets<ROW_BYTES_A, OUT_A>(offsets, first_row, g);
 } else {
   muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(offsets, first_row, g);
 }
-if (GLU != 0) {
-  muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(up_offsets, first_row, g);
+if (SECOND == 1 || (SECOND == 2 && !in_a)) {
+  muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(up_offsets, first_row + (SECOND == 2 ? 16u : 0u), g);
+} else if (SECOND == 2) {
+  muser_tile_row_offsets<ROW_BYTES_A, OUT_A>(up_offsets, first_row + 16u, g);
 }
 float acc[SUMS];
 for (int i = 0; i < SUMS; ++i) {
   acc[i] = 0.0f;
 }
-const int UP_RAW = GLU != 0 ? 2 * MUSER_TILE_RAW(FORMAT_B) : 1;
+const int UP_RAW = SECOND == 1 ? 2 * MUSER_TILE_RAW(FORMAT_B) : SECOND == 2 ? 2 * RAW : 1;
 uint raw[2 * RAW];
 uint up_raw[UP_RAW];
 if (AHEAD != 0 && active) {
   for (uint d = 1u; d < uint(AHEAD) && first_span + d < end_span; ++d) {
-    muser_tile_prefetch_rows<FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, GLU>(
+    muser_tile_prefetch_rows<FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, SECOND>(
         weight_a, weight_b, in_a, first_row, first_span + d, lane);
   }
 }
@@ -97,16 +102,16 @@ if (HALF != 0) {
                                                        thread_position_in_threadgroup.x);
 }
 if (PREFETCH != 0 && active && first_span < end_span) {
-  muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
+  muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, SECOND>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
                                                     first_span, t);
 }
 for (uint span = first_span; span < end_span; ++span) {
   if (AHEAD != 0 && active && span + uint(AHEAD) < end_span) {
-    muser_tile_prefetch_rows<FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, GLU>(
+    muser_tile_prefetch_rows<FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, SECOND>(
         weight_a, weight_b, in_a, first_row, span + uint(AHEAD), lane);
   }
   if (PREFETCH == 0 && active) {  // the weight loads go out before the stage, and land while it is copied
-    muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
+    muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, SECOND>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
                                                       span, t);
   }
   if (STAGE != 0) {
@@ -126,12 +131,16 @@ for (uint span = first_span; span < end_span; ++span) {
   uint next[2 * RAW];
   uint next_up[UP_RAW];
   if (ahead) {
-    muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(next, next_up, weight_a, weight_b, offsets, up_offsets, in_a,
+    muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, SECOND>(next, next_up, weight_a, weight_b, offsets, up_offsets, in_a,
                                                       span + 1u, t);
   }
   if (active && HALF != 0) {
     if (GLU != 0 && FORMAT_A == FORMAT_B) {  // gate and up from one read of each x tile
       muser_tile_span_product_f16<FORMAT_A, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
+    } else if (SECOND == 2 && in_a) {  // the two tiles from one read of each x tile
+      muser_tile_span_product_f16<FORMAT_A, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
+    } else if (SECOND == 2) {
+      muser_tile_span_product_f16<FORMAT_B, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
     } else {
       if (in_a) {
         muser_tile_span_product_f16<FORMAT_A, NT, IN, 0>(raw, raw, stage_codes, live, lane, acc);
@@ -176,19 +185,21 @@ const uint WIDTH = GLU != 0 ? uint(OUT_A) : uint(OUT_A + OUT_B);
 uint out_rows = in_a ? uint(OUT_A) : uint(OUT_B);
 uint column = in_a ? 0u : uint(OUT_A);
 device float* out = y + size_t(chunk) * rows * WIDTH;
-for (int j = 0; j < NT; ++j) {
-  for (int e = 0; e < 4; ++e) {
-    uint row = first_row + g + 8u * uint(e / 2);
-    uint token = first_token + 8u * uint(j) + 2u * t + uint(e % 2);
-    if (uint(j) < live && row < out_rows) {
-      float scale = HALF != 0 ? muser_tile_f16_scale(stage_codes, token - first_token) : 1.0f;
-      float value = acc[j * 4 + e] * scale;
-      if (GLU != 0) {
-        float activated = ACTIVATION == 0 ? value / (1.0f + exp(-value))
-                                          : 0.5f * value * (1.0f + tanh(0.7978845608f * (value + 0.044715f * value * value * value)));
-        value = activated * acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;
+for (int part = 0; part < (SECOND == 2 ? 2 : 1); ++part) {  // SECOND 2: the second tile's rows 16 on
+  for (int j = 0; j < NT; ++j) {
+    for (int e = 0; e < 4; ++e) {
+      uint row = first_row + 16u * uint(part) + g + 8u * uint(e / 2);
+      uint token = first_token + 8u * uint(j) + 2u * t + uint(e % 2);
+      if (uint(j) < live && row < out_rows) {
+        float scale = HALF != 0 ? muser_tile_f16_scale(stage_codes, token - first_token) : 1.0f;
+        float value = acc[part * NT * 4 + j * 4 + e] * scale;
+        if (GLU != 0) {
+          float activated = ACTIVATION == 0 ? value / (1.0f + exp(-value))
+                                            : 0.5f * value * (1.0f + tanh(0.7978845608f * (value + 0.044715f * value * value * value)));
+          value = activated * acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;
+        }
+        out[size_t(token) * WIDTH + column + row] = value;
       }
-      out[size_t(token) * WIDTH + column + row] = value;
     }
   }
 }

@@ -113,6 +113,11 @@ class Settings:
     # the f16 form's ~0.5 (counted, not timed: bench/history/session-46.md), at half the int8
     # tensor rate. Needs tile_stage. Weights' values must lie in f16's range.
     tile_half: bool = False
+    # tile_pair (with tile_half): a SIMD group of a product that is not gated takes two 16-row
+    # tiles of its weight and reads each x tile from the stage once for both (half the stage
+    # reads and a threadgroup's stage shared by twice the rows, at ~180-210 registers a thread,
+    # 2 threadgroups an SM); not for Q8_0 weights.
+    tile_pair: bool = True
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any

@@ -25,12 +25,13 @@ PRODUCT_BOUND = 2e-5
 # 4e-4 to 8e-4 on random blocks.
 HALF_PRODUCT_BOUND = 3e-3
 # The tile products' forms not yet timed on a GPU (Settings fields), for the tests that check them.
-UNTIMED_TILE_FORMS = pytest.mark.parametrize(
-    "prefetch, fit, stage, ahead, half",
-    [(True, False, True, 0, False), (False, True, True, 0, False), (True, True, True, 0, False),
-     (False, False, False, 0, False), (True, True, False, 0, False), (False, False, True, 2, False),
-     (True, True, True, 3, False), (False, False, True, 0, True), (True, True, True, 2, True)],
-    ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged", "l2-ahead", "l2-ahead-all", "f16", "f16-all"])
+UNTIMED_TILE_FORMS = pytest.mark.parametrize("form", [
+    dict(tile_prefetch=True), dict(tile_fit_tokens=True), dict(tile_prefetch=True, tile_fit_tokens=True),
+    dict(tile_stage=False), dict(tile_prefetch=True, tile_fit_tokens=True, tile_stage=False), dict(tile_l2_ahead=2),
+    dict(tile_prefetch=True, tile_fit_tokens=True, tile_l2_ahead=3), dict(tile_half=True),
+    dict(tile_half=True, tile_pair=False), dict(tile_half=True, tile_prefetch=True, tile_fit_tokens=True, tile_l2_ahead=2)],
+    ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged", "l2-ahead", "l2-ahead-all", "f16", "f16-single",
+         "f16-all"])
 
 
 def with_products(products: dict, **fields) -> Settings:
@@ -138,16 +139,14 @@ def test_tile_products_match_numpy(backend, rng, formats_ab, rows):
 @pytest.mark.parametrize("formats_ab", [(GGMLType.Q4_K, GGMLType.Q6_K), (GGMLType.Q8_0, GGMLType.Q4_K)],
                          ids=lambda p: "+".join(t.name for t in p))
 @pytest.mark.parametrize("rows", [24, 72])
-def test_tile_products_in_their_untimed_forms_match_numpy(backend, rng, formats_ab, rows, prefetch, fit, stage, ahead,
-                                                          half):
+def test_tile_products_in_their_untimed_forms_match_numpy(backend, rng, formats_ab, rows, form):
     """Settings.tile_prefetch, tile_fit_tokens (TOKENS 32 for 24 rows; 72 rows: 64 and a
     partial second group), tile_stage (x staged or not) and tile_half (the products in f16, to
-    HALF_PRODUCT_BOUND), plain and gated, over 2-4 spans of input: the kernel's forms that the
-    next GPU round times, checked there first."""
+    HALF_PRODUCT_BOUND; 32 rows a SIMD group with tile_pair), plain and gated, over 2-4 spans of
+    input: the kernel's forms that the next GPU round times, checked there first."""
     first, second = formats_ab
-    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit, tile_stage=stage, tile_l2_ahead=ahead,
-                        tile_half=half)
-    bound = HALF_PRODUCT_BOUND if half else PRODUCT_BOUND
+    settings = Settings(**form)
+    bound = HALF_PRODUCT_BOUND if settings.tile_half else PRODUCT_BOUND
     in_features = 256 * int(rng.integers(2, 5))
     a, a_values = weight(rng, first, in_features, 37, "a")
     b, b_values = weight(rng, second, in_features, 45, "b")

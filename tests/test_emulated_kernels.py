@@ -315,20 +315,21 @@ def test_tile_products(rng, rows, first, second, activation, n):
                          [(24, GGMLType.Q4_K, GGMLType.Q6_K, None, 1024), (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu", 768),
                           (72, GGMLType.Q6_K, None, None, 512), (24, GGMLType.Q4_K, GGMLType.Q4_K, "silu", 512)],
                          ids=["Q4_K+Q6_K-24-chunks", "glu-Q4_K+Q8_0-16", "Q6_K-72", "glu-Q4_K-24"])
-def test_tile_products_in_their_untimed_forms(rng, prefetch, fit, stage, ahead, half, rows, first, second, activation,
-                                              n):
+def test_tile_products_in_their_untimed_forms(rng, form, rows, first, second, activation, n):
     """Settings.tile_prefetch (span s + 1's weight loads before span s's products: chunks of 2
     spans, 3 spans in one run for the gated product) and tile_fit_tokens (TOKENS 32 for 24 rows,
     16 for 16 rows, 64 for 72: two token groups, the second partial) give the same products, x
     staged or not (tile_stage: each SIMD group reads x from device memory); tile_half, the f16
-    form, to its bound (the mma emulated in float)."""
-    settings = Settings(tile_prefetch=prefetch, tile_fit_tokens=fit, tile_stage=stage, tile_l2_ahead=ahead,
-                        tile_half=half)
+    form, to its bound (the mma emulated in float), 32 rows a SIMD group (tile_pair) where the
+    product is not gated and has no Q8_0 weight."""
+    settings = Settings(**form)
     launches, _ = tile_product_against_numpy(rng, rows, first, second, activation, n, settings)
     template = dict(launches[0][1])
-    assert template["PREFETCH"] == int(prefetch) and template["STAGE"] == int(stage) and template["AHEAD"] == ahead
-    assert template["HALF"] == int(half)
-    assert template["TOKENS"] == ({24: 32, 16: 16, 72: 64}[rows] if fit else 64)
+    assert (template["PREFETCH"], template["STAGE"], template["AHEAD"], template["HALF"]) == (
+        int(settings.tile_prefetch), int(settings.tile_stage), settings.tile_l2_ahead, int(settings.tile_half))
+    assert template["PAIR"] == int(settings.tile_half and settings.tile_pair and activation is None
+                                   and GGMLType.Q8_0 not in (first, second))
+    assert template["TOKENS"] == ({24: 32, 16: 16, 72: 64}[rows] if settings.tile_fit_tokens else 64)
 
 
 def tile_product_against_numpy(rng, rows, first, second, activation, n, settings):

@@ -148,7 +148,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 24 * 16), InputSpec(mx.float32, 2, 24 * 64)],
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 37), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
-         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("PREFETCH", 0), ("STAGE", 1), ("AHEAD", 0), ("HALF", 0),
+         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("PREFETCH", 0), ("STAGE", 1), ("AHEAD", 0), ("HALF", 0), ("PAIR", 0),
          ("CHUNKS", 2), ("GLU", 0), ("ACTIVATION", 0)]
     ),
     "product_tiles_f16": (  # the f16 form: Q4_K and Q6_K in one launch
@@ -157,7 +157,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 24 * 16), InputSpec(mx.float32, 2, 24 * 64)],
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 37), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
-         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("PREFETCH", 0), ("STAGE", 1), ("AHEAD", 0), ("HALF", 1),
+         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("PREFETCH", 0), ("STAGE", 1), ("AHEAD", 0), ("HALF", 1), ("PAIR", 1),
          ("CHUNKS", 2), ("GLU", 0), ("ACTIVATION", 0)]
     ),
     "product_tiles_f16_glu_q8_0": (  # the f16 form gated, Q8_0, prefetch
@@ -166,7 +166,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 8 * 16), InputSpec(mx.float32, 2, 8 * 64)],
         [mx.float32],
         [("FORMAT_A", 8), ("ROW_BYTES_A", 544), ("OUT_A", 64), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
-         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("PREFETCH", 1), ("STAGE", 1), ("AHEAD", 2), ("HALF", 1),
+         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("PREFETCH", 1), ("STAGE", 1), ("AHEAD", 2), ("HALF", 1), ("PAIR", 0),
          ("CHUNKS", 1), ("GLU", 1), ("ACTIVATION", 1)]
     ),
     "product_tiles_glu_q8_0": (  # the other forms' loads (PREFETCH; x unstaged), 8 rows of x a threadgroup
@@ -175,7 +175,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 8 * 16), InputSpec(mx.float32, 2, 8 * 64)],
         [mx.float32],
         [("FORMAT_A", 8), ("ROW_BYTES_A", 544), ("OUT_A", 64), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
-         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("PREFETCH", 1), ("STAGE", 0), ("AHEAD", 2), ("HALF", 0),
+         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("PREFETCH", 1), ("STAGE", 0), ("AHEAD", 2), ("HALF", 0), ("PAIR", 0),
          ("CHUNKS", 1), ("GLU", 1), ("ACTIVATION", 1)]
     ),
     "quantize_rows": (
@@ -511,8 +511,8 @@ MUSE_TILE_PRODUCTS = {  # (in, out) and format of A, then of B (None: no B), gat
                                                          (True, False, 0, False), (False, True, 2, False),
                                                          (True, True, 3, False), (False, True, 0, True),
                                                          (True, True, 0, True)],
-                         ids=["", "prefetch", "prefetch-unstaged", "l2-ahead", "l2-ahead-prefetch", "f16",
-                              "f16-prefetch"])
+                         ids=["", "prefetch", "prefetch-unstaged", "l2-ahead", "l2-ahead-prefetch", "f16-pair",
+                              "f16-pair-prefetch"])
 @pytest.mark.parametrize("case", sorted(MUSE_TILE_PRODUCTS))
 def test_tile_product_launches_fit_the_register_file(case, prefetch, stage, ahead, half, tmp_path):
     # Settings.tile_prefetch holds a second span's weight words: gate+up's 167 registers a

@@ -102,24 +102,34 @@ inline void muser_tile_prefetch(const device uint8_t* weight, uint first_row, ui
   }
 }
 
-// muser_tile_prefetch of span `span` of a SIMD group's tile: its rows of A (in_a) or of B, and
-// with GLU the same rows of B.
-template <int FORMAT_A, int ROW_BYTES_A, int OUT_A, int FORMAT_B, int ROW_BYTES_B, int OUT_B, int IN, int GLU>
+// A SIMD group's rows and its second tile (SECOND): 16 rows, with GLU (SECOND 1) the same rows
+// of B too; in the f16 form of a product that is not gated, with PAIR, 32 rows, two tiles of
+// one weight (SECOND 2: the second its rows 16 on, each x tile read from the stage once for
+// both).
+#define MUSER_TILE_SECOND(HALF, GLU, PAIR) ((GLU) != 0 ? 1 : (HALF) != 0 && (PAIR) != 0 ? 2 : 0)
+#define MUSER_TILE_ROWS(HALF, GLU, PAIR) (MUSER_TILE_SECOND(HALF, GLU, PAIR) == 2 ? 32u : 16u)
+
+// muser_tile_prefetch of span `span` of a SIMD group's rows: of A (in_a) or of B, and with
+// SECOND 1 the same rows of B, with SECOND 2 the next 16 rows of its weight.
+template <int FORMAT_A, int ROW_BYTES_A, int OUT_A, int FORMAT_B, int ROW_BYTES_B, int OUT_B, int IN, int SECOND>
 inline void muser_tile_prefetch_rows(const device uint8_t* weight_a, const device uint8_t* weight_b, bool in_a,
                                      uint first_row, uint span, uint lane) {
-  if (in_a) {
-    muser_tile_prefetch<FORMAT_A, ROW_BYTES_A, OUT_A, IN>(weight_a, first_row, span, lane);
-  } else {
-    muser_tile_prefetch<FORMAT_B, ROW_BYTES_B, OUT_B, IN>(weight_b, first_row, span, lane);
+  for (uint part = 0; part < (SECOND == 2 ? 2u : 1u); ++part) {
+    if (in_a) {
+      muser_tile_prefetch<FORMAT_A, ROW_BYTES_A, OUT_A, IN>(weight_a, first_row + 16u * part, span, lane);
+    } else {
+      muser_tile_prefetch<FORMAT_B, ROW_BYTES_B, OUT_B, IN>(weight_b, first_row + 16u * part, span, lane);
+    }
   }
-  if (GLU != 0) {
+  if (SECOND == 1) {
     muser_tile_prefetch<FORMAT_B, ROW_BYTES_B, OUT_B, IN>(weight_b, first_row, span, lane);
   }
 }
 
 // A SIMD group's loads of span `span` of its tile: its rows of A (in_a) or of B into raw, and
-// with GLU the same rows of B (the up projection) into up_raw.
-template <int FORMAT_A, int FORMAT_B, int IN, int GLU>
+// into up_raw the second tile's (SECOND 1: the same rows of B, the up projection; 2: its own
+// weight's at up_offsets).
+template <int FORMAT_A, int FORMAT_B, int IN, int SECOND>
 inline void muser_tile_load_rows(thread uint* raw, thread uint* up_raw, const device uint8_t* weight_a,
                                  const device uint8_t* weight_b, thread const size_t* offsets,
                                  thread const size_t* up_offsets, bool in_a, uint span, uint t) {
@@ -128,8 +138,10 @@ inline void muser_tile_load_rows(thread uint* raw, thread uint* up_raw, const de
   } else {
     muser_tile_load<FORMAT_B, IN>(raw, weight_b, offsets[0], offsets[1], span, t);
   }
-  if (GLU != 0) {
+  if (SECOND == 1 || (SECOND == 2 && !in_a)) {
     muser_tile_load<FORMAT_B, IN>(up_raw, weight_b, up_offsets[0], up_offsets[1], span, t);
+  } else if (SECOND == 2) {
+    muser_tile_load<FORMAT_A, IN>(up_raw, weight_a, up_offsets[0], up_offsets[1], span, t);
   }
 }
 

@@ -288,7 +288,13 @@ class TileProduct:
         self.out_a, self.out_b = weight.shape[1], second.shape[1] if second is not None else 0
         self.out_features = self.out_a if activation else self.out_a + self.out_b
         glu = activation is not None
-        tiles = -(-self.out_a // 16) + (0 if glu else -(-self.out_b // 16))  # 16-row tiles
+        # a SIMD group's rows (kernel product_tiles' MUSER_TILE_ROWS): 16, or 32 in the f16 form
+        # of a product that is not gated (Settings.tile_pair: two tiles of one weight; not with
+        # Q8_0, whose span's words would not fit the registers twice)
+        pair = (settings.tile_half and settings.tile_pair and not glu
+                and all(f in (GGMLType.Q4_K, GGMLType.Q6_K) for f in self.formats))
+        tile_rows = 32 if pair else 16
+        tiles = -(-self.out_a // tile_rows) + (0 if glu else -(-self.out_b // tile_rows))
         self.warps, self.target = settings.tile_warps, settings.tile_threadgroups
         self.blocks = -(-tiles // self.warps)
         self.spans = self.in_features // (256 if self.in_features % 256 == 0 else 32)
@@ -297,7 +303,8 @@ class TileProduct:
                           + [("OUT_B", self.out_b), ("IN", self.in_features)])
         self._shape = [("WARPS", self.warps), ("PREFETCH", int(settings.tile_prefetch)),
                        ("STAGE", int(settings.tile_stage)), ("AHEAD", settings.tile_l2_ahead),
-                       ("HALF", int(settings.tile_half))]
+                       ("HALF", int(settings.tile_half)),
+                       ("PAIR", int(pair))]
         self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
         self.fit_tokens = settings.tile_fit_tokens
         self._launches = {}
