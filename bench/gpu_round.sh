@@ -21,15 +21,17 @@
 #        NCU_SECONDS=100 NCU_SKIP=413 NCU_COUNT=5 NCU_KERNEL=product_tiles
 #        NCU_ARGS="--batches 8 --steps 2 --set batch_tiles_from=1" BATCH_SECONDS=260
 #        BATCH_ARGS="--batches 8,64,32 --steps 24 --set batch_tiles_from=1 --parts --each
-#        --variant f16:tile_half=True --variant f16pf:tile_half=True,tile_prefetch=True
-#        --variant f16w8:tile_half=True,tile_warps=8
+#        --variant f16:tile_half=True --variant f16fit:tile_half=True,tile_fit_tokens=True
+#        --variant f16single:tile_half=True,tile_pair=False --variant f16w8:tile_half=True,tile_warps=8
+#        --variant f16pf:tile_half=True,tile_prefetch=True
 #        --variant pf:tile_prefetch=True --variant l2:tile_l2_ahead=2
 #        --variant l2pf:tile_l2_ahead=3,tile_prefetch=True --variant split:tile_split_glu=True
 #        --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True,tile_l2_ahead=2
 #        --variant dall:tile_stage=False,tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True"
 #        bash bench/gpu_round.sh bench
 #      (a step launches product_tiles 209 times, 4 a layer and the head: launches 413-417 are
-#      the last layer's four and the head of the second of the 3 warm-up steps)
+#      the last layer's four and the head of the second of the 3 warm-up steps; the variants
+#      run in this order, the f16 forms first, so that a timeout cuts the least useful)
 #   3. with time left: TESTS_SECONDS=540 bash bench/gpu_round.sh tests
 #   With little device time (~250 s): call 1 with LLAMA=0, then, carry [".device/b"],
 #   `bash bench/gpu_round.sh reads` (bench/tile_read.py: each tile product of Muse Glimmer's
@@ -106,7 +108,7 @@ bench)
   ;;
 reads)  # the shortest useful round (carry .device/b): what bounds each tile product, no model file
   install_wheels || exit 1
-  timeout "${READS_SECONDS:-150}" python3 bench/tile_read.py ${READS_ARGS:---rows 8,64 --variant f16:tile_half=True --variant l2:tile_l2_ahead=2 --variant pf:tile_prefetch=True} \
+  timeout "${READS_SECONDS:-150}" python3 bench/tile_read.py ${READS_ARGS:---rows 8,64 --variant f16:tile_half=True --variant f16single:tile_half=True,tile_pair=False --variant l2:tile_l2_ahead=2 --variant pf:tile_prefetch=True} \
     2>&1 | tee "$OUT/tile_read.txt"
   ;;
 check)  # the wheels installed (carry .device/b), then PRE_TESTS alone (a short round)
