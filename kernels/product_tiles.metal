@@ -96,10 +96,9 @@ if (AHEAD != 0 && active) {
         weight_a, weight_b, in_a, first_row, first_span + d, lane);
   }
 }
-float top[HALF != 0 ? ITEMS : 1];  // the f16 stage's M of this thread's items
-if (HALF != 0) {
-  muser_tile_f16_scales<IN, TOKENS, 32 * WARPS, ITEMS>(top, xd, first_token, tokens, first_span, end_span,
-                                                       thread_position_in_threadgroup.x);
+float top[HALF != 0 ? ITEMS : 1];  // the f16 stage's M of this thread's items (set at the first span)
+for (int n = 0; n < (HALF != 0 ? ITEMS : 1); ++n) {
+  top[n] = MUSER_TILE_F16_FLOOR;
 }
 if (PREFETCH != 0 && active && first_span < end_span) {
   muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, SECOND>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
@@ -117,6 +116,10 @@ for (uint span = first_span; span < end_span; ++span) {
   if (STAGE != 0) {
     threadgroup_barrier(mem_flags::mem_threadgroup);  // every SIMD group is done with the last span
     if (HALF != 0) {
+      if (span == first_span) {
+        muser_tile_f16_scales<IN, TOKENS, 32 * WARPS, ITEMS>(top, xd, first_token, tokens, first_span, end_span,
+                                                             thread_position_in_threadgroup.x);
+      }
       muser_tile_stage_f16<IN, TOKENS, 32 * WARPS, ITEMS>(stage_codes, xq, xd, top, first_token, tokens, span,
                                                           thread_position_in_threadgroup.x);
     } else {

@@ -277,19 +277,22 @@ def test_grouped_products_take_every_token_group(rng, rows):
         ops.Product(a, tokens=8, grouped=True)(q8x(rng.standard_normal((12, 512)).astype(np.float32))[0])
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["int8", "f16"])
 @pytest.mark.parametrize("warps, target", [(1, 1), (3, 64), (8, 512)])
-def test_tile_products_take_their_launch_shape_from_the_settings(rng, warps, target):
+def test_tile_products_take_their_launch_shape_from_the_settings(rng, warps, target, half):
     """Settings.tile_warps (weight tiles a threadgroup: 1, 3 with a last threadgroup of fewer
     tiles, 8 with SIMD groups that have none) and tile_threadgroups (the chunks: 1 for a target of
-    1; 3 runs of the 6 spans for 64)."""
+    1; 3 runs of the 6 spans for 64), in both forms (f16: the stage's items a thread, 8, 3 with
+    some threads' last item past the stage, and 1)."""
     a, a_values = weight(rng, GGMLType.Q4_K, 1536, 77, "a")
     x, x_values = q8x(rng.standard_normal((16, 1536)).astype(np.float32))
-    settings = Settings(tile_warps=warps, tile_threadgroups=target)
+    settings = Settings(tile_warps=warps, tile_threadgroups=target, tile_half=half)
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         out = np.array(ops.TileProduct(a, settings=settings)(x))
     template = dict(launches[0][1])
     assert template["WARPS"] == warps and template["CHUNKS"] == {1: 1, 64: 3, 512: 3}[target]
-    assert np.isfinite(out).all() and relative_error(out, x_values @ a_values.T) <= PRODUCT_BOUND
+    assert np.isfinite(out).all()
+    assert relative_error(out, x_values @ a_values.T) <= (HALF_PRODUCT_BOUND if half else PRODUCT_BOUND)
 
 
 @pytest.mark.parametrize("rows, first, second, activation, n",
@@ -297,14 +300,16 @@ def test_tile_products_take_their_launch_shape_from_the_settings(rng, warps, tar
                           (72, GGMLType.Q6_K, GGMLType.Q4_K, None, 512), (16, GGMLType.Q4_K, None, None, 1024),
                           (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu", 512), (8, GGMLType.Q6_K, GGMLType.Q6_K, "gelu_tanh", 512)],
                          ids=["Q4_K+Q6_K-8", "Q8_0-24", "Q6_K+Q4_K-72", "Q4_K-16-chunks", "glu-Q4_K+Q8_0-16", "glu-Q6_K-8"])
-def test_tile_products(rng, rows, first, second, activation, n):
+@pytest.mark.parametrize("settings", [DEFAULT, Settings(tile_half=True)], ids=["int8", "f16"])
+def test_tile_products(rng, rows, first, second, activation, n, settings):
     """Kernel product_tiles (the batched decode step's products, int8 matrix products: shuffles
     and dot4 here, the same values as tensor cores): 8-row tiles of x staged in threadgroup
     memory (72 rows: two token groups, the second partial), 16-row tiles of weights with rows past
     OUT (37 and 45 rows: a threadgroup's last SIMD groups without a tile), two formats in one
     launch, the gated form; the input split in chunks (Q8_0 rows of 576 values, a block a span:
-    9 chunks of 2 spans; 1024 Q4_K values: 2 chunks of 2 spans)."""
-    launches, a = tile_product_against_numpy(rng, rows, first, second, activation, n, DEFAULT)
+    9 chunks of 2 spans; 1024 Q4_K values: 2 chunks of 2 spans); in both forms (f16: spans of
+    one block for Q8_0)."""
+    launches, a = tile_product_against_numpy(rng, rows, first, second, activation, n, settings)
     assert dict(launches[0][1])["CHUNKS"] == {576: 9, 1024: 2}.get(n, 1)
     with pytest.raises(ValueError, match="positive multiple of 8"):
         ops.TileProduct(a)(q8x(rng.standard_normal((12, n)).astype(np.float32))[0])

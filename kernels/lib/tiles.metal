@@ -364,7 +364,9 @@ inline void muser_tile_span_product(thread const uint* raw, const threadgroup ui
 #define MUSER_TILE_F16_FLOOR 7.888609e-31f  // 2^-100: M of a token whose scales are all 0
 
 // M of the thread's items' tokens (top[n]) over spans first_span .. end_span - 1: the 4 items of
-// a token (neighbouring lanes) take every 4th block and share their maximum.
+// a token (neighbouring lanes) take every 4th block (every 4th vector of 4) and share their
+// maximum. Called by every thread as the chunk's first span is staged, its weight loads in
+// flight.
 template <int IN, int TOKENS, int THREADS, int ITEMS>
 inline void muser_tile_f16_scales(thread float* top, const device float* xd, uint first_token, uint tokens,
                                   uint first_span, uint end_span, uint thread_index) {
@@ -377,8 +379,22 @@ inline void muser_tile_f16_scales(thread float* top, const device float* xd, uin
       uint token = i / 4u;
       if (token < tokens) {
         const device float* scales = xd + size_t(first_token + token) * uint(IN / 32) + SPAN * first_span;
-        for (uint b = i % 4u; b < SPAN * (end_span - first_span); b += 4u) {
-          m = max(m, scales[b]);
+        if (SPAN == 8u) {  // 16-byte aligned rows of 8 scales a span: 4 vectors a lane in flight at once
+          const device float4* vectors = (const device float4*)scales;
+          uint count = 2u * (end_span - first_span);
+          for (uint b = i % 4u; b < count; b += 16u) {
+            float4 v[4];
+            for (uint u = 0u; u < 4u; ++u) {
+              v[u] = b + 4u * u < count ? vectors[b + 4u * u] : vectors[b];
+            }
+            for (uint u = 0u; u < 4u; ++u) {
+              m = max(m, max(max(v[u].x, v[u].y), max(v[u].z, v[u].w)));
+            }
+          }
+        } else {
+          for (uint b = i % 4u; b < end_span - first_span; b += 4u) {
+            m = max(m, scales[b]);
+          }
         }
       }
       m = max(m, simd_shuffle_xor(m, 1u));
