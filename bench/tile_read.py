@@ -60,16 +60,7 @@ uint g = lane / 4u;
 uint t = lane % 4u;
 size_t offsets[2];
 size_t up_offsets[2];
-if (in_a) {
-  muser_tile_row_offsets<ROW_BYTES_A, OUT_A>(offsets, first_row, g);
-} else {
-  muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(offsets, first_row, g);
-}
-if (SECOND == 1 || (SECOND == 2 && !in_a)) {
-  muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(up_offsets, first_row + (SECOND == 2 ? 16u : 0u), g);
-} else if (SECOND == 2) {
-  muser_tile_row_offsets<ROW_BYTES_A, OUT_A>(up_offsets, first_row + 16u, g);
-}
+muser_tile_offsets<ROW_BYTES_A, OUT_A, ROW_BYTES_B, OUT_B, SECOND>(offsets, up_offsets, in_a, first_row, g);
 uint sum = 0u;
 for (uint span = first_span; span < end_span && active; ++span) {
   uint raw[2 * RAW];

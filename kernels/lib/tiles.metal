@@ -313,6 +313,22 @@ inline void muser_tile_row_offsets(thread size_t* offsets, uint first_row, uint 
   offsets[1] = size_t(min(first_row + g + 8u, uint(OUT - 1))) * uint(ROW_BYTES);
 }
 
+// The byte offsets of a lane's rows (muser_tile_row_offsets): offsets, its tile's in A (in_a)
+// or B; up_offsets, its second tile's (SECOND 1: the same rows of B; 2: its weight's next 16).
+template <int ROW_BYTES_A, int OUT_A, int ROW_BYTES_B, int OUT_B, int SECOND>
+inline void muser_tile_offsets(thread size_t* offsets, thread size_t* up_offsets, bool in_a, uint first_row, uint g) {
+  if (in_a) {
+    muser_tile_row_offsets<ROW_BYTES_A, OUT_A>(offsets, first_row, g);
+  } else {
+    muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(offsets, first_row, g);
+  }
+  if (SECOND == 1 || (SECOND == 2 && !in_a)) {
+    muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(up_offsets, first_row + (SECOND == 2 ? 16u : 0u), g);
+  } else if (SECOND == 2) {
+    muser_tile_row_offsets<ROW_BYTES_A, OUT_A>(up_offsets, first_row + 16u, g);
+  }
+}
+
 // One span of a 16-row tile (its words `raw`, muser_tile_load's) times `live` 8-token tiles (of
 // at most NT) of x: acc[j * 4 + e] (e as muser_tile_block's). x staged (STAGE 1: codes,
 // scales) or read from device memory (STAGE 0: xq, xd, xs from token first_token). The weights'
