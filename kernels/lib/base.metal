@@ -1,8 +1,9 @@
 // lib/base.metal — what the other lib files and the kernels build on: bytes and halves of
 // 32-bit words, integers as floats without a conversion instruction, stores in the output's
 // type, and the portable shims. What Metal and CUDA spell differently (a packed int8 dot
-// product, a funnel shift and int8 matrix products, which Metal lacks; device atomics and the
-// device fence) are this file's `#if defined(__CUDACC__)` branches, the only ones in the kernels.
+// product, a funnel shift, f16 pair arithmetic and int8 and f16 matrix products, which Metal
+// lacks or spells otherwise; device atomics and the device fence) are this file's
+// `#if defined(__CUDACC__)` branches, the only ones in the kernels.
 // Includes no other lib file.
 
 // Byte k (0..3) of a little-endian word.
