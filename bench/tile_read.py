@@ -1,10 +1,10 @@
 """What bounds a tile product (kernel product_tiles): its weight loads alone, in its own pattern
 and launch shape, against a plain read of the same bytes. Two probe kernels (bench-only; their
 text below, built as tests' probes are: kernels.kernel_source):
-  tiles_read: each SIMD group's loads of its 16-row tile (two in the f16 form) span by span (lib/tiles.metal's
-              muser_tile_load_rows, the product's grid, chunks and template), the words xor-ed
-              together and one word a thread written: the product with no x, no stage and no
-              products.
+  tiles_read: each SIMD group's loads of its 16-row tile (two with Settings.tile_pair) span by
+              span (lib/tiles.metal's muser_tile_load_rows, the product's grid, chunks and
+              template), the words xor-ed together and one word a thread written: the
+              product with no x, no stage and no products.
   flat_read:  the weight bytes read as 16-byte vectors, consecutive threads at consecutive
               addresses, grid-stride over a fixed grid: the device's read rate for this tensor.
 If the product runs near tiles_read, its loads bound it (their pattern, their bytes in flight);

@@ -129,12 +129,12 @@ for (uint span = first_span; span < end_span; ++span) {
                                                       span + 1u, t);
   }
   if (active && HALF != 0) {
-    if (GLU != 0 && FORMAT_A == FORMAT_B) {  // gate and up from one read of each x tile
-      muser_tile_span_product_f16<FORMAT_A, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
-    } else if (SECOND == 2 && in_a) {  // the two tiles from one read of each x tile
-      muser_tile_span_product_f16<FORMAT_A, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
-    } else if (SECOND == 2) {
-      muser_tile_span_product_f16<FORMAT_B, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
+    if (SECOND == 2 || (GLU != 0 && FORMAT_A == FORMAT_B)) {  // both tiles from one read of each x tile
+      if (in_a) {  // (always, gated)
+        muser_tile_span_product_f16<FORMAT_A, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
+      } else {
+        muser_tile_span_product_f16<FORMAT_B, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
+      }
     } else {
       if (in_a) {
         muser_tile_span_product_f16<FORMAT_A, NT, IN, 0>(raw, raw, stage_codes, live, lane, acc);

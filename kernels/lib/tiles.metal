@@ -550,8 +550,9 @@ inline void muser_tile_staged_f16(thread uint* b, const threadgroup uint4* stage
   }
 }
 
-// One block's products of the staged token tile j: A's (a) into acc[j * 4 ..], and with
-// TWO the up projection's (up) into acc[NT * 4 + j * 4 ..], from one read of the stage.
+// One block's products of the staged token tile j: the tile's (a) into acc[j * 4 ..], and with
+// TWO the second tile's (up: the up projection, or a pair's rows 16 on) into
+// acc[NT * 4 + j * 4 ..], from one read of the stage.
 template <int FORMAT, int NT, int IN, int TWO>
 inline void muser_tile_block_f16(thread const uint* a, thread const uint* up, const threadgroup uint4* stage, uint j,
                                  uint k, uint lane, thread float* acc) {
@@ -566,8 +567,9 @@ inline void muser_tile_block_f16(thread const uint* a, thread const uint* up, co
 }
 
 // muser_tile_span_product's f16 form: the span's products added into the `live` token tiles'
-// sums (acc), and with TWO (GLU: gate and up of one format) the up projection's (up_raw) into
-// acc[NT * 4 ..]: each x tile read from the stage once for both.
+// sums (acc), and with TWO (a second tile of the same format: GLU's up projection, or a pair's
+// rows 16 on) the second tile's (up_raw) into acc[NT * 4 ..]: each x tile read from the stage
+// once for both.
 template <int FORMAT, int NT, int IN, int TWO>
 inline void muser_tile_span_product_f16(thread const uint* raw, thread const uint* up_raw,
                                         const threadgroup uint4* stage, uint live, uint lane, thread float* acc) {
