@@ -292,12 +292,15 @@ def main() -> None:
                     line += f" (products alone {products_ms(model, batch, tiles=other):.2f} ms)"
             print(line, flush=True)
             for name, variant in (variants.items() if batch > 1 else ()):  # a line each: a cut run keeps the rest
-                seconds = run_batch(variant, prompt_cache, batch, args.prompt, args.steps, rng)
-                line = f"{batch:>3}   {name}: {1e3 * seconds / args.steps:.2f} ms/step, {batch * args.steps / seconds:.1f} tokens/s"
-                if batch in llama:
-                    line += f" ({batch * args.steps / seconds / llama[batch]:.2f}x llama.cpp)"
-                if args.parts:
-                    line += f" (products alone {products_ms(variant, batch):.2f} ms)"
+                try:  # a variant that fails (a kernel that does not compile) is reported; the others still run
+                    seconds = run_batch(variant, prompt_cache, batch, args.prompt, args.steps, rng)
+                    line = f"{batch:>3}   {name}: {1e3 * seconds / args.steps:.2f} ms/step, {batch * args.steps / seconds:.1f} tokens/s"
+                    if batch in llama:
+                        line += f" ({batch * args.steps / seconds / llama[batch]:.2f}x llama.cpp)"
+                    if args.parts:
+                        line += f" (products alone {products_ms(variant, batch):.2f} ms)"
+                except Exception as error:
+                    line = f"{batch:>3}   {name}: failed: {type(error).__name__}: {str(error)[:400]}"
                 print(line, flush=True)
             if args.each and batch > 1:
                 for tiles in ([picked, not picked] if args.both else [picked]):
