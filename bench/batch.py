@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import gc
 import time
 from pathlib import Path
 
@@ -250,10 +251,7 @@ def main() -> None:
     try:
         settings = settings_from(args.set)
         model, _ = load(path, settings=settings)
-        variants = {}
-        for variant in args.variant:
-            name, changes = parse_variant(variant)
-            variants[name] = rebuilt(model, settings_from(changes, settings))
+        variants = dict(parse_variant(variant) for variant in args.variant)  # built one at a time, below
         rng = np.random.default_rng(0)
         bandwidth = copy_rate()
         print(f"device {kernels.backend()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s; {path.name}; "
@@ -291,8 +289,19 @@ def main() -> None:
                 if args.parts:
                     line += f" (products alone {products_ms(model, batch, tiles=other):.2f} ms)"
             print(line, flush=True)
-            for name, variant in (variants.items() if batch > 1 else ()):  # a line each: a cut run keeps the rest
-                try:  # a variant that fails (a kernel that does not compile) is reported; the others still run
+            if args.each and batch > 1:
+                for tiles in ([picked, not picked] if args.both else [picked]):
+                    print(f"  each product alone, {'tiles' if tiles else 'grouped'}:", flush=True)
+                    for each in each_product(model, batch, bandwidth, tiles=tiles):
+                        print(each, flush=True)
+        for name, changes in variants.items():  # one variant's model at a time: each holds its own stacked tables
+            try:  # a variant that fails (a kernel that does not compile) is reported; the others still run
+                variant = rebuilt(model, settings_from(changes, settings))
+            except Exception as error:
+                print(f"  {name}: failed to build: {type(error).__name__}: {str(error)[:400]}", flush=True)
+                continue
+            for batch in [int(b) for b in args.batches.split(",") if int(b) > 1]:
+                try:
                     seconds = run_batch(variant, prompt_cache, batch, args.prompt, args.steps, rng)
                     line = f"{batch:>3}   {name}: {1e3 * seconds / args.steps:.2f} ms/step, {batch * args.steps / seconds:.1f} tokens/s"
                     if batch in llama:
@@ -302,11 +311,9 @@ def main() -> None:
                 except Exception as error:
                     line = f"{batch:>3}   {name}: failed: {type(error).__name__}: {str(error)[:400]}"
                 print(line, flush=True)
-            if args.each and batch > 1:
-                for tiles in ([picked, not picked] if args.both else [picked]):
-                    print(f"  each product alone, {'tiles' if tiles else 'grouped'}:", flush=True)
-                    for each in each_product(model, batch, bandwidth, tiles=tiles):
-                        print(each, flush=True)
+            del variant
+            gc.collect()
+            mx.clear_cache()
     finally:
         if written is not None and not args.keep:
             written.unlink()
