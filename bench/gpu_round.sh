@@ -11,27 +11,15 @@
 #   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
 #   step, BATCH_ARGS more batch.py options, e.g. "--parts --both"; `tests` may follow it)
 #   (or call 2/3 `before-after`: issue 44's decode figures of two trees in one call, below)
-#   The next round (sessions 44-46's GPU code never ran: no machine could be started), two calls
-#   when device time is short (a failed start costs 90-180 s of it):
+#   The next round (session 47 measured on an H100 and chose the defaults; its kernel cleanup
+#   ran on the CPU's emulator and nvcc only, bench/history/session-47.md):
 #   1. carry [".device/a"]: bash bench/gpu_round.sh start   (llama.cpp's build starts, ~280 s)
-#   2. carry [".device/b"] (~520 s): the GPU tests of the new code, ncu of the LM head's tile
-#      launch at B = 8 while llama.cpp still builds, then llama-batched-bench and every form:
-#        NCU_FIRST=1 PRE_SECONDS=100 PRE_TESTS="tests/test_batch.py tests/test_decode_kernels.py"
-#        PRE_K="batch or untimed or attention_decode or residual_norm_quant"
-#        NCU_SECONDS=100 NCU_SKIP=413 NCU_COUNT=5 NCU_KERNEL=product_tiles
-#        NCU_ARGS="--batches 8 --steps 2 --set batch_tiles_from=1" BATCH_SECONDS=260
-#        BATCH_ARGS="--batches 8,64,32 --steps 24 --set batch_tiles_from=1 --parts --each
-#        --variant f16:tile_half=True --variant f16fit:tile_half=True,tile_fit_tokens=True
-#        --variant f16single:tile_half=True,tile_pair=False --variant f16w8:tile_half=True,tile_warps=8
-#        --variant f16pf:tile_half=True,tile_prefetch=True
-#        --variant pf:tile_prefetch=True --variant l2:tile_l2_ahead=2
-#        --variant l2pf:tile_l2_ahead=3,tile_prefetch=True --variant split:tile_split_glu=True
-#        --variant all:tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True,tile_l2_ahead=2
-#        --variant dall:tile_stage=False,tile_prefetch=True,tile_fit_tokens=True,tile_threadgroups=1024,tile_split_glu=True"
-#        bash bench/gpu_round.sh bench
-#      (a step launches product_tiles 209 times, 4 a layer and the head: launches 413-417 are
-#      the last layer's four and the head of the second of the 3 warm-up steps; the variants
-#      run in this order, the f16 forms first, so that a timeout cuts the least useful)
+#   2. carry [".device/b"] (~400 s): llama-batched-bench and the step at more counts, each in
+#      both tile forms (no PRE_TESTS: beside llama.cpp's build, session 47's ran one test in 100 s):
+#        BATCH_SECONDS=300 BATCH_ARGS="--batches 8,16,32,48,64,4 --steps 24 --parts --both
+#        --variant int8:tile_half_from=1000 --variant f16:tile_half_from=1" bash bench/gpu_round.sh bench
+#      (B = 48: f16 lost to int8 once, 42.3 against 35.8 ms, where B = 32 and 64 won; B = 4: the
+#      grouped form against the tiles' 8-row threadgroups, for Settings.batch_tiles_from)
 #   3. with time left: TESTS_SECONDS=540 bash bench/gpu_round.sh tests
 #   With little device time (~250 s): call 1 with LLAMA=0, then, carry [".device/b"],
 #   `bash bench/gpu_round.sh reads` (bench/tile_read.py: each tile product of Muse Glimmer's
@@ -108,7 +96,7 @@ bench)
   ;;
 reads)  # the shortest useful round (carry .device/b): what bounds each tile product, no model file
   install_wheels || exit 1
-  timeout "${READS_SECONDS:-150}" python3 bench/tile_read.py ${READS_ARGS:---rows 8,64 --variant f16:tile_half=True --variant f16single:tile_half=True,tile_pair=False --variant l2:tile_l2_ahead=2 --variant pf:tile_prefetch=True} \
+  timeout "${READS_SECONDS:-150}" python3 bench/tile_read.py ${READS_ARGS:---rows 8,32,64 --variant int8:tile_half_from=1000 --variant f16:tile_half_from=1} \
     2>&1 | tee "$OUT/tile_read.txt"
   ;;
 check)  # the wheels installed (carry .device/b), then PRE_TESTS alone (a short round)

@@ -1,7 +1,7 @@
 """What bounds a tile product (kernel product_tiles): its weight loads alone, in its own pattern
 and launch shape, against a plain read of the same bytes. Two probe kernels (bench-only; their
 text below, built as tests' probes are: kernels.kernel_source):
-  tiles_read: each SIMD group's loads of its 16-row tile (two with Settings.tile_pair) span by
+  tiles_read: each SIMD group's loads of its 16-row tile (and the up projection's) span by
               span (lib/tiles.metal's muser_tile_load_rows, the product's grid, chunks and
               template), the words xor-ed together and one word a thread written: the
               product with no x, no stage and no products.
@@ -35,11 +35,9 @@ TILES_READ = """
 const int SPANS = IN / (32 * MUSER_TILE_SPAN(IN));
 const int PER_CHUNK = (SPANS + CHUNKS - 1) / CHUNKS;
 const int RAW = MUSER_TILE_RAW(FORMAT_A) > MUSER_TILE_RAW(FORMAT_B) ? MUSER_TILE_RAW(FORMAT_A) : MUSER_TILE_RAW(FORMAT_B);
-const int SECOND = MUSER_TILE_SECOND(HALF, GLU, PAIR);
-const uint TILE_ROWS = MUSER_TILE_ROWS(HALF, GLU, PAIR);
-const int UP_RAW = SECOND == 1 ? 2 * MUSER_TILE_RAW(FORMAT_B) : SECOND == 2 ? 2 * RAW : 1;
-const uint GROUPS_A = (uint(OUT_A) + TILE_ROWS - 1u) / TILE_ROWS;
-const uint GROUPS_B = GLU != 0 ? 0u : (uint(OUT_B) + TILE_ROWS - 1u) / TILE_ROWS;
+const int UP_RAW = GLU != 0 ? 2 * MUSER_TILE_RAW(FORMAT_B) : 1;
+const uint GROUPS_A = (uint(OUT_A) + 15u) / 16u;
+const uint GROUPS_B = GLU != 0 ? 0u : (uint(OUT_B) + 15u) / 16u;
 uint lane = thread_index_in_simdgroup;
 uint first_tile = threadgroup_position_in_grid.y * uint(WARPS);
 size_t slot = (size_t(threadgroup_position_in_grid.z) * uint(GRID_Y) + threadgroup_position_in_grid.y) * uint(GRID_X)
@@ -52,7 +50,7 @@ if (first_tile >= GROUPS_A + GROUPS_B) {
 uint tile = first_tile + simdgroup_index_in_threadgroup;
 bool active = tile < GROUPS_A + GROUPS_B;
 bool in_a = tile < GROUPS_A;
-uint first_row = (in_a ? tile : tile - GROUPS_A) * TILE_ROWS;
+uint first_row = (in_a ? tile : tile - GROUPS_A) * 16u;
 uint chunk = threadgroup_position_in_grid.z;
 uint first_span = min(chunk * uint(PER_CHUNK), uint(SPANS));
 uint end_span = min(first_span + uint(PER_CHUNK), uint(SPANS));
@@ -60,18 +58,18 @@ uint g = lane / 4u;
 uint t = lane % 4u;
 size_t offsets[2];
 size_t up_offsets[2];
-muser_tile_offsets<ROW_BYTES_A, OUT_A, ROW_BYTES_B, OUT_B, SECOND>(offsets, up_offsets, in_a, first_row, g);
+muser_tile_offsets<ROW_BYTES_A, OUT_A, ROW_BYTES_B, OUT_B, GLU>(offsets, up_offsets, in_a, first_row, g);
 uint sum = 0u;
 for (uint span = first_span; span < end_span && active; ++span) {
   uint raw[2 * RAW];
   uint up_raw[UP_RAW];
-  muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, SECOND>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
-                                                    span, t);
+  muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
+                                                 span, t);
   for (int i = 0; i < 2 * RAW; ++i) {
     sum ^= raw[i];
   }
   for (int i = 0; i < UP_RAW; ++i) {
-    sum ^= SECOND != 0 ? up_raw[i] : 0u;
+    sum ^= GLU != 0 ? up_raw[i] : 0u;
   }
 }
 y[slot] = sum;

@@ -11,8 +11,7 @@
 //   GLU 1: y [rows, OUT_A] = act(x A.T) * (x B.T), A the gate and B the up projection (OUT_B =
 //          OUT_A), act silu (ACTIVATION 0) or tanh-approximated gelu (1); CHUNKS 1.
 // Grid: threadgroup (token group, row block, chunk) of WARPS SIMD groups. SIMD group w takes the
-// 16-row tile WARPS * (row block) + w of A (then of B; with GLU the same rows of both; PAIR:
-// 32-row tiles, two 16-row ones a SIMD group, lib/tiles.metal's SECOND 2) and the
+// 16-row tile WARPS * (row block) + w of A (then of B; with GLU the same rows of both) and the
 // TOKENS rows of x from TOKENS * (token group), over the spans of chunk c (IN's spans split in
 // CHUNKS runs: products of few rows still fill the GPU). Span by span, the threadgroup stages
 // x's span in threadgroup memory (muser_tile_stage: x read from L2 once a threadgroup, not once
@@ -28,30 +27,23 @@
 // as the products need) and their stage rows never written.
 // Template constants: FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN (a
 // multiple of 32; of 256 for Q4_K and Q6_K), TOKENS (a multiple of 8), WARPS, CHUNKS, GLU,
-// ACTIVATION, PREFETCH (1: each SIMD group's loads of span s + 1 go out before it multiplies
-// span s; 0: before span s's stage), STAGE (1: x staged as above; 0: each SIMD group reads
-// its x from device memory (L1), no threadgroup memory and no barriers), AHEAD (spans: each
-// SIMD group asks L2 for the lines of span s + AHEAD of its rows as it starts span s, and for
-// the first AHEAD - 1 spans' up front: the weight stream's bytes in flight without registers;
-// 0: no asks), HALF (1: the products in f16 on x's values and the weights' (lib/tiles.metal's
-// f16 form: no scaling per block and token tile; needs STAGE 1); 0: int8 products of the codes,
-// scaled per block), PAIR (with HALF and not GLU: 32 rows a SIMD group, as two tiles).
+// ACTIVATION, HALF (1: the products in f16 on x's values and the weights' (lib/tiles.metal's
+// f16 form: no scaling per block and token tile); 0: int8 products of the codes, scaled per
+// block).
 #include "lib/tiles.metal"
 const int NT = TOKENS / 8;
-const int SECOND = MUSER_TILE_SECOND(HALF, GLU, PAIR);  // a SIMD group's second tile (lib/tiles.metal)
-const uint TILE_ROWS = MUSER_TILE_ROWS(HALF, GLU, PAIR);  // a SIMD group's rows
-const int SUMS = SECOND != 0 ? 2 * NT * 4 : NT * 4;  // a lane's sums (its tile's, then the second's)
+const int SUMS = GLU != 0 ? 2 * NT * 4 : NT * 4;  // a lane's sums (its tile's, then the up projection's)
 const int SPANS = IN / (32 * MUSER_TILE_SPAN(IN));
 const int PER_CHUNK = (SPANS + CHUNKS - 1) / CHUNKS;
 const int RAW = MUSER_TILE_RAW(FORMAT_A) > MUSER_TILE_RAW(FORMAT_B) ? MUSER_TILE_RAW(FORMAT_A) : MUSER_TILE_RAW(FORMAT_B);
-const uint GROUPS_A = (uint(OUT_A) + TILE_ROWS - 1u) / TILE_ROWS;
-const uint GROUPS_B = GLU != 0 ? 0u : (uint(OUT_B) + TILE_ROWS - 1u) / TILE_ROWS;
+const uint GROUPS_A = (uint(OUT_A) + 15u) / 16u;
+const uint GROUPS_B = GLU != 0 ? 0u : (uint(OUT_B) + 15u) / 16u;
 // One array for the stage: the codes, then the scales (HALF 1: x's f16 values alone, 32 KB for
 // 64 tokens, Metal's limit).
-const int STAGE_CODES = STAGE != 0 ? TOKENS * MUSER_TILE_ROW_WORDS(IN) / 4 : 0;
-const int STAGE_SCALES = STAGE != 0 ? MUSER_TILE_SPAN(IN) * TOKENS / 2 : 0;
+const int STAGE_CODES = TOKENS * MUSER_TILE_ROW_WORDS(IN) / 4;
+const int STAGE_SCALES = MUSER_TILE_SPAN(IN) * TOKENS / 2;
 const int ITEMS = (TOKENS * 4 + 32 * WARPS - 1) / (32 * WARPS);  // the f16 stage's items a thread
-threadgroup uint4 stage_codes[HALF != 0 ? TOKENS * MUSER_TILE_SPAN(IN) * 4 : STAGE != 0 ? STAGE_CODES + STAGE_SCALES : 1];
+threadgroup uint4 stage_codes[HALF != 0 ? TOKENS * MUSER_TILE_SPAN(IN) * 4 : STAGE_CODES + STAGE_SCALES];
 threadgroup float4* stage_scales = (threadgroup float4*)(stage_codes + STAGE_CODES);
 uint lane = thread_index_in_simdgroup;
 uint first_tile = threadgroup_position_in_grid.y * uint(WARPS);
@@ -61,7 +53,7 @@ if (first_tile >= GROUPS_A + GROUPS_B) {
 uint tile = first_tile + simdgroup_index_in_threadgroup;
 bool active = tile < GROUPS_A + GROUPS_B;
 bool in_a = tile < GROUPS_A;
-uint first_row = (in_a ? tile : tile - GROUPS_A) * TILE_ROWS;
+uint first_row = (in_a ? tile : tile - GROUPS_A) * 16u;
 uint first_token = threadgroup_position_in_grid.x * uint(TOKENS);
 uint rows = uint(xq_shape[0]);
 uint tokens = min(uint(TOKENS), rows - first_token);
@@ -72,69 +64,39 @@ uint end_span = min(first_span + uint(PER_CHUNK), uint(SPANS));
 uint g = lane / 4u;
 uint t = lane % 4u;
 size_t offsets[2];
-size_t up_offsets[2];  // the second tile's: GLU, the same rows of B; SECOND 2, its weight's next 16
-muser_tile_offsets<ROW_BYTES_A, OUT_A, ROW_BYTES_B, OUT_B, SECOND>(offsets, up_offsets, in_a, first_row, g);
+size_t up_offsets[2];  // GLU: the same rows of B
+muser_tile_offsets<ROW_BYTES_A, OUT_A, ROW_BYTES_B, OUT_B, GLU>(offsets, up_offsets, in_a, first_row, g);
 float acc[SUMS];
 for (int i = 0; i < SUMS; ++i) {
   acc[i] = 0.0f;
 }
-const int UP_RAW = SECOND == 1 ? 2 * MUSER_TILE_RAW(FORMAT_B) : SECOND == 2 ? 2 * RAW : 1;
 uint raw[2 * RAW];
-uint up_raw[UP_RAW];
-if (AHEAD != 0 && active) {
-  for (uint d = 1u; d < uint(AHEAD) && first_span + d < end_span; ++d) {
-    muser_tile_prefetch_rows<FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, SECOND>(
-        weight_a, weight_b, in_a, first_row, first_span + d, lane);
-  }
-}
+uint up_raw[GLU != 0 ? 2 * MUSER_TILE_RAW(FORMAT_B) : 1];
 float top[HALF != 0 ? ITEMS : 1];  // the f16 stage's M of this thread's items (set at the first span)
 for (int n = 0; n < (HALF != 0 ? ITEMS : 1); ++n) {
   top[n] = MUSER_TILE_F16_FLOOR;
 }
-if (PREFETCH != 0 && active && first_span < end_span) {
-  muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, SECOND>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
-                                                    first_span, t);
-}
 for (uint span = first_span; span < end_span; ++span) {
-  if (AHEAD != 0 && active && span + uint(AHEAD) < end_span) {
-    muser_tile_prefetch_rows<FORMAT_A, ROW_BYTES_A, OUT_A, FORMAT_B, ROW_BYTES_B, OUT_B, IN, SECOND>(
-        weight_a, weight_b, in_a, first_row, span + uint(AHEAD), lane);
+  if (active) {  // the weight loads go out before the stage, and land while it is copied
+    muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
+                                                   span, t);
   }
-  if (PREFETCH == 0 && active) {  // the weight loads go out before the stage, and land while it is copied
-    muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, SECOND>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
-                                                      span, t);
-  }
-  if (STAGE != 0) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // every SIMD group is done with the last span
-    if (HALF != 0) {
-      if (span == first_span) {
-        muser_tile_f16_scales<IN, TOKENS, 32 * WARPS, ITEMS>(top, xd, first_token, tokens, first_span, end_span,
-                                                             thread_position_in_threadgroup.x);
-      }
-      muser_tile_stage_f16<IN, TOKENS, 32 * WARPS, ITEMS>(stage_codes, xq, xd, top, first_token, tokens, span,
-                                                          thread_position_in_threadgroup.x);
-    } else {
-      muser_tile_stage<IN, TOKENS, 32 * WARPS>(stage_codes, stage_scales, xq, xd, xs, first_token, tokens, span,
-                                               thread_position_in_threadgroup.x);
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // every SIMD group is done with the last span
+  if (HALF != 0) {
+    if (span == first_span) {
+      muser_tile_f16_scales<IN, TOKENS, 32 * WARPS, ITEMS>(top, xd, first_token, tokens, first_span, end_span,
+                                                           thread_position_in_threadgroup.x);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    muser_tile_stage_f16<IN, TOKENS, 32 * WARPS, ITEMS>(stage_codes, xq, xd, top, first_token, tokens, span,
+                                                        thread_position_in_threadgroup.x);
+  } else {
+    muser_tile_stage<IN, TOKENS, 32 * WARPS>(stage_codes, stage_scales, xq, xd, xs, first_token, tokens, span,
+                                             thread_position_in_threadgroup.x);
   }
-  // PREFETCH: the next span's loads go out now, in flight through this span's products, the next
-  // stage and its barriers.
-  bool ahead = PREFETCH != 0 && active && span + 1u < end_span;
-  uint next[2 * RAW];
-  uint next_up[UP_RAW];
-  if (ahead) {
-    muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, SECOND>(next, next_up, weight_a, weight_b, offsets, up_offsets, in_a,
-                                                      span + 1u, t);
-  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   if (active && HALF != 0) {
-    if (SECOND == 2 || (GLU != 0 && FORMAT_A == FORMAT_B)) {  // both tiles from one read of each x tile
-      if (in_a) {  // (always, gated)
-        muser_tile_span_product_f16<FORMAT_A, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
-      } else {
-        muser_tile_span_product_f16<FORMAT_B, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
-      }
+    if (GLU != 0 && FORMAT_A == FORMAT_B) {  // gate and up from one read of each x tile
+      muser_tile_span_product_f16<FORMAT_A, NT, IN, 1>(raw, up_raw, stage_codes, live, lane, acc);
     } else {
       if (in_a) {
         muser_tile_span_product_f16<FORMAT_A, NT, IN, 0>(raw, raw, stage_codes, live, lane, acc);
@@ -147,23 +109,12 @@ for (uint span = first_span; span < end_span; ++span) {
     }
   } else if (active) {
     if (in_a) {
-      muser_tile_span_product<FORMAT_A, NT, IN, TOKENS, STAGE>(raw, stage_codes, stage_scales, xq, xd, xs,
-                                                               first_token, span, live, lane, acc);
+      muser_tile_span_product<FORMAT_A, NT, IN, TOKENS>(raw, stage_codes, stage_scales, live, lane, acc);
     } else {
-      muser_tile_span_product<FORMAT_B, NT, IN, TOKENS, STAGE>(raw, stage_codes, stage_scales, xq, xd, xs,
-                                                               first_token, span, live, lane, acc);
+      muser_tile_span_product<FORMAT_B, NT, IN, TOKENS>(raw, stage_codes, stage_scales, live, lane, acc);
     }
     if (GLU != 0) {
-      muser_tile_span_product<FORMAT_B, NT, IN, TOKENS, STAGE>(up_raw, stage_codes, stage_scales, xq, xd, xs,
-                                                             first_token, span, live, lane, acc + NT * 4);
-    }
-  }
-  if (ahead) {
-    for (int i = 0; i < 2 * RAW; ++i) {
-      raw[i] = next[i];
-    }
-    for (int i = 0; i < UP_RAW; ++i) {
-      up_raw[i] = next_up[i];
+      muser_tile_span_product<FORMAT_B, NT, IN, TOKENS>(up_raw, stage_codes, stage_scales, live, lane, acc + NT * 4);
     }
   }
 }
@@ -179,21 +130,19 @@ const uint WIDTH = GLU != 0 ? uint(OUT_A) : uint(OUT_A + OUT_B);
 uint out_rows = in_a ? uint(OUT_A) : uint(OUT_B);
 uint column = in_a ? 0u : uint(OUT_A);
 device float* out = y + size_t(chunk) * rows * WIDTH;
-for (int part = 0; part < (SECOND == 2 ? 2 : 1); ++part) {  // SECOND 2: the second tile's rows 16 on
-  for (int j = 0; j < NT; ++j) {
-    for (int e = 0; e < 4; ++e) {
-      uint row = first_row + 16u * uint(part) + g + 8u * uint(e / 2);
-      uint token = first_token + 8u * uint(j) + 2u * t + uint(e % 2);
-      if (uint(j) < live && row < out_rows) {
-        float scale = HALF != 0 ? muser_tile_f16_scale(stage_codes, token - first_token) : 1.0f;
-        float value = acc[part * NT * 4 + j * 4 + e] * scale;
-        if (GLU != 0) {
-          float activated = ACTIVATION == 0 ? value / (1.0f + exp(-value))
-                                            : 0.5f * value * (1.0f + tanh(0.7978845608f * (value + 0.044715f * value * value * value)));
-          value = activated * acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;
-        }
-        out[size_t(token) * WIDTH + column + row] = value;
+for (int j = 0; j < NT; ++j) {
+  for (int e = 0; e < 4; ++e) {
+    uint row = first_row + g + 8u * uint(e / 2);
+    uint token = first_token + 8u * uint(j) + 2u * t + uint(e % 2);
+    if (uint(j) < live && row < out_rows) {
+      float scale = HALF != 0 ? muser_tile_f16_scale(stage_codes, token - first_token) : 1.0f;
+      float value = acc[j * 4 + e] * scale;
+      if (GLU != 0) {
+        float activated = ACTIVATION == 0 ? value / (1.0f + exp(-value))
+                                          : 0.5f * value * (1.0f + tanh(0.7978845608f * (value + 0.044715f * value * value * value)));
+        value = activated * acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;
       }
+      out[size_t(token) * WIDTH + column + row] = value;
     }
   }
 }

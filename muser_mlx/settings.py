@@ -73,51 +73,30 @@ class Settings:
     attention_head_group: int = 2
     # The step compiled with mx.compile (its Python runs once per cache shape, not every step).
     compile_decode: bool = True
-    # The batched GPU step's products (models/batch_decode.py) are int8 tile products (kernel
+    # The batched GPU step's products (models/batch_decode.py) are tile products (kernel
     # product_tiles, tensor-core MMA) from this many sequences on, kernel product's and
-    # product_glu's grouped form (8 rows a threadgroup, dot4 on the CUDA cores) below. H200,
-    # c7f6d6e, ms a step grouped / tiles: B = 8 24.9 / 30.4, B = 32 73.1 / 33.5, B = 64 136.6 /
-    # 53.7 (bench/RESULTS.md). 1: tiles at every B.
-    batch_tiles_from: int = 9
+    # product_glu's grouped form (8 rows a threadgroup, dot4 on the CUDA cores) below. At B = 8
+    # the tiles took 13.5 ms a step (H100) where the grouped form had taken 24.9 (H200); B = 2..7
+    # not timed in the tiles' present form (bench/history/session-47.md). 1: tiles at every B.
+    batch_tiles_from: int = 8
     # The tile products' launch shape (kernel product_tiles): 16-row weight tiles a threadgroup
     # (one a SIMD group, sharing the threadgroup's copy of x), and the threadgroups a launch aims
     # for, products of few rows splitting their input into chunks to reach them (ops.tile_chunks).
-    # 4 SIMD groups beat 2 and 8 (H200, B = 64: 53.7 against 55.3 and 57.9 ms a step).
+    # A threadgroup takes 8, 16, 32 or 64 rows of x, the least that holds the step's.
+    # 4 SIMD groups beat 2 and 8 (bench/history/session-47.md).
     tile_warps: int = 4
     tile_threadgroups: int = 512
-    # Two forms of the tile products not timed yet (bench/gpu_round.sh's header compares them in
-    # one call; the loser goes): tile_prefetch, each SIMD group's loads of the next span's
-    # weights go out before it multiplies this span's (the loads of a span in flight through the
-    # products, the stage and its barriers; twice the weight registers); tile_fit_tokens, a
-    # threadgroup takes 8, 16, 32 or 64 rows of x as the step has them, not always 64 (fewer
-    # accumulators and a smaller stage below 64 rows). Why: at B = 8 the tile products read
-    # their weights at 0.4-0.8 TB/s on the H200 (bench/RESULTS.md).
-    tile_prefetch: bool = False
-    tile_fit_tokens: bool = False
-    # tile_split_glu: gate and up as one tile product of two weights, its input split into
-    # chunks like the others (a gated launch takes whole sums: 312 threadgroups for Muse
-    # Glimmer's 19,968 rows, ~2.4 an SM, each through all 26 spans), the activation after it.
-    tile_split_glu: bool = False
-    # tile_stage False: each SIMD group reads its x from device memory (L1) instead of the
-    # threadgroup's stage: no barriers, so a SIMD group's loads wait for no other's.
-    tile_stage: bool = True
-    # tile_l2_ahead N > 0: each SIMD group asks L2 for its rows' weights N spans ahead of its
-    # loads (a hint; no registers, nothing waits on it): the weight stream's bytes in flight
-    # beyond what a SIMD group's registers hold. 0: no asks.
-    tile_l2_ahead: int = 0
-    # tile_half: the products in f16 on tensor cores (mma m16n8k16, float sums): the weights'
-    # values (scales and Q4_K's minimum applied, once for all the token tiles) and x's (code
-    # times scale over the token's largest scale, once a threadgroup, as the stage is written),
-    # summed in the float accumulators directly. The int8 form scales each block's integer dot
-    # for each token tile: ~31-36 PTX instructions an mma, ~1 a weight byte at 64 rows against
-    # the f16 form's ~0.5 (counted, not timed: bench/history/session-46.md), at half the int8
-    # tensor rate. Needs tile_stage. Weights' values must lie in f16's range.
-    tile_half: bool = False
-    # tile_pair (with tile_half): a SIMD group of a product that is not gated takes two 16-row
-    # tiles of its weight and reads each x tile from the stage once for both (half the stage
-    # reads and a threadgroup's stage shared by twice the rows, at ~180-210 registers a thread,
-    # 2 threadgroups an SM); not for Q8_0 weights.
-    tile_pair: bool = True
+    # The tile products run in f16 (mma m16n8k16, float sums) from this many rows of x on (the
+    # step's sequences rounded up to 8), int8 below: the f16 form takes the weights' values
+    # (scales and Q4_K's minimum applied, once for all the token tiles) and x's (code times
+    # scale over the token's largest scale, once a threadgroup, as the stage is written) and
+    # adds the products into the float sums directly; the int8 form scales each block's integer
+    # dot for each token tile (~1 PTX instruction a weight byte at 64 rows against the f16
+    # form's ~0.5: bench/history/session-46.md). H100, ms a step int8 / f16: B = 8 13.5 / 16.2,
+    # 16 18.1 / 17.9, 24 23.2 / 21.3, 32 26.0 / 21.8, 48 35.8 / 42.3, 64 42.0 / 38.9
+    # (bench/history/session-47.md). The weights' values must lie in f16's range (those of real
+    # models do: |w| < 65,504).
+    tile_half_from: int = 17
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any
@@ -150,10 +129,8 @@ class Settings:
             raise ValueError(f"batch_tiles_from must be at least 1 (sequences), got {self.batch_tiles_from}")
         if not 1 <= self.tile_warps <= 8:
             raise ValueError(f"tile_warps must be 1..8 (SIMD groups of a threadgroup), got {self.tile_warps}")
-        if self.tile_half and not self.tile_stage:
-            raise ValueError("tile_half needs tile_stage (the f16 form reads x from the threadgroup's stage)")
-        if not 0 <= self.tile_l2_ahead <= 8:
-            raise ValueError(f"tile_l2_ahead must be 0..8 (spans), got {self.tile_l2_ahead}")
+        if self.tile_half_from < 1:
+            raise ValueError(f"tile_half_from must be at least 1 (rows of x), got {self.tile_half_from}")
         if self.tile_threadgroups < 1:
             raise ValueError(f"tile_threadgroups must be at least 1, got {self.tile_threadgroups}")
         if self.attention_head_group < 1:

@@ -17,21 +17,15 @@ from muser_mlx import formats, kernels, ops, testing
 from muser_mlx.gguf import StackedRows
 from muser_mlx.reference import rms, rope
 from muser_mlx.settings import DEFAULT, Settings
-from tests.conftest import relative_error
+from tests.conftest import relative_error, tile_settings
 
 PRODUCT_BOUND = 2e-5
-# The tile products' f16 form (Settings.tile_half) against the same float64 products: weights'
-# values and x's rounded to f16 (2^-11 relative each; the per-block scales rounded too): measured
-# 4e-4 to 8e-4 on random blocks.
+# The tile products' f16 form (Settings.tile_half_from) against the same float64 products:
+# weights' values and x's rounded to f16 (2^-11 relative each; the per-block scales rounded too):
+# measured 4e-4 to 8e-4 on random blocks.
 HALF_PRODUCT_BOUND = 3e-3
-# The tile products' forms not yet timed on a GPU (Settings fields), for the tests that check them.
-UNTIMED_TILE_FORMS = pytest.mark.parametrize("form", [
-    dict(tile_prefetch=True), dict(tile_fit_tokens=True), dict(tile_prefetch=True, tile_fit_tokens=True),
-    dict(tile_stage=False), dict(tile_prefetch=True, tile_fit_tokens=True, tile_stage=False), dict(tile_l2_ahead=2),
-    dict(tile_prefetch=True, tile_fit_tokens=True, tile_l2_ahead=3), dict(tile_half=True),
-    dict(tile_half=True, tile_pair=False), dict(tile_half=True, tile_prefetch=True, tile_fit_tokens=True, tile_l2_ahead=2)],
-    ids=["prefetch", "fit-tokens", "both", "unstaged", "all-unstaged", "l2-ahead", "l2-ahead-all", "f16", "f16-single",
-         "f16-all"])
+# The tile products' two forms (Settings.tile_half_from), for the tests that check both.
+TILE_FORMS = pytest.mark.parametrize("half", [False, True], ids=["int8", "f16"])
 
 
 def with_products(products: dict, **fields) -> Settings:
@@ -110,55 +104,32 @@ def test_product_of_one_or_two_weights_matches_numpy(backend, rng, formats_ab, t
 @pytest.mark.parametrize("formats_ab", FORMAT_PAIRS + [(GGMLType.Q6_K, GGMLType.Q4_K)],
                          ids=lambda p: "+".join(t.name for t in p if t))
 @pytest.mark.parametrize("rows", [8, 24, 72, 136])
-def test_tile_products_match_numpy(backend, rng, formats_ab, rows):
-    """ops.TileProduct (kernel product_tiles: the batched step's int8 matrix products, tensor
-    cores on an NVIDIA GPU) of rows of x in 8-row tiles (72, 136: token groups past 64) and
-    weights of odd row counts; then its gated form against act(x G.T) * (x U.T)."""
+@TILE_FORMS
+def test_tile_products_match_numpy(backend, rng, formats_ab, rows, half):
+    """ops.TileProduct (kernel product_tiles: the batched step's int8 or f16 matrix products,
+    tensor cores on an NVIDIA GPU) of rows of x in 8-row tiles (threadgroups of 8 rows; 24: of
+    32, 8 of them past the rows; 72, 136: token groups past 64) and weights of odd row counts;
+    then its gated form against act(x G.T) * (x U.T). The f16 form to HALF_PRODUCT_BOUND."""
     first, second = formats_ab
+    settings = tile_settings(half)
+    bound = HALF_PRODUCT_BOUND if half else PRODUCT_BOUND
     in_features = 256 * int(rng.integers(1, 5))
     out_a, out_b = int(rng.integers(1, 30)) * 3 + 1, int(rng.integers(1, 20)) * 5 + 2
     a, a_values = weight(rng, first, in_features, out_a, "a")
     b, b_values = weight(rng, second, in_features, out_b, "b") if second else (None, None)
     x, x_values = q8x(rng.standard_normal((rows, in_features)).astype(np.float32))
     with kernels.poisoned_outputs():
-        out = np.array(ops.TileProduct(a, b)(x))
+        out = np.array(ops.TileProduct(a, b, settings=settings)(x))
     expected = x_values @ a_values.T
     if second:
         expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
     assert out.shape == expected.shape and np.isfinite(out).all()
-    assert relative_error(out, expected) <= PRODUCT_BOUND
+    assert relative_error(out, expected) <= bound
     gate, gate_values = weight(rng, first, in_features, 96, "gate")
     up, up_values = weight(rng, second or first, in_features, 96, "up")
     with kernels.poisoned_outputs():
-        glu = np.array(ops.TileProduct(gate, up, "silu")(x))
+        glu = np.array(ops.TileProduct(gate, up, "silu", settings=settings)(x))
     g = x_values @ gate_values.T
-    assert relative_error(glu, g / (1 + np.exp(-g)) * (x_values @ up_values.T)) <= PRODUCT_BOUND
-
-
-@UNTIMED_TILE_FORMS
-@pytest.mark.parametrize("formats_ab", [(GGMLType.Q4_K, GGMLType.Q6_K), (GGMLType.Q8_0, GGMLType.Q4_K)],
-                         ids=lambda p: "+".join(t.name for t in p))
-@pytest.mark.parametrize("rows", [24, 72])
-def test_tile_products_in_their_untimed_forms_match_numpy(backend, rng, formats_ab, rows, form):
-    """Settings.tile_prefetch, tile_fit_tokens (TOKENS 32 for 24 rows; 72 rows: 64 and a
-    partial second group), tile_stage (x staged or not) and tile_half (the products in f16, to
-    HALF_PRODUCT_BOUND; 32 rows a SIMD group with tile_pair), plain and gated, over 2-4 spans of
-    input: the kernel's forms that the next GPU round times, checked there first."""
-    first, second = formats_ab
-    settings = Settings(**form)
-    bound = HALF_PRODUCT_BOUND if settings.tile_half else PRODUCT_BOUND
-    in_features = 256 * int(rng.integers(2, 5))
-    a, a_values = weight(rng, first, in_features, 37, "a")
-    b, b_values = weight(rng, second, in_features, 45, "b")
-    up, up_values = weight(rng, second, in_features, 37, "up")
-    x, x_values = q8x(rng.standard_normal((rows, in_features)).astype(np.float32))
-    with kernels.poisoned_outputs():
-        out = np.array(ops.TileProduct(a, b, settings=settings)(x))
-        glu = np.array(ops.TileProduct(a, up, "silu", settings=settings)(x))
-    expected = np.concatenate([x_values @ a_values.T, x_values @ b_values.T], axis=-1)
-    assert out.shape == expected.shape and np.isfinite(out).all()
-    assert relative_error(out, expected) <= bound
-    g = x_values @ a_values.T
     assert relative_error(glu, g / (1 + np.exp(-g)) * (x_values @ up_values.T)) <= bound
 
 
@@ -398,11 +369,8 @@ def test_settings_refuse_a_product_config_that_cannot_launch():
         Settings(tile_threadgroups=0)
     with pytest.raises(ValueError, match="batch_tiles_from must be at least 1"):
         Settings(batch_tiles_from=0)
-    for ahead in (-1, 9):
-        with pytest.raises(ValueError, match="tile_l2_ahead must be 0..8"):
-            Settings(tile_l2_ahead=ahead)
-    with pytest.raises(ValueError, match="tile_half needs tile_stage"):
-        Settings(tile_half=True, tile_stage=False)
+    with pytest.raises(ValueError, match="tile_half_from must be at least 1"):
+        Settings(tile_half_from=0)
 
 
 def test_wide_units_take_at_most_two_tokens_and_fewer_units_at_once(rng):

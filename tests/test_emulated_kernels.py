@@ -22,9 +22,9 @@ from muser_mlx.kernels import KernelSource
 from muser_mlx.models import build_model
 from muser_mlx.reference import Reference, rms
 from muser_mlx.settings import DEFAULT, Settings
-from tests.conftest import gpu_available, relative_error
+from tests.conftest import gpu_available, relative_error, tile_settings
 from tests.emulate import EmulationError, emulated_gpu, run
-from tests.test_decode_kernels import (ATTENTION_VARIANTS, HALF_PRODUCT_BOUND, PRODUCT_BOUND, UNTIMED_TILE_FORMS,
+from tests.test_decode_kernels import (ATTENTION_VARIANTS, HALF_PRODUCT_BOUND, PRODUCT_BOUND, TILE_FORMS,
                                        assert_within_half_a_code, attention_case, q8x, weight)
 from tests.test_models import FUSED_NUMERICS_BOUND, decode_one_by_one
 from tests.test_qk_norm_rope import reference as rope_reference
@@ -277,7 +277,7 @@ def test_grouped_products_take_every_token_group(rng, rows):
         ops.Product(a, tokens=8, grouped=True)(q8x(rng.standard_normal((12, 512)).astype(np.float32))[0])
 
 
-@pytest.mark.parametrize("half", [False, True], ids=["int8", "f16"])
+@TILE_FORMS
 @pytest.mark.parametrize("warps, target", [(1, 1), (3, 64), (8, 512)])
 def test_tile_products_take_their_launch_shape_from_the_settings(rng, warps, target, half):
     """Settings.tile_warps (weight tiles a threadgroup: 1, 3 with a last threadgroup of fewer
@@ -286,7 +286,7 @@ def test_tile_products_take_their_launch_shape_from_the_settings(rng, warps, tar
     some threads' last item past the stage, and 1)."""
     a, a_values = weight(rng, GGMLType.Q4_K, 1536, 77, "a")
     x, x_values = q8x(rng.standard_normal((16, 1536)).astype(np.float32))
-    settings = Settings(tile_warps=warps, tile_threadgroups=target, tile_half=half)
+    settings = tile_settings(half, tile_warps=warps, tile_threadgroups=target)
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         out = np.array(ops.TileProduct(a, settings=settings)(x))
     template = dict(launches[0][1])
@@ -300,8 +300,8 @@ def test_tile_products_take_their_launch_shape_from_the_settings(rng, warps, tar
                           (72, GGMLType.Q6_K, GGMLType.Q4_K, None, 512), (16, GGMLType.Q4_K, None, None, 1024),
                           (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu", 512), (8, GGMLType.Q6_K, GGMLType.Q6_K, "gelu_tanh", 512)],
                          ids=["Q4_K+Q6_K-8", "Q8_0-24", "Q6_K+Q4_K-72", "Q4_K-16-chunks", "glu-Q4_K+Q8_0-16", "glu-Q6_K-8"])
-@pytest.mark.parametrize("settings", [DEFAULT, Settings(tile_half=True)], ids=["int8", "f16"])
-def test_tile_products(rng, rows, first, second, activation, n, settings):
+@TILE_FORMS
+def test_tile_products(rng, rows, first, second, activation, n, half):
     """Kernel product_tiles (the batched decode step's products, int8 matrix products: shuffles
     and dot4 here, the same values as tensor cores): 8-row tiles of x staged in threadgroup
     memory (72 rows: two token groups, the second partial), 16-row tiles of weights with rows past
@@ -309,32 +309,27 @@ def test_tile_products(rng, rows, first, second, activation, n, settings):
     launch, the gated form; the input split in chunks (Q8_0 rows of 576 values, a block a span:
     9 chunks of 2 spans; 1024 Q4_K values: 2 chunks of 2 spans); in both forms (f16: spans of
     one block for Q8_0)."""
-    launches, a = tile_product_against_numpy(rng, rows, first, second, activation, n, settings)
+    launches, a = tile_product_against_numpy(rng, rows, first, second, activation, n, tile_settings(half))
+    assert dict(launches[0][1])["HALF"] == int(half)
     assert dict(launches[0][1])["CHUNKS"] == {576: 9, 1024: 2}.get(n, 1)
     with pytest.raises(ValueError, match="positive multiple of 8"):
         ops.TileProduct(a)(q8x(rng.standard_normal((12, n)).astype(np.float32))[0])
 
 
-@UNTIMED_TILE_FORMS
 @pytest.mark.parametrize("rows, first, second, activation, n",
                          [(24, GGMLType.Q4_K, GGMLType.Q6_K, None, 1024), (16, GGMLType.Q4_K, GGMLType.Q8_0, "silu", 768),
-                          (72, GGMLType.Q6_K, None, None, 512), (24, GGMLType.Q4_K, GGMLType.Q4_K, "silu", 512)],
-                         ids=["Q4_K+Q6_K-24-chunks", "glu-Q4_K+Q8_0-16", "Q6_K-72", "glu-Q4_K-24"])
-def test_tile_products_in_their_untimed_forms(rng, form, rows, first, second, activation, n):
-    """Settings.tile_prefetch (span s + 1's weight loads before span s's products: chunks of 2
-    spans, 3 spans in one run for the gated product) and tile_fit_tokens (TOKENS 32 for 24 rows,
-    16 for 16 rows, 64 for 72: two token groups, the second partial) give the same products, x
-    staged or not (tile_stage: each SIMD group reads x from device memory); tile_half, the f16
-    form, to its bound (the mma emulated in float), 32 rows a SIMD group (tile_pair) where the
-    product is not gated and has no Q8_0 weight."""
-    settings = Settings(**form)
-    launches, _ = tile_product_against_numpy(rng, rows, first, second, activation, n, settings)
+                          (72, GGMLType.Q6_K, None, None, 512), (24, GGMLType.Q4_K, GGMLType.Q4_K, "silu", 512),
+                          (8, GGMLType.Q8_0, GGMLType.Q4_K, None, 512)],
+                         ids=["Q4_K+Q6_K-24-chunks", "glu-Q4_K+Q8_0-16", "Q6_K-72", "glu-Q4_K-24", "Q8_0+Q4_K-8"])
+def test_tile_products_take_their_rows_and_form_from_the_count(rng, rows, first, second, activation, n):
+    """With the default settings a tile product's threadgroups take the least of 8, 16, 32, 64
+    rows of x that holds the step's (TOKENS 32 for 24 rows, 16 for 16, 8 for 8, 64 for 72: two
+    token groups, the second partial), and the f16 form from Settings.tile_half_from rows on
+    (the int8 form below), each within its bound against numpy."""
+    launches, _ = tile_product_against_numpy(rng, rows, first, second, activation, n, DEFAULT)
     template = dict(launches[0][1])
-    assert (template["PREFETCH"], template["STAGE"], template["AHEAD"], template["HALF"]) == (
-        int(settings.tile_prefetch), int(settings.tile_stage), settings.tile_l2_ahead, int(settings.tile_half))
-    assert template["PAIR"] == int(settings.tile_half and settings.tile_pair and activation is None
-                                   and GGMLType.Q8_0 not in (first, second))
-    assert template["TOKENS"] == ({24: 32, 16: 16, 72: 64}[rows] if settings.tile_fit_tokens else 64)
+    assert template["TOKENS"] == {24: 32, 16: 16, 72: 64, 8: 8}[rows]
+    assert template["HALF"] == int(rows >= DEFAULT.tile_half_from)
 
 
 def tile_product_against_numpy(rng, rows, first, second, activation, n, settings):
@@ -355,7 +350,7 @@ def tile_product_against_numpy(rng, rows, first, second, activation, n, settings
                     * (x_values @ b_values.T))
     elif second:
         expected = np.concatenate([expected, x_values @ b_values.T], axis=-1)
-    bound = HALF_PRODUCT_BOUND if settings.tile_half else PRODUCT_BOUND
+    bound = HALF_PRODUCT_BOUND if dict(launches[0][1])["HALF"] else PRODUCT_BOUND
     assert out.shape == expected.shape and relative_error(out, expected) <= bound
     return launches, a
 
@@ -778,23 +773,23 @@ def test_an_endless_loop_is_reported(rng):
 
 # Muse Glimmer's layer (QK norm, attention gate, sliding window); OLMo 2's (q/k norm over the
 # whole projections, no pre-norms); Gemma 2's (attention softcap, here one that bites).
-@pytest.mark.parametrize("chosen, tiles_from, tiles, split, half",
-                         [(False, 9, False, False, False), (True, 9, True, False, False), (None, 3, True, False, False),
-                          (None, 4, False, False, False), (True, 9, True, True, False), (True, 9, True, False, True)],
-                         ids=["grouped", "tiles", "tiles-by-count", "grouped-by-count", "tiles-split-glu", "tiles-f16"])
-def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from, tiles, split, half):
+@pytest.mark.parametrize("chosen, tiles_from, tiles, half",
+                         [(False, 9, False, False), (True, 9, True, False), (None, 3, True, False),
+                          (None, 4, False, False), (True, 9, True, True)],
+                         ids=["grouped", "tiles", "tiles-by-count", "grouped-by-count", "tiles-f16"])
+def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from, tiles, half):
     """BatchStep's GPU form, with its grouped products (kernels product / product_glu) or its tile
     products (kernel product_tiles), chosen or picked by the count of sequences
     (Settings.batch_tiles_from), on a 1-layer tiny Muse Glimmer (Q4_K and Q6_K weights;
     ffn_down 1,024 wide: the tile form splits it in 2 chunks), 3 sequences of their own lengths
     padded to 8 rows, against the same step's CPU rendering from the same store: the products sum
     in another order, which may move an int8 code of a later input (test_batch.py's bounds).
-    split: Settings.tile_split_glu (gate and up one chunked launch, the activation after it);
-    half: Settings.tile_half (the products in f16, within the same bound)."""
+    half: the tile products in f16 at these 8 rows (Settings.tile_half_from 1; by default 8 rows
+    take the int8 form), within the same bound."""
     path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1, ff=1024)
     from muser_mlx.models.batch_decode import BatchKV, BatchStep
     with gguf.read(path) as file:
-        model = build_model(file, Settings(batch_tiles_from=tiles_from, tile_split_glu=split, tile_half=half))
+        model = build_model(file, Settings(batch_tiles_from=tiles_from, tile_half_from=1 if half else DEFAULT.tile_half_from))
         assert BatchStep(model, q8x=True, tiles=chosen).uses_tiles(3) == tiles
         caches = [model.make_cache(mx.float16) for _ in range(3)]
         for n, cache in zip((3, 9, 5), caches):
@@ -813,7 +808,7 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from,
     assert ("product_tiles" in names) == tiles
     assert {"product", "product_glu"}.isdisjoint(names) == tiles
     assert any(dict(launch[1]).get("CHUNKS", 1) > 1 for launch in launches) == tiles
-    assert any(dict(launch[1]).get("GLU", 0) for launch in launches) == (tiles and not split)
+    assert any(dict(launch[1]).get("GLU", 0) for launch in launches) == tiles
     assert all(dict(launch[1])["HALF"] == int(half) for launch in launches if launch[0] == "product_tiles")
     assert np.isfinite(logits).all() and logits.shape == expected.shape
     for row, row_expected in zip(logits, expected):

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from muser_mlx import kernels, ops
 from muser_mlx.kernels import InputSpec
-from muser_mlx.settings import Settings
+from tests.conftest import tile_settings
 
 STUBS = Path(__file__).parent / "stubs"
 
@@ -148,7 +148,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 24 * 16), InputSpec(mx.float32, 2, 24 * 64)],
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 37), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
-         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("PREFETCH", 0), ("STAGE", 1), ("AHEAD", 0), ("HALF", 0), ("PAIR", 0),
+         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("HALF", 0),
          ("CHUNKS", 2), ("GLU", 0), ("ACTIVATION", 0)]
     ),
     "product_tiles_f16": (  # the f16 form: Q4_K and Q6_K in one launch
@@ -157,25 +157,25 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 24 * 16), InputSpec(mx.float32, 2, 24 * 64)],
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 37), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
-         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("PREFETCH", 0), ("STAGE", 1), ("AHEAD", 0), ("HALF", 1), ("PAIR", 1),
+         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("HALF", 1),
          ("CHUNKS", 2), ("GLU", 0), ("ACTIVATION", 0)]
     ),
-    "product_tiles_f16_glu_q8_0": (  # the f16 form gated, Q8_0, prefetch
+    "product_tiles_f16_glu_q8_0": (  # the f16 form gated, Q8_0, 8 rows of x a threadgroup
         "product_tiles",
         [InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.int8, 2, 8 * 512),
          InputSpec(mx.float32, 2, 8 * 16), InputSpec(mx.float32, 2, 8 * 64)],
         [mx.float32],
         [("FORMAT_A", 8), ("ROW_BYTES_A", 544), ("OUT_A", 64), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
-         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("PREFETCH", 1), ("STAGE", 1), ("AHEAD", 2), ("HALF", 1), ("PAIR", 0),
+         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("HALF", 1),
          ("CHUNKS", 1), ("GLU", 1), ("ACTIVATION", 1)]
     ),
-    "product_tiles_glu_q8_0": (  # the other forms' loads (PREFETCH; x unstaged), 8 rows of x a threadgroup
+    "product_tiles_glu_q8_0": (  # gated, Q8_0, 8 rows of x a threadgroup
         "product_tiles",
         [InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.int8, 2, 8 * 512),
          InputSpec(mx.float32, 2, 8 * 16), InputSpec(mx.float32, 2, 8 * 64)],
         [mx.float32],
         [("FORMAT_A", 8), ("ROW_BYTES_A", 544), ("OUT_A", 64), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
-         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("PREFETCH", 1), ("STAGE", 0), ("AHEAD", 2), ("HALF", 0), ("PAIR", 0),
+         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("HALF", 0),
          ("CHUNKS", 1), ("GLU", 1), ("ACTIVATION", 1)]
     ),
     "quantize_rows": (
@@ -507,21 +507,13 @@ MUSE_TILE_PRODUCTS = {  # (in, out) and format of A, then of B (None: no B), gat
 }
 
 
-@pytest.mark.parametrize("prefetch, stage, ahead, half", [(False, True, 0, False), (True, True, 0, False),
-                                                         (True, False, 0, False), (False, True, 2, False),
-                                                         (True, True, 3, False), (False, True, 0, True),
-                                                         (True, True, 0, True)],
-                         ids=["", "prefetch", "prefetch-unstaged", "l2-ahead", "l2-ahead-prefetch", "f16-pair",
-                              "f16-pair-prefetch"])
+@pytest.mark.parametrize("half", [False, True], ids=["int8", "f16"])
 @pytest.mark.parametrize("case", sorted(MUSE_TILE_PRODUCTS))
-def test_tile_product_launches_fit_the_register_file(case, prefetch, stage, ahead, half, tmp_path):
-    # Settings.tile_prefetch holds a second span's weight words: gate+up's 167 registers a
-    # thread become 246 (2 threadgroups an SM), still without spills.
+def test_tile_product_launches_fit_the_register_file(case, half, tmp_path):
     shape, ggml_type, second_shape, second_type, gated = MUSE_TILE_PRODUCTS[case]
     second = _stand_in(second_shape, second_type, "b") if second_shape else None
     product = ops.TileProduct(_stand_in(shape, ggml_type, "a"), second, "silu" if gated else None,
-                              settings=Settings(tile_prefetch=prefetch, tile_stage=stage, tile_l2_ahead=ahead,
-                                                tile_half=half))
+                              settings=tile_settings(half))
     template, grid, threadgroup, chunks = product.launch_arguments(64)
     values = dict(template)
     inputs = [InputSpec(mx.uint8, 2, product.out_a * values["ROW_BYTES_A"]),

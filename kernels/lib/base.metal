@@ -129,18 +129,6 @@ inline uint muser_funnel(uint low, uint high, uint shift) {
 }
 #endif
 
-// A hint: the 128-byte line that holds byte `p` fetched into L2 now, ahead of the loads that
-// will want it (CUDA: prefetch.global.L2, no register and nothing to wait for; Metal has no
-// such instruction: nothing).
-#if defined(__CUDACC__)
-inline void muser_prefetch_l2(const device uint8_t* p) {
-  asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
-}
-#else
-inline void muser_prefetch_l2(const device uint8_t* p) {
-}
-#endif
-
 // Device atomics on 32-bit counters, and the device-scope fence, for a count of the
 // threadgroups (or SIMD groups) done: a writer fences its results, then adds 1; the one that
 // sees the count reach its total fences again and reads every result; it stores 0 back for

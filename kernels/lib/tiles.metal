@@ -83,53 +83,9 @@ inline void muser_tile_load(thread uint* raw, const device uint8_t* weight, size
   }
 }
 
-// The bytes of one row's span (MUSER_TILE_SPAN blocks).
-#define MUSER_TILE_SPAN_BYTES(FORMAT, IN) \
-  ((FORMAT) == MUSER_Q4_K ? 144 : (FORMAT) == MUSER_Q6_K ? 210 : 34 * MUSER_TILE_SPAN(IN))
-
-// The L2 lines of span `span` of the 16 rows from first_row (rows past OUT: row OUT - 1) asked
-// for ahead of their loads (muser_prefetch_l2, a hint): each row's first byte, every 128th
-// after it and its last, so that every line it touches is asked for; the SIMD group's lanes
-// share the asks. Every lane calls it (uniform).
-template <int FORMAT, int ROW_BYTES, int OUT, int IN>
-inline void muser_tile_prefetch(const device uint8_t* weight, uint first_row, uint span, uint lane) {
-  const uint BYTES = uint(MUSER_TILE_SPAN_BYTES(FORMAT, IN));
-  const uint PER_ROW = (BYTES + 127u) / 128u + 1u;
-  for (uint item = lane; item < 16u * PER_ROW; item += 32u) {
-    uint row = min(first_row + item / PER_ROW, uint(OUT - 1));
-    uint at = min(128u * (item % PER_ROW), BYTES - 1u);
-    muser_prefetch_l2(weight + size_t(row) * uint(ROW_BYTES) + size_t(BYTES) * span + at);
-  }
-}
-
-// A SIMD group's rows and its second tile (SECOND): 16 rows, with GLU (SECOND 1) the same rows
-// of B too; in the f16 form of a product that is not gated, with PAIR, 32 rows, two tiles of
-// one weight (SECOND 2: the second its rows 16 on, each x tile read from the stage once for
-// both).
-#define MUSER_TILE_SECOND(HALF, GLU, PAIR) ((GLU) != 0 ? 1 : (HALF) != 0 && (PAIR) != 0 ? 2 : 0)
-#define MUSER_TILE_ROWS(HALF, GLU, PAIR) (MUSER_TILE_SECOND(HALF, GLU, PAIR) == 2 ? 32u : 16u)
-
-// muser_tile_prefetch of span `span` of a SIMD group's rows: of A (in_a) or of B, and with
-// SECOND 1 the same rows of B, with SECOND 2 the next 16 rows of its weight.
-template <int FORMAT_A, int ROW_BYTES_A, int OUT_A, int FORMAT_B, int ROW_BYTES_B, int OUT_B, int IN, int SECOND>
-inline void muser_tile_prefetch_rows(const device uint8_t* weight_a, const device uint8_t* weight_b, bool in_a,
-                                     uint first_row, uint span, uint lane) {
-  for (uint part = 0; part < (SECOND == 2 ? 2u : 1u); ++part) {
-    if (in_a) {
-      muser_tile_prefetch<FORMAT_A, ROW_BYTES_A, OUT_A, IN>(weight_a, first_row + 16u * part, span, lane);
-    } else {
-      muser_tile_prefetch<FORMAT_B, ROW_BYTES_B, OUT_B, IN>(weight_b, first_row + 16u * part, span, lane);
-    }
-  }
-  if (SECOND == 1) {
-    muser_tile_prefetch<FORMAT_B, ROW_BYTES_B, OUT_B, IN>(weight_b, first_row, span, lane);
-  }
-}
-
 // A SIMD group's loads of span `span` of its tile: its rows of A (in_a) or of B into raw, and
-// into up_raw the second tile's (SECOND 1: the same rows of B, the up projection; 2: its own
-// weight's at up_offsets).
-template <int FORMAT_A, int FORMAT_B, int IN, int SECOND>
+// with GLU the same rows of B (the up projection, at up_offsets) into up_raw.
+template <int FORMAT_A, int FORMAT_B, int IN, int GLU>
 inline void muser_tile_load_rows(thread uint* raw, thread uint* up_raw, const device uint8_t* weight_a,
                                  const device uint8_t* weight_b, thread const size_t* offsets,
                                  thread const size_t* up_offsets, bool in_a, uint span, uint t) {
@@ -138,10 +94,8 @@ inline void muser_tile_load_rows(thread uint* raw, thread uint* up_raw, const de
   } else {
     muser_tile_load<FORMAT_B, IN>(raw, weight_b, offsets[0], offsets[1], span, t);
   }
-  if (SECOND == 1 || (SECOND == 2 && !in_a)) {
+  if (GLU != 0) {
     muser_tile_load<FORMAT_B, IN>(up_raw, weight_b, up_offsets[0], up_offsets[1], span, t);
-  } else if (SECOND == 2) {
-    muser_tile_load<FORMAT_A, IN>(up_raw, weight_a, up_offsets[0], up_offsets[1], span, t);
   }
 }
 
@@ -230,30 +184,6 @@ inline void muser_tile_stage(threadgroup uint4* codes, threadgroup float4* scale
   }
 }
 
-// Block k of span `span` of x for the 8 tokens from `token0`, read from device memory (no
-// stage: kernel product_tiles' STAGE 0), the same values as muser_tile_staged's: token
-// token0 + g's codes, the scales and code sums of tokens token0 + 2t, + 2t + 1.
-template <int FORMAT, int IN>
-inline void muser_tile_direct(thread muser_tile_x& x, const device int8_t* xq, const device float* xd,
-                              const device float* xs, uint token0, uint span, uint k, uint g, uint t) {
-  uint block = uint(MUSER_TILE_SPAN(IN)) * span + k;
-  const device uint* words = (const device uint*)(xq + size_t(token0 + g) * uint(IN) + 32u * block);
-  if (FORMAT == MUSER_Q6_K) {
-    x.b0 = words[t];
-    x.b1 = words[4u + t];
-  } else {
-    uint2 pair = ((const device uint2*)words)[t];
-    x.b0 = pair.x;
-    x.b1 = pair.y;
-  }
-  for (uint i = 0; i < 2u; ++i) {
-    size_t row = size_t(token0 + 2u * t + i);
-    float4 sums = *((const device float4*)(xs + row * uint(IN / 8) + 4u * block));
-    x.scale[i] = xd[row * uint(IN / 32) + block];
-    x.sum[i] = (sums.x + sums.y) + (sums.z + sums.w);
-  }
-}
-
 // Block k of the staged span for 8-token tile j (tokens 8j..8j+7 of the stage).
 template <int FORMAT, int IN, int TOKENS>
 inline void muser_tile_staged(thread muser_tile_x& x, const threadgroup uint4* codes, const threadgroup float4* scales,
@@ -314,30 +244,25 @@ inline void muser_tile_row_offsets(thread size_t* offsets, uint first_row, uint 
 }
 
 // The byte offsets of a lane's rows (muser_tile_row_offsets): offsets, its tile's in A (in_a)
-// or B; up_offsets, its second tile's (SECOND 1: the same rows of B; 2: its weight's next 16).
-template <int ROW_BYTES_A, int OUT_A, int ROW_BYTES_B, int OUT_B, int SECOND>
+// or B; up_offsets, with GLU the same rows of B.
+template <int ROW_BYTES_A, int OUT_A, int ROW_BYTES_B, int OUT_B, int GLU>
 inline void muser_tile_offsets(thread size_t* offsets, thread size_t* up_offsets, bool in_a, uint first_row, uint g) {
   if (in_a) {
     muser_tile_row_offsets<ROW_BYTES_A, OUT_A>(offsets, first_row, g);
   } else {
     muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(offsets, first_row, g);
   }
-  if (SECOND == 1 || (SECOND == 2 && !in_a)) {
-    muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(up_offsets, first_row + (SECOND == 2 ? 16u : 0u), g);
-  } else if (SECOND == 2) {
-    muser_tile_row_offsets<ROW_BYTES_A, OUT_A>(up_offsets, first_row + 16u, g);
+  if (GLU != 0) {
+    muser_tile_row_offsets<ROW_BYTES_B, OUT_B>(up_offsets, first_row, g);
   }
 }
 
 // One span of a 16-row tile (its words `raw`, muser_tile_load's) times `live` 8-token tiles (of
-// at most NT) of x: acc[j * 4 + e] (e as muser_tile_block's). x staged (STAGE 1: codes,
-// scales) or read from device memory (STAGE 0: xq, xd, xs from token first_token). The weights'
-// share of a block is unpacked once for all the token tiles.
-template <int FORMAT, int NT, int IN, int TOKENS, int STAGE>
+// at most NT) of the staged x (codes, scales): acc[j * 4 + e] (e as muser_tile_block's). The
+// weights' share of a block is unpacked once for all the token tiles.
+template <int FORMAT, int NT, int IN, int TOKENS>
 inline void muser_tile_span_product(thread const uint* raw, const threadgroup uint4* codes,
-                                    const threadgroup float4* scales, const device int8_t* xq,
-                                    const device float* xd, const device float* xs, uint first_token, uint span,
-                                    uint live, uint lane, thread float* acc) {
+                                    const threadgroup float4* scales, uint live, uint lane, thread float* acc) {
   uint g = lane / 4u;
   uint t = lane % 4u;
   MUSER_UNROLL
@@ -347,11 +272,7 @@ inline void muser_tile_span_product(thread const uint* raw, const threadgroup ui
     for (int j = 0; j < NT; ++j) {
       if (uint(j) < live) {
         muser_tile_x x;
-        if (STAGE != 0) {
-          muser_tile_staged<FORMAT, IN, TOKENS>(x, codes, scales, uint(j), k, g, t);
-        } else {
-          muser_tile_direct<FORMAT, IN>(x, xq, xd, xs, first_token + 8u * uint(j), span, k, g, t);
-        }
+        muser_tile_staged<FORMAT, IN, TOKENS>(x, codes, scales, uint(j), k, g, t);
         muser_tile_block<FORMAT>(w, x, lane, acc + j * 4);
       }
     }
@@ -551,7 +472,7 @@ inline void muser_tile_staged_f16(thread uint* b, const threadgroup uint4* stage
 }
 
 // One block's products of the staged token tile j: the tile's (a) into acc[j * 4 ..], and with
-// TWO the second tile's (up: the up projection, or a pair's rows 16 on) into
+// TWO the up projection's tile (up) into
 // acc[NT * 4 + j * 4 ..], from one read of the stage.
 template <int FORMAT, int NT, int IN, int TWO>
 inline void muser_tile_block_f16(thread const uint* a, thread const uint* up, const threadgroup uint4* stage, uint j,
@@ -567,9 +488,8 @@ inline void muser_tile_block_f16(thread const uint* a, thread const uint* up, co
 }
 
 // muser_tile_span_product's f16 form: the span's products added into the `live` token tiles'
-// sums (acc), and with TWO (a second tile of the same format: GLU's up projection, or a pair's
-// rows 16 on) the second tile's (up_raw) into acc[NT * 4 ..]: each x tile read from the stage
-// once for both.
+// sums (acc), and with TWO (GLU's up projection, of the same format) its tile's (up_raw) into
+// acc[NT * 4 ..]: each x tile read from the stage once for both.
 template <int FORMAT, int NT, int IN, int TWO>
 inline void muser_tile_span_product_f16(thread const uint* raw, thread const uint* up_raw,
                                         const threadgroup uint4* stage, uint live, uint lane, thread float* acc) {

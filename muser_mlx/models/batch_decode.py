@@ -12,7 +12,8 @@ A layer is layers.decoder_layer with this step's pieces:
   the fused step's products in their grouped form (kernels product / product_glu GROUPED, 8 rows
   a threadgroup) below Settings.batch_tiles_from sequences, tile products from there on
   (ops.TileProduct, kernel product_tiles: int8 matrix products of 16-row weight tiles and up to
-  64 rows of x staged in threadgroup memory, on tensor cores on NVIDIA GPUs). Either way the
+  64 rows of x staged in threadgroup memory, f16 ones of their values from
+  Settings.tile_half_from rows on, on tensor cores on NVIDIA GPUs). Either way the
   launch count per layer does not depend on B; the rows are padded to a multiple of 8.
 - elsewhere (the CPU): ops.linear on [B, 1, hidden] rows (the compiled CPU products, rounded
   inputs as generate()'s CPU steps: Settings.cpu_rounded) and the general step's seams.
@@ -192,9 +193,7 @@ class BatchStep:
                     inputs=[product(*stacks[i : i + 2]) for i in range(0, len(stacks), 2)],
                     output=product(block.attention.o_proj.weight_tensor),
                     gate_up=(ops.GatedProduct(ff.gate, ff.up, ff.activation_name, **grouped) if not tiles
-                             else ops.TileProduct(ff.gate, ff.up, settings=settings) if settings.tile_split_glu
                              else ops.TileProduct(ff.gate, ff.up, ff.activation_name, settings=settings)),
-                    activation=ff.activation_name if tiles and settings.tile_split_glu else None,
                     down=product(ff.down_proj.weight_tensor)))
             self._launches[tiles] = (layers, product(model.output))
         return self._launches[tiles]
@@ -203,13 +202,9 @@ class BatchStep:
     def feed_forward(launches: dict, h, summed: bool = True):
         """A layer's gated FFN on q8x h [padded, hidden] with its launches: float32 [padded,
         hidden]. A tile product's gated half is float32: quantized for the down projection.
-        With Settings.tile_split_glu the gate and up products are one chunked launch and the
-        activation runs after it. summed False: a tile product's down projection as its chunks'
+        summed False: a tile product's down projection as its chunks'
         partial sums [chunks, padded, hidden] (the seam adds them)."""
         f = launches["gate_up"](h)
-        if launches["activation"] is not None:  # Settings.tile_split_glu: [x G.T | x U.T], chunked
-            gate, up = mx.split(f, 2, axis=-1)
-            f = ops.glu(gate, up, launches["activation"])
         if not isinstance(launches["gate_up"], ops.TileProduct):
             return launches["down"](f)
         return launches["down"](ops.quantize_rows(f), summed=summed)

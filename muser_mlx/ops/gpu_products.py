@@ -260,8 +260,8 @@ def tile_chunks(spans: int, threadgroups: int, glu: bool, target: int) -> int:
 
 class TileProduct:
     """The batched decode step's products on the GPU (kernel product_tiles: int8 matrix products
-    of 16-row weight tiles and 8-row tiles of q8x x staged in threadgroup memory, on tensor cores
-    where the GPU has them). Called with q8x x [rows, in] (rows a multiple of 8): float32 [rows,
+    of 16-row weight tiles and 8-row tiles of q8x x staged in threadgroup memory, or f16 ones of
+    their values from Settings.tile_half_from rows on, on tensor cores where the GPU has them). Called with q8x x [rows, in] (rows a multiple of 8): float32 [rows,
     out] = [x A.T | x B.T] for weight A and, if given, `second` B of the same input (formats
     Q4_K, Q6_K, Q8_0); with `activation` ("silu" or "gelu_tanh"), act(x A.T) * (x B.T), A the
     gate and B the up projection. Products of few rows split the input over several
@@ -288,33 +288,27 @@ class TileProduct:
         self.out_a, self.out_b = weight.shape[1], second.shape[1] if second is not None else 0
         self.out_features = self.out_a if activation else self.out_a + self.out_b
         glu = activation is not None
-        # a SIMD group's rows (kernel product_tiles' MUSER_TILE_ROWS): 16, or 32 in the f16 form
-        # of a product that is not gated (Settings.tile_pair: two tiles of one weight; not with
-        # Q8_0, whose span's words would not fit the registers twice)
-        pair = (settings.tile_half and settings.tile_pair and not glu
-                and all(f in (GGMLType.Q4_K, GGMLType.Q6_K) for f in self.formats))
-        tile_rows = 32 if pair else 16
-        tiles = -(-self.out_a // tile_rows) + (0 if glu else -(-self.out_b // tile_rows))
+        tiles = -(-self.out_a // 16) + (0 if glu else -(-self.out_b // 16))
         self.warps, self.target = settings.tile_warps, settings.tile_threadgroups
         self.blocks = -(-tiles // self.warps)
         self.spans = self.in_features // (256 if self.in_features % 256 == 0 else 32)
         self._template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
                           + _weight_template("B", second if second is not None else weight)
                           + [("OUT_B", self.out_b), ("IN", self.in_features)])
-        self._shape = [("WARPS", self.warps), ("PREFETCH", int(settings.tile_prefetch)),
-                       ("STAGE", int(settings.tile_stage)), ("AHEAD", settings.tile_l2_ahead),
-                       ("HALF", int(settings.tile_half)),
-                       ("PAIR", int(pair))]
+        self.half_from = settings.tile_half_from
         self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
-        self.fit_tokens = settings.tile_fit_tokens
         self._launches = {}
 
-    def tokens(self, rows: int) -> int:
-        """The rows of x a threadgroup takes (kernel product_tiles' TOKENS): TILE_TOKENS, or with
-        Settings.tile_fit_tokens the least of 8, 16, 32, 64 that holds `rows`."""
-        if not self.fit_tokens:
-            return TILE_TOKENS
+    @staticmethod
+    def tokens(rows: int) -> int:
+        """The rows of x a threadgroup takes (kernel product_tiles' TOKENS): the least of 8, 16,
+        32, TILE_TOKENS that holds `rows`."""
         return min(TILE_TOKENS, max(8, 1 << (rows - 1).bit_length()))
+
+    def half(self, rows: int) -> bool:
+        """Whether `rows` rows of x take the f16 form (kernel product_tiles' HALF 1;
+        Settings.tile_half_from)."""
+        return rows >= self.half_from
 
     def launch_arguments(self, rows: int):
         """(template, grid, threadgroup, chunks) for `rows` rows of x (made once for each count)."""
@@ -328,7 +322,8 @@ class TileProduct:
         groups = -(-rows // tokens)
         chunks = tile_chunks(self.spans, groups * self.blocks, self.activation is not None, self.target)
         threadgroup = (32 * self.warps, 1, 1)
-        template = self._template + [("TOKENS", tokens)] + self._shape + [("CHUNKS", chunks)] + self._glu
+        template = (self._template + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(self.half(rows))),
+                                      ("CHUNKS", chunks)] + self._glu)
         return template, (threadgroup[0] * groups, self.blocks, chunks), threadgroup, chunks
 
     def __call__(self, x: Q8X, summed: bool = True) -> mx.array:
