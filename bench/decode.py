@@ -389,7 +389,7 @@ def main() -> None:
 
     linear_ms = linears_only_ms(model, args.steps)
     print(f"matrix products alone (all linears of one step, one evaluation): {linear_ms:.2f} ms "
-          f"({weight_bytes / linear_ms / 1e9:,.0f} GB/s; {peak_gb()})", flush=True)
+          f"({weight_bytes / linear_ms / 1e6:,.0f} GB/s; {peak_gb()})", flush=True)
     if args.set:
         print(f"settings: {', '.join(args.set)}", flush=True)
     print(f"fused decode step: {model.fused} (mx.compile: {model.gpu_step.compiled})", flush=True)
