@@ -75,10 +75,11 @@ class Settings:
     compile_decode: bool = True
     # The batched GPU step's products (models/batch_decode.py) are tile products (kernel
     # product_tiles, tensor-core MMA) from this many sequences on, kernel product's and
-    # product_glu's grouped form (8 rows a threadgroup, dot4 on the CUDA cores) below. At B = 8
-    # the tiles took 13.5 ms a step (H100) where the grouped form had taken 24.9 (H200); B = 2..7
-    # not timed in the tiles' present form (bench/history/session-47.md). 1: tiles at every B.
-    batch_tiles_from: int = 8
+    # product_glu's grouped form (8 rows a threadgroup, dot4 on the CUDA cores) below. Both
+    # forms pad the step's rows to 8, so from 2 sequences to 8 each does 8 rows' work: at 8 the
+    # tiles took 13.5 ms a step (H100) where the grouped form had taken 24.9 (H200)
+    # (bench/history/session-47.md). One sequence alone runs generate()'s step (BatchGenerator).
+    batch_tiles_from: int = 2
     # The tile products' launch shape (kernel product_tiles): 16-row weight tiles a threadgroup
     # (one a SIMD group, sharing the threadgroup's copy of x), and the threadgroups a launch aims
     # for, products of few rows splitting their input into chunks to reach them (ops.tile_chunks).
