@@ -21,9 +21,9 @@ position, mid-run) / copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
-import gc
 import time
 from pathlib import Path
 

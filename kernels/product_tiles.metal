@@ -5,7 +5,8 @@
 // The batched decode step's products: y = x W.T for up to TOKENS rows of q8x x per token group
 // (xq int8 [rows, IN], xd f32 [rows, IN/32], xs f32 [rows, IN/8]; rows a multiple of 8, read
 // from xq's shape) and raw GGUF weights (Q4_K, Q6_K or Q8_0; [OUT, ROW_BYTES] uint8, 4-byte
-// aligned), as int8 matrix products (lib/tiles.metal; tensor cores on NVIDIA GPUs):
+// aligned), as int8 or (HALF 1) f16 matrix products (lib/tiles.metal; tensor cores on NVIDIA
+// GPUs):
 //   GLU 0: y [CHUNKS, rows, OUT_A + OUT_B] = [x A.T | x B.T] over chunk c's share of the input
 //          (no B when OUT_B is 0); the caller adds the chunks.
 //   GLU 1: y [rows, OUT_A] = act(x A.T) * (x B.T), A the gate and B the up projection (OUT_B =

@@ -2,7 +2,9 @@
 // multiplies 16-row tiles of a raw GGUF weight (Q4_K, Q6_K, Q8_0) by 8-token tiles of q8x
 // activations staged in threadgroup memory, as int8 matrix products (lib/base.metal's
 // muser_mma_k32 / muser_mma_k16: tensor cores on NVIDIA GPUs), one 32-value block at a time,
-// and scales each block's integer dots into float accumulators.
+// and scales each block's integer dots into float accumulators; or (the f16 form, below) as
+// f16 products of the weights' and x's values (muser_mma_f16), summed into the accumulators
+// directly.
 // Which values a lane holds: lane l (g = l / 4, t = l % 4) gives the products positions
 // 8t..8t+7 of a block (k32: positions 8t..8t+3 as the product's columns 4t..4t+3, 8t+4..8t+7
 // as 16+4t..); a dot does not depend on the order of its terms, and weights and activations
