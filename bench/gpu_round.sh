@@ -14,13 +14,18 @@
 #   The next round (session 47 measured on an H100 and chose the defaults; its kernel cleanup
 #   ran on the CPU's emulator and nvcc only, bench/history/session-47.md):
 #   1. carry [".device/a"]: bash bench/gpu_round.sh start   (llama.cpp's build starts, ~280 s)
-#   2. carry [".device/b"] (~400 s): llama-batched-bench and the step at more counts, each in
-#      both tile forms (no PRE_TESTS: beside llama.cpp's build, session 47's ran one test in 100 s):
-#        BATCH_SECONDS=300 BATCH_ARGS="--batches 8,16,32,48,64,4 --steps 24 --parts --both
-#        --variant int8:tile_half_from=1000 --variant f16:tile_half_from=1" bash bench/gpu_round.sh bench
+#   2. carry [".device/b"] (~550 s): ncu of the f16 form's products at B = 64 while llama.cpp
+#      still builds (stall reasons, L2 and shared-memory rates: what bounds it, never measured),
+#      then llama-batched-bench and the step at more counts, each in both tile forms (no
+#      PRE_TESTS: beside llama.cpp's build, session 47's ran one test in 100 s):
+#        NCU_FIRST=1 NCU_SECONDS=200 NCU_KERNEL=product_tiles NCU_SKIP=413 NCU_COUNT=3
+#        NCU_ARGS="--batches 64 --steps 2" BATCH_SECONDS=300 BATCH_ARGS="--batches 8,16,32,48,64,4
+#        --steps 24 --parts --both --variant int8:tile_half_from=1000 --variant f16:tile_half_from=1"
+#        bash bench/gpu_round.sh bench
 #      (B = 48: f16 lost to int8 once, 42.3 against 35.8 ms, where B = 32 and 64 won; B = 4: the
 #      grouped form against the tiles' 8-row threadgroups, for Settings.batch_tiles_from)
-#   3. with time left: TESTS_SECONDS=540 bash bench/gpu_round.sh tests
+#   3. bash bench/gpu_round.sh timeline: where B = 64's ~9.5 ms beside its products go (~200 s)
+#   4. with time left: TESTS_SECONDS=540 bash bench/gpu_round.sh tests
 #   With little device time (~250 s): call 1 with LLAMA=0, then, carry [".device/b"],
 #   `bash bench/gpu_round.sh reads` (bench/tile_read.py: each tile product of Muse Glimmer's
 #   shapes beside its loads alone and a plain read, per form; random bytes, no model file).
