@@ -151,24 +151,6 @@ LAUNCHES = {
          ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("HALF", 0),
          ("CHUNKS", 2), ("GLU", 0), ("ACTIVATION", 0)]
     ),
-    "product_tiles_f16": (  # the f16 form: Q4_K and Q6_K in one launch
-        "product_tiles",
-        [InputSpec(mx.uint8, 2, 37 * 288), InputSpec(mx.uint8, 2, 45 * 420), InputSpec(mx.int8, 2, 24 * 512),
-         InputSpec(mx.float32, 2, 24 * 16), InputSpec(mx.float32, 2, 24 * 64)],
-        [mx.float32],
-        [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 37), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
-         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("HALF", 1),
-         ("CHUNKS", 2), ("GLU", 0), ("ACTIVATION", 0)]
-    ),
-    "product_tiles_f16_glu_q8_0": (  # the f16 form gated, Q8_0, 8 rows of x a threadgroup
-        "product_tiles",
-        [InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.int8, 2, 8 * 512),
-         InputSpec(mx.float32, 2, 8 * 16), InputSpec(mx.float32, 2, 8 * 64)],
-        [mx.float32],
-        [("FORMAT_A", 8), ("ROW_BYTES_A", 544), ("OUT_A", 64), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
-         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("HALF", 1),
-         ("CHUNKS", 1), ("GLU", 1), ("ACTIVATION", 1)]
-    ),
     "product_tiles_glu_q8_0": (  # gated, Q8_0, 8 rows of x a threadgroup
         "product_tiles",
         [InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.uint8, 2, 64 * 544), InputSpec(mx.int8, 2, 8 * 512),
@@ -249,6 +231,17 @@ LAUNCHES = {
         [("GROUPS", 6314)],
     ),
 }
+
+
+def _f16_form(launch):
+    """A product_tiles launch of LAUNCHES in its f16 form (template HALF 1)."""
+    name, specs, output_dtypes, template = launch
+    return name, specs, output_dtypes, [(key, 1 if key == "HALF" else value) for key, value in template]
+
+
+# the f16 form of the same launches: Q4_K and Q6_K in one launch; gated, Q8_0, 8 rows of x
+LAUNCHES["product_tiles_f16"] = _f16_form(LAUNCHES["product_tiles"])
+LAUNCHES["product_tiles_f16_glu_q8_0"] = _f16_form(LAUNCHES["product_tiles_glu_q8_0"])
 
 
 def compile_metal(text: str, tmp_path) -> subprocess.CompletedProcess:

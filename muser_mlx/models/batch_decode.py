@@ -202,8 +202,8 @@ class BatchStep:
     def feed_forward(launches: dict, h, summed: bool = True):
         """A layer's gated FFN on q8x h [padded, hidden] with its launches: float32 [padded,
         hidden]. A tile product's gated half is float32: quantized for the down projection.
-        summed False: a tile product's down projection as its chunks'
-        partial sums [chunks, padded, hidden] (the seam adds them)."""
+        summed False: a tile product's down projection as its chunks' partial sums [chunks,
+        padded, hidden] (the seam adds them)."""
         f = launches["gate_up"](h)
         if not isinstance(launches["gate_up"], ops.TileProduct):
             return launches["down"](f)

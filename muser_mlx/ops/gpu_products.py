@@ -261,12 +261,12 @@ def tile_chunks(spans: int, threadgroups: int, glu: bool, target: int) -> int:
 class TileProduct:
     """The batched decode step's products on the GPU (kernel product_tiles: int8 matrix products
     of 16-row weight tiles and 8-row tiles of q8x x staged in threadgroup memory, or f16 ones of
-    their values from Settings.tile_half_from rows on, on tensor cores where the GPU has them). Called with q8x x [rows, in] (rows a multiple of 8): float32 [rows,
-    out] = [x A.T | x B.T] for weight A and, if given, `second` B of the same input (formats
-    Q4_K, Q6_K, Q8_0); with `activation` ("silu" or "gelu_tanh"), act(x A.T) * (x B.T), A the
-    gate and B the up projection. Products of few rows split the input over several
-    threadgroups (tile_chunks) and add their sums after. On the CPU: the same math on x's
-    dequantized values (MLX ops)."""
+    their values from Settings.tile_half_from rows on, on tensor cores where the GPU has them).
+    Called with q8x x [rows, in] (rows a multiple of 8): float32 [rows, out] = [x A.T | x B.T]
+    for weight A and, if given, `second` B of the same input (formats Q4_K, Q6_K, Q8_0); with
+    `activation` ("silu" or "gelu_tanh"), act(x A.T) * (x B.T), A the gate and B the up
+    projection. Products of few rows split the input over several threadgroups (tile_chunks)
+    and add their sums after. On the CPU: the same math on x's dequantized values (MLX ops)."""
 
     def __init__(self, weight, second=None, activation: str | None = None, settings: Settings = DEFAULT):
         self.formats = [_format(weight, "product_tiles")]
