@@ -73,10 +73,12 @@ for (int i = 0; i < SUMS; ++i) {
 }
 uint raw[2 * RAW];
 uint up_raw[GLU != 0 ? 2 * MUSER_TILE_RAW(FORMAT_B) : 1];
-float top[HALF != 0 ? ITEMS : 1];  // the f16 stage's M of this thread's items (set at the first span)
-for (int n = 0; n < (HALF != 0 ? ITEMS : 1); ++n) {
-  top[n] = MUSER_TILE_F16_FLOOR;
+const int TOP = HALF != 0 ? MUSER_TILE_F16_TOP(IN, TOKENS, WARPS) : 1;
+float top[TOP];  // the f16 stage's M of the SIMD group's tokens (lib/tiles.metal; set at the first span)
+for (int r = 0; r < TOP; ++r) {
+  top[r] = MUSER_TILE_F16_FLOOR;
 }
+uint warp = simdgroup_index_in_threadgroup;
 for (uint span = first_span; span < end_span; ++span) {
   if (active) {  // the weight loads go out before the stage, and land while it is copied
     muser_tile_load_rows<FORMAT_A, FORMAT_B, IN, GLU>(raw, up_raw, weight_a, weight_b, offsets, up_offsets, in_a,
@@ -84,12 +86,16 @@ for (uint span = first_span; span < end_span; ++span) {
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // every SIMD group is done with the last span
   if (HALF != 0) {
-    if (span == first_span) {
-      muser_tile_f16_scales<IN, TOKENS, 32 * WARPS, ITEMS>(top, xd, first_token, tokens, first_span, end_span,
+    if (span == first_span) {  // M of each token: its items' threads, then the lanes that keep it
+      float items[ITEMS];
+      muser_tile_f16_scales<IN, TOKENS, 32 * WARPS, ITEMS>(items, xd, first_token, tokens, first_span, end_span,
                                                            thread_position_in_threadgroup.x);
+      muser_tile_f16_share<TOKENS, 32 * WARPS, ITEMS>(stage_codes, items, thread_position_in_threadgroup.x);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      muser_tile_f16_spread<IN, TOKENS, WARPS>(top, stage_codes, warp, lane);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    muser_tile_stage_f16<IN, TOKENS, 32 * WARPS, ITEMS>(stage_codes, xq, xd, top, first_token, tokens, span,
-                                                        thread_position_in_threadgroup.x);
+    muser_tile_stage_f16<IN, TOKENS, WARPS>(stage_codes, xq, xd, top, first_token, tokens, span, warp, lane);
   } else {
     muser_tile_stage<IN, TOKENS, 32 * WARPS>(stage_codes, stage_scales, xq, xd, xs, first_token, tokens, span,
                                              thread_position_in_threadgroup.x);
@@ -121,7 +127,7 @@ for (uint span = first_span; span < end_span; ++span) {
 }
 if (HALF != 0) {  // M to the store, through the stage
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  muser_tile_f16_share<TOKENS, 32 * WARPS, ITEMS>(stage_codes, top, thread_position_in_threadgroup.x);
+  muser_tile_f16_keep<IN, TOKENS, WARPS>(stage_codes, top, warp, lane);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 if (!active) {

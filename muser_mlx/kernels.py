@@ -376,9 +376,12 @@ def cuda_text_file(text: str, directory: Path | None = None) -> Path:
 
 
 def cuda_constants(template) -> str:
-    """Template constants as MLX's cuda_kernel writes them into the kernel's body."""
+    """Template constants as MLX's cuda_kernel writes them into the kernel's body (but for
+    LAUNCH_*, which cuda_launch_bounds turns into the header's)."""
     lines = []
     for key, value in template:
+        if key.startswith("LAUNCH_"):
+            continue
         if isinstance(value, bool):
             lines.append(f"  constexpr bool {key} = {'true' if value else 'false'};\n")
         elif isinstance(value, int) or hasattr(value, "__index__"):
@@ -391,7 +394,24 @@ def cuda_constants(template) -> str:
 def cuda_included_texts(kernel: KernelSource, template) -> tuple[str, str]:
     """(header, body) for one launch configuration, as the files hold them: MLX's cuda_kernel
     places the header before the kernel function and the body inside it."""
-    return CUDA_PRELUDE + to_cuda(kernel.header), cuda_constants(template) + to_cuda(kernel.body)
+    return (CUDA_PRELUDE + to_cuda(kernel.header) + cuda_launch_bounds(template),
+            cuda_constants(template) + to_cuda(kernel.body))
+
+
+def cuda_launch_bounds(template) -> str:
+    """CUDA's __launch_bounds__ for a launch whose template holds LAUNCH_THREADS (its
+    threadgroup's threads) and LAUNCH_MIN_THREADGROUPS > 0 (the threadgroups an SM must hold at
+    once: ptxas caps the registers a thread to fit them, spilling if it must). MLX writes the
+    kernel's signature itself, so the header redefines __global__ for the one function after
+    it. Only in the included texts (CUDA_INCLUDES): inline, one header serves every template.
+    Metal has no such bound; there the constants go unused."""
+    values = dict(template or ())
+    least = int(values.get("LAUNCH_MIN_THREADGROUPS", 0))
+    if least <= 0:
+        return ""
+    threads = int(values["LAUNCH_THREADS"])
+    return ("#if defined(__location__)\n#undef __global__\n"
+            f"#define __global__ __location__(global) __launch_bounds__({threads}, {least})\n#endif\n")
 
 
 def cuda_included_arguments(kernel: KernelSource, template, directory: Path | None = None) -> tuple[str, str, str]:

@@ -98,6 +98,13 @@ class Settings:
     # (bench/history/session-47.md). The weights' values must lie in f16's range (those of real
     # models do: |w| < 65,504).
     tile_half_from: int = 17
+    # A gated tile product (gate and up, kernel product_tiles GLU 1) holds two tiles' sums a
+    # lane: in the f16 form at 64 rows ptxas took 174 registers a thread, so an SM held 2
+    # threadgroups of 4 SIMD groups, and Muse Glimmer's 312 threadgroups ran in 1.18 waves at
+    # 11 % occupancy (H100, ncu: 16.9 of a 64-row step's 39.0 ms). On CUDA its threadgroups are
+    # launched bounded to hold at least this many SIMD groups an SM (__launch_bounds__: 12 =
+    # 3 of 4, at most 168 registers, 44 bytes spilled); 0: the compiler's count.
+    tile_glu_min_warps: int = 12
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any
@@ -132,6 +139,8 @@ class Settings:
             raise ValueError(f"tile_warps must be 1..8 (SIMD groups of a threadgroup), got {self.tile_warps}")
         if self.tile_half_from < 1:
             raise ValueError(f"tile_half_from must be at least 1 (rows of x), got {self.tile_half_from}")
+        if self.tile_glu_min_warps < 0:
+            raise ValueError(f"tile_glu_min_warps must be at least 0 (SIMD groups an SM), got {self.tile_glu_min_warps}")
         if self.tile_threadgroups < 1:
             raise ValueError(f"tile_threadgroups must be at least 1, got {self.tile_threadgroups}")
         if self.attention_head_group < 1:

@@ -456,8 +456,9 @@ def test_product_refuses_a_format_it_has_no_kernel_for(rng):
                                                              (False, True, True), (True, True, False)],
                          ids=["sandwich", "plain", "embedding", "post-only"])  # post-only: OLMo 2's
 # The kernel cuts a row into slices of ops.norm.SEAM_SLICE_BLOCKS 32-value blocks, one
-# threadgroup each: 416 (13 blocks) is one partial slice, 2880 (90 blocks) ends in one.
-@pytest.mark.parametrize("hidden, tokens", [(256, 2), (6656, 2), (416, 3), (2880, 3)])
+# threadgroup each: 416 (13 blocks) is one partial slice, 2880 (90 blocks) ends in one. A
+# batched step's 64 rows: slices of up to SEAM_WIDE_BLOCKS blocks (6656: two of 104).
+@pytest.mark.parametrize("hidden, tokens", [(256, 2), (6656, 2), (416, 3), (2880, 3), (6656, 64)])
 @pytest.mark.parametrize("chunks", [1, 3], ids=["", "chunked"])  # a tile product's partial sums, added
 def test_residual_norm_quant_matches_numpy(backend, rng, residual, branch_norm, next_norm, hidden, tokens, chunks):
     x = rng.standard_normal((tokens, hidden)).astype(np.float32) * 3

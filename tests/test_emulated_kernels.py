@@ -278,14 +278,14 @@ def test_grouped_products_take_every_token_group(rng, rows):
 
 
 @TILE_FORMS
-@pytest.mark.parametrize("warps, target", [(1, 1), (3, 64), (8, 512)])
-def test_tile_products_take_their_launch_shape_from_the_settings(rng, warps, target, half):
+@pytest.mark.parametrize("warps, target, rows", [(1, 1, 72), (3, 64, 16), (8, 512, 16)])
+def test_tile_products_take_their_launch_shape_from_the_settings(rng, warps, target, rows, half):
     """Settings.tile_warps (weight tiles a threadgroup: 1, 3 with a last threadgroup of fewer
     tiles, 8 with SIMD groups that have none) and tile_threadgroups (the chunks: 1 for a target of
-    1; 3 runs of the 6 spans for 64), in both forms (f16: the stage's items a thread, 8, 3 with
-    some threads' last item past the stage, and 1)."""
+    1; 3 runs of the 6 spans for 64), in both forms (f16: the tokens a SIMD group stages, 64 of a
+    group of 72 rows' two, the second partial, and two M a lane; 6 or 5 of 16; 2)."""
     a, a_values = weight(rng, GGMLType.Q4_K, 1536, 77, "a")
-    x, x_values = q8x(rng.standard_normal((16, 1536)).astype(np.float32))
+    x, x_values = q8x(rng.standard_normal((rows, 1536)).astype(np.float32))
     settings = tile_settings(half, tile_warps=warps, tile_threadgroups=target)
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         out = np.array(ops.TileProduct(a, settings=settings)(x))
@@ -447,11 +447,15 @@ def test_product_glu(rng, activation, tokens):
 
 # A threadgroup writes a slice of ops.norm.SEAM_SLICE_BLOCKS blocks: 416 = 13 blocks (one partial
 # slice), 2880 = 90 blocks (a partial last slice, a whole-row pass that leaves the row early).
-# post-only: OLMo 2's seam, no next norm (h is the sum, quantized).
+# post-only: OLMo 2's seam, no next norm (h is the sum, quantized). From SEAM_WIDE_FROM rows on
+# (a batched step's), slices of up to SEAM_WIDE_BLOCKS: 6656 in two of 104 blocks (832
+# threads), 2880 in one of 90 (736).
 @pytest.mark.parametrize("residual, branch_norm, hidden, tokens, next_norm",
                          [(True, True, 256, 2, True), (False, True, 6656, 2, True), (True, False, 416, 3, True),
-                          (True, True, 2880, 3, True), (True, True, 416, 3, False)],
-                         ids=["sandwich-256", "embedding-6656", "plain-416x3", "sandwich-2880x3", "post-only-416x3"])
+                          (True, True, 2880, 3, True), (True, True, 416, 3, False), (True, True, 6656, 9, True),
+                          (False, True, 2880, 10, True)],
+                         ids=["sandwich-256", "embedding-6656", "plain-416x3", "sandwich-2880x3", "post-only-416x3",
+                              "wide-6656x9", "wide-embedding-2880x10"])
 @pytest.mark.parametrize("chunks", [1, 3], ids=["", "chunked"])  # a tile product's partial sums, added
 def test_residual_norm_quant(rng, residual, branch_norm, hidden, tokens, next_norm, chunks):
     x = rng.standard_normal((tokens, hidden)).astype(np.float32) * 3

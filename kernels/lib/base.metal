@@ -156,11 +156,16 @@ inline void muser_device_fence() {
 #endif
 
 // A loop unrolled whole (CUDA; Metal's compiler decides): where a loop's index picks array
-// elements, which then stay in registers instead of the stack.
+// elements, which then stay in registers instead of the stack. MUSER_UNROLL_BY(n): by n, a
+// constant expression (a loop whose unrolled loads, all in flight at once, may take too many
+// registers).
 #if defined(__CUDACC__)
 #define MUSER_UNROLL _Pragma("unroll")
+#define MUSER_PRAGMA(text) _Pragma(#text)
+#define MUSER_UNROLL_BY(n) MUSER_PRAGMA(unroll n)
 #else
 #define MUSER_UNROLL
+#define MUSER_UNROLL_BY(n)
 #endif
 
 // Integer matrix products of a SIMD group on int8 codes (tensor cores on NVIDIA GPUs: one

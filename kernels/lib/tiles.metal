@@ -297,15 +297,15 @@ inline void muser_tile_span_product(thread const uint* raw, const threadgroup ui
 // 8t + 7 of a block: the pairs (0, 2), (1, 3), (4, 6), (5, 7)); a block's 4 groups (64 bytes)
 // at slot k ^ (token & 1) of the token's row (rows of 8 blocks: a SIMD group's tokens g and
 // g + 1 then read different banks): TOKENS * 512 bytes, 32 KB for 64 tokens (Metal's limit).
-// A thread's items: i = thread_index + n * THREADS < TOKENS * 4 (n < ITEMS), token i / 4's
-// group i % 4 of each block.
+// M is found by items (muser_tile_f16_scales: i = thread_index + n * THREADS < TOKENS * 4, n <
+// ITEMS, token i / 4's group i % 4 of each block) and the stage written by SIMD groups, a
+// token's whole span a load instruction (muser_tile_stage_f16, below).
 #define MUSER_TILE_F16_SLOT(IN, token, k) (MUSER_TILE_SPAN(IN) > 1 ? ((k) ^ ((token) & 1u)) : (k))
 #define MUSER_TILE_F16_FLOOR 7.888609e-31f  // 2^-100: M of a token whose scales are all 0
 
 // M of the thread's items' tokens (top[n]) over spans first_span .. end_span - 1: the 4 items of
 // a token (neighbouring lanes) take every 4th block (every 4th vector of 4) and share their
-// maximum. Called by every thread as the chunk's first span is staged, its weight loads in
-// flight.
+// maximum. Called by every thread at the chunk's first span, its weight loads in flight.
 template <int IN, int TOKENS, int THREADS, int ITEMS>
 inline void muser_tile_f16_scales(thread float* top, const device float* xd, uint first_token, uint tokens,
                                   uint first_span, uint end_span, uint thread_index) {
@@ -353,41 +353,89 @@ inline void muser_tile_f16_codes(thread uint* low, thread uint* high, uint word,
   *high = muser_half_fma(muser_half_fma(((word >> 8) & mask) | 0x64006400u, ONE, bias), scale, least);
 }
 
-// Every thread of the threadgroup (THREADS of them) stages its items of span `span` of tokens
-// first_token .. first_token + tokens - 1 (top: their M, muser_tile_f16_scales').
-template <int IN, int TOKENS, int THREADS, int ITEMS>
-inline void muser_tile_stage_f16(threadgroup uint4* stage, const device int8_t* xq, const device float* xd,
-                                 thread const float* top, uint first_token, uint tokens, uint span,
-                                 uint thread_index) {
-  const uint SPAN = uint(MUSER_TILE_SPAN(IN));
-  MUSER_UNROLL
-  for (uint n = 0; n < uint(ITEMS); ++n) {
-    uint i = thread_index + n * uint(THREADS);
-    uint token = i / 4u;
-    uint group = i % 4u;
-    if (i < uint(TOKENS) * 4u && token < tokens) {
-      size_t row = size_t(first_token + token);
-      const device uint2* codes = (const device uint2*)(xq + row * uint(IN) + 32u * SPAN * span + 8u * group);
-      const device float* scales = xd + row * uint(IN / 32) + SPAN * span;
-      threadgroup uint4* out = stage + token * SPAN * 4u + group;
-      float inverse = 1.0f / top[n];
-      MUSER_UNROLL
-      for (uint k = 0; k < SPAN; ++k) {
-        float f = scales[k] * inverse;
-        uint factor = muser_half_pair(f, f);
-        uint2 code = codes[4u * k];
-        uint4 pairs;
-        const uint MINUS_1152 = 0xE480E480u;  // 1024 + (code + 128) becomes code
-        muser_tile_f16_codes(&pairs.x, &pairs.y, code.x ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
-        muser_tile_f16_codes(&pairs.z, &pairs.w, code.y ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
-        out[4u * MUSER_TILE_F16_SLOT(IN, token, k)] = pairs;
-      }
+// The stage's tokens by SIMD group (muser_tile_stage_f16): a token's span is 32 * SPAN bytes of
+// codes, 8 a lane, so one load instruction of a SIMD group covers TPI = 8 / SPAN tokens (1: the
+// whole span of one token, 256 contiguous bytes and its 8 scales: few cache lines an
+// instruction). Instruction i (< TOKENS / TPI) is SIMD group i % WARPS's, its n-th (n = i /
+// WARPS); the n-th instruction's tokens are its SIMD group's tokens n * TPI .. n * TPI + TPI - 1,
+// and lane j holds the M of its SIMD group's tokens j and j + 32 (top[0], top[1]), handed round by
+// a shuffle as each token is staged.
+#define MUSER_TILE_F16_TPI(IN) (8 / MUSER_TILE_SPAN(IN))
+#define MUSER_TILE_F16_OWN(IN, TOKENS, WARPS) \
+  ((TOKENS / MUSER_TILE_F16_TPI(IN) + WARPS - 1) / WARPS * MUSER_TILE_F16_TPI(IN))  // tokens a SIMD group stages
+#define MUSER_TILE_F16_TOP(IN, TOKENS, WARPS) ((MUSER_TILE_F16_OWN(IN, TOKENS, WARPS) + 31) / 32)
+
+// Between barriers at the chunk's first span: the M of every token, written to the stage's
+// floats by muser_tile_f16_share, read into the lanes that keep them (top, as above).
+template <int IN, int TOKENS, int WARPS>
+inline void muser_tile_f16_spread(thread float* top, const threadgroup uint4* stage, uint warp, uint lane) {
+  const uint TPI = uint(MUSER_TILE_F16_TPI(IN));
+  const uint OWN = uint(MUSER_TILE_F16_OWN(IN, TOKENS, WARPS));
+  for (uint r = 0; r < uint(MUSER_TILE_F16_TOP(IN, TOKENS, WARPS)); ++r) {
+    uint own = lane + 32u * r;
+    uint i = warp + (own / TPI) * uint(WARPS);
+    top[r] = own < OWN && i < uint(TOKENS) / TPI ? ((const threadgroup float*)stage)[i * TPI + own % TPI]
+                                                  : MUSER_TILE_F16_FLOOR;
+  }
+}
+
+// After the last span (the stage free), between barriers: the M the lanes keep written back for
+// the store (muser_tile_f16_scale).
+template <int IN, int TOKENS, int WARPS>
+inline void muser_tile_f16_keep(threadgroup uint4* stage, thread const float* top, uint warp, uint lane) {
+  const uint TPI = uint(MUSER_TILE_F16_TPI(IN));
+  const uint OWN = uint(MUSER_TILE_F16_OWN(IN, TOKENS, WARPS));
+  for (uint r = 0; r < uint(MUSER_TILE_F16_TOP(IN, TOKENS, WARPS)); ++r) {
+    uint own = lane + 32u * r;
+    uint i = warp + (own / TPI) * uint(WARPS);
+    if (own < OWN && i < uint(TOKENS) / TPI) {
+      ((threadgroup float*)stage)[i * TPI + own % TPI] = top[r];
     }
   }
 }
 
-// After the last span (the stage free): the threads' M written for the store, which reads
-// token `token`'s with muser_tile_f16_scale. Every thread calls both, between barriers.
+// SIMD group `warp` stages its tokens of span `span` (of first_token .. first_token + tokens -
+// 1; top: their M, muser_tile_f16_spread's), every SIMD group of the threadgroup calling it.
+template <int IN, int TOKENS, int WARPS>
+inline void muser_tile_stage_f16(threadgroup uint4* stage, const device int8_t* xq, const device float* xd,
+                                 thread const float* top, uint first_token, uint tokens, uint span, uint warp,
+                                 uint lane) {
+  const uint SPAN = uint(MUSER_TILE_SPAN(IN));
+  const uint TPI = uint(MUSER_TILE_F16_TPI(IN));
+  const uint LANES = 4u * SPAN;  // lanes a token
+  uint sub = lane / LANES;
+  uint piece = lane % LANES;  // the lane's 8 bytes: block piece / 4, group piece % 4 (positions 8 (piece % 4) ..)
+  uint k = piece / 4u;
+  uint group = piece % 4u;
+  // the SIMD group's first token's codes and scale; the n-th instruction's are a constant
+  // distance on (n * WARPS * TPI rows: an immediate offset once unrolled). A lane whose first
+  // token is past the rows has none after it: its pointers stay in x, never read.
+  size_t first_row = size_t(first_token + min(warp * TPI + sub, tokens - 1u));
+  const device uint2* codes = (const device uint2*)(xq + first_row * uint(IN) + 32u * SPAN * span + 8u * piece);
+  const device float* scales = xd + first_row * uint(IN / 32) + SPAN * span + k;
+  // 4 tokens' loads in flight below 64 rows (all 8 at 32 rows: 110 registers a thread, not
+  // 97, in the o-projection's launch); all 16 at 64 (by 4: the gated launch spills at 168)
+  MUSER_UNROLL_BY((TOKENS >= 64 ? 16 : 4))
+  for (uint n = 0; n < uint(MUSER_TILE_F16_OWN(IN, TOKENS, WARPS)) / TPI; ++n) {
+    uint own = n * TPI + sub;  // (n * TPI + sub) / 32 = n * TPI / 32: top's index is the same in all lanes
+    float m = simd_shuffle(top[MUSER_TILE_F16_TOP(IN, TOKENS, WARPS) > 1 ? (n * TPI) / 32u : 0u], ushort(own % 32u));
+    uint i = warp + n * uint(WARPS);
+    uint token = i * TPI + sub;
+    if (i < uint(TOKENS) / TPI && token < tokens) {  // uniform in a SIMD group with SPAN 8
+      uint2 code = codes[n * uint(WARPS) * TPI * uint(IN / 8)];
+      float f = scales[n * uint(WARPS) * TPI * uint(IN / 32)] * (1.0f / m);
+      uint factor = muser_half_pair(f, f);
+      uint4 pairs;
+      const uint MINUS_1152 = 0xE480E480u;  // 1024 + (code + 128) becomes code
+      muser_tile_f16_codes(&pairs.x, &pairs.y, code.x ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
+      muser_tile_f16_codes(&pairs.z, &pairs.w, code.y ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
+      stage[token * SPAN * 4u + 4u * MUSER_TILE_F16_SLOT(IN, token, k) + group] = pairs;
+    }
+  }
+}
+
+// After the M of the thread's items (muser_tile_f16_scales): written to the stage's floats, where
+// muser_tile_f16_spread reads them. Every thread calls it, between barriers.
 template <int TOKENS, int THREADS, int ITEMS>
 inline void muser_tile_f16_share(threadgroup uint4* stage, thread const float* top, uint thread_index) {
   MUSER_UNROLL

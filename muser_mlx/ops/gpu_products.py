@@ -290,6 +290,9 @@ class TileProduct:
         glu = activation is not None
         tiles = -(-self.out_a // 16) + (0 if glu else -(-self.out_b // 16))
         self.warps, self.target = settings.tile_warps, settings.tile_threadgroups
+        # A gated product's 64-row threadgroups an SM holds at once, at least (CUDA: registers
+        # capped; Settings.tile_glu_min_warps)
+        self.least = max(1, settings.tile_glu_min_warps // self.warps) if glu and settings.tile_glu_min_warps else 0
         self.blocks = -(-tiles // self.warps)
         self.spans = self.in_features // (256 if self.in_features % 256 == 0 else 32)
         self._template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
@@ -323,7 +326,9 @@ class TileProduct:
         chunks = tile_chunks(self.spans, groups * self.blocks, self.activation is not None, self.target)
         threadgroup = (32 * self.warps, 1, 1)
         template = (self._template + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(self.half(rows))),
-                                      ("CHUNKS", chunks)] + self._glu)
+                                      ("CHUNKS", chunks)] + self._glu
+                    + [("LAUNCH_THREADS", threadgroup[0]),
+                       ("LAUNCH_MIN_THREADGROUPS", self.least if tokens == TILE_TOKENS else 0)])
         return template, (threadgroup[0] * groups, self.blocks, chunks), threadgroup, chunks
 
     def __call__(self, x: Q8X, summed: bool = True) -> mx.array:

@@ -16,6 +16,23 @@ from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows
 # SEAM_SLICE_BLOCKS * 8 <= SEAM_THREADS (a thread holds 4 values of its slice).
 SEAM_SLICE_BLOCKS = 16
 SEAM_THREADS = 256
+# Above SEAM_WIDE_FROM rows (a batched step's), the rows themselves fill the GPU: a row takes
+# as few slices as threadgroups of at most 1,024 threads hold (SEAM_WIDE_BLOCKS blocks each),
+# so that each slice's reads of the whole row repeat less: 64 rows of 6,656 values in 13
+# slices, 5 chunks, took 26 us (H100), ~155 MB read from L2; in 2 slices of 104 blocks (832
+# threads), ~24 MB.
+SEAM_WIDE_FROM = 9
+SEAM_WIDE_BLOCKS = 128
+
+
+def seam_shape(hidden: int, rows: int) -> tuple[int, int]:
+    """(blocks a slice, threads a threadgroup) of residual_norm_quant for `rows` rows."""
+    if rows < SEAM_WIDE_FROM:
+        return SEAM_SLICE_BLOCKS, SEAM_THREADS
+    blocks = hidden // 32
+    slices = -(-blocks // SEAM_WIDE_BLOCKS)
+    per = -(-blocks // slices)
+    return per, -(-per * 8 // 32) * 32
 # residual_norm on a GPU: kernel residual_norm_rows, one launch a seam, a threadgroup a row, of
 # at least ROWS_THREADS threads and more while a thread would hold over ROWS_PER_THREAD values.
 ROWS_THREADS = 256
@@ -107,11 +124,12 @@ def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weig
             b = mx.fast.rms_norm(b, branch_weight, branch_eps)
         total = b * branch_scale if residual is None else residual + b * branch_scale
         return total, quantize_rows_mlx(total if next_weight is None else mx.fast.rms_norm(total, next_weight, next_eps))
-    if SEAM_SLICE_BLOCKS * 8 > SEAM_THREADS or SEAM_THREADS % 32:
-        raise ValueError(f"residual_norm_quant: {SEAM_THREADS} threads cannot hold a slice of "
-                         f"{SEAM_SLICE_BLOCKS} blocks (8 threads a block, whole SIMD groups)")
-    slices = -(-(hidden // 32) // SEAM_SLICE_BLOCKS)
     lead = tuple(branch.shape[1 if chunked else 0 : -1])
+    slice_blocks, threads = seam_shape(hidden, math.prod(lead))
+    if slice_blocks * 8 > threads or threads % 32 or threads > 1024:
+        raise ValueError(f"residual_norm_quant: {threads} threads cannot hold a slice of "
+                         f"{slice_blocks} blocks (8 threads a block, whole SIMD groups, at most 1024)")
+    slices = -(-(hidden // 32) // slice_blocks)
     total, codes, scales, sums = kernels.launch(
         "residual_norm_quant",
         inputs=[(branch[0] if chunked else branch) if residual is None else residual, branch,
@@ -119,9 +137,11 @@ def residual_norm_quant(residual: mx.array | None, branch: mx.array, branch_weig
                 kernels.parameters(branch_eps, next_eps, branch_scale)],
         template=[("HIDDEN", hidden), ("RESIDUAL", int(residual is not None)),
                   ("BRANCH_NORM", int(branch_weight is not None)), ("NEXT_NORM", int(next_weight is not None)),
-                  ("SLICE_BLOCKS", SEAM_SLICE_BLOCKS), ("THREADS", SEAM_THREADS), ("CHUNKS", chunks)],
-        grid=(math.prod(lead) * slices * SEAM_THREADS, 1, 1),
-        threadgroup=(SEAM_THREADS, 1, 1),
+                  ("SLICE_BLOCKS", slice_blocks), ("THREADS", threads), ("CHUNKS", chunks)]
+        # CUDA: the registers capped to fit one threadgroup of the wide shape (up to 1,024 threads)
+        + ([("LAUNCH_THREADS", threads), ("LAUNCH_MIN_THREADGROUPS", 1)] if threads > SEAM_THREADS else []),
+        grid=(math.prod(lead) * slices * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(*lead, hidden)] + q8x_shapes(lead, hidden),
         output_dtypes=[mx.float32] + Q8X_DTYPES,
     )
