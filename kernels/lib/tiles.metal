@@ -407,28 +407,26 @@ inline void muser_tile_stage_f16(threadgroup uint4* stage, const device int8_t* 
   uint piece = lane % LANES;  // the lane's 8 bytes: block piece / 4, group piece % 4 (positions 8 (piece % 4) ..)
   uint k = piece / 4u;
   uint group = piece % 4u;
-  // the SIMD group's first token's codes and scale; the n-th instruction's are a constant
-  // distance on (n * WARPS * TPI rows: an immediate offset once unrolled). A lane whose first
-  // token is past the rows has none after it: its pointers stay in x, never read.
-  size_t first_row = size_t(first_token + min(warp * TPI + sub, tokens - 1u));
-  const device uint2* codes = (const device uint2*)(xq + first_row * uint(IN) + 32u * SPAN * span + 8u * piece);
-  const device float* scales = xd + first_row * uint(IN / 32) + SPAN * span + k;
-  // 4 tokens' loads in flight below 64 rows (all 8 at 32 rows: 110 registers a thread, not
-  // 97, in the o-projection's launch); all 16 at 64 (by 4: the gated launch spills at 168)
+  // Every load is made, a dead token's (past the rows) from the SIMD group's first row, and only
+  // the stores are conditional: loads under a condition each were not hoisted, and the tokens'
+  // trips to L2 went one after another (H100: the 64-row step 42.8 ms, against 39.0).
+  uint first_live = min(warp * TPI + sub, tokens - 1u);
   MUSER_UNROLL_BY((TOKENS >= 64 ? 16 : 4))
   for (uint n = 0; n < uint(MUSER_TILE_F16_OWN(IN, TOKENS, WARPS)) / TPI; ++n) {
     uint own = n * TPI + sub;  // (n * TPI + sub) / 32 = n * TPI / 32: top's index is the same in all lanes
     float m = simd_shuffle(top[MUSER_TILE_F16_TOP(IN, TOKENS, WARPS) > 1 ? (n * TPI) / 32u : 0u], ushort(own % 32u));
     uint i = warp + n * uint(WARPS);
     uint token = i * TPI + sub;
-    if (i < uint(TOKENS) / TPI && token < tokens) {  // uniform in a SIMD group with SPAN 8
-      uint2 code = codes[n * uint(WARPS) * TPI * uint(IN / 8)];
-      float f = scales[n * uint(WARPS) * TPI * uint(IN / 32)] * (1.0f / m);
-      uint factor = muser_half_pair(f, f);
-      uint4 pairs;
-      const uint MINUS_1152 = 0xE480E480u;  // 1024 + (code + 128) becomes code
-      muser_tile_f16_codes(&pairs.x, &pairs.y, code.x ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
-      muser_tile_f16_codes(&pairs.z, &pairs.w, code.y ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
+    bool live = i < uint(TOKENS) / TPI && token < tokens;
+    size_t row = size_t(first_token + (live ? token : first_live));
+    uint2 code = *((const device uint2*)(xq + row * uint(IN) + 32u * SPAN * span + 8u * piece));
+    float f = xd[row * uint(IN / 32) + SPAN * span + k] * (1.0f / m);
+    uint factor = muser_half_pair(f, f);
+    uint4 pairs;
+    const uint MINUS_1152 = 0xE480E480u;  // 1024 + (code + 128) becomes code
+    muser_tile_f16_codes(&pairs.x, &pairs.y, code.x ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
+    muser_tile_f16_codes(&pairs.z, &pairs.w, code.y ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
+    if (live) {  // uniform in a SIMD group with SPAN 8
       stage[token * SPAN * 4u + 4u * MUSER_TILE_F16_SLOT(IN, token, k) + group] = pairs;
     }
   }
