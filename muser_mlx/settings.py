@@ -101,9 +101,10 @@ class Settings:
     # A gated tile product (gate and up, kernel product_tiles GLU 1) holds two tiles' sums a
     # lane: in the f16 form at 64 rows ptxas took 174 registers a thread, so an SM held 2
     # threadgroups of 4 SIMD groups, and Muse Glimmer's 312 threadgroups ran in 1.18 waves at
-    # 11 % occupancy (H100, ncu: 16.9 of a 64-row step's 39.0 ms). On CUDA its threadgroups are
-    # launched bounded to hold at least this many SIMD groups an SM (__launch_bounds__: 12 =
-    # 3 of 4, at most 168 registers, 44 bytes spilled); 0: the compiler's count.
+    # 11 % occupancy (H100, ncu: 16.9 of a 64-row step's 39.0 ms; bench/history/session-48.md).
+    # On CUDA its 64-row threadgroups are launched bounded to hold at least this many SIMD
+    # groups an SM (__launch_bounds__: 12 = 3 of 4, at most 168 registers, a few bytes spilled);
+    # 0: the compiler's count.
     tile_glu_min_warps: int = 12
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --

@@ -408,8 +408,8 @@ inline void muser_tile_stage_f16(threadgroup uint4* stage, const device int8_t* 
   uint k = piece / 4u;
   uint group = piece % 4u;
   // Every load is made, a dead token's (past the rows) from the SIMD group's first row, and only
-  // the stores are conditional: loads under a condition each were not hoisted, and the tokens'
-  // trips to L2 went one after another (H100: the 64-row step 42.8 ms, against 39.0).
+  // the stores are conditional: loads each under its own condition are not hoisted, and the
+  // tokens' trips to L2 go one after another (bench/history/session-48.md).
   uint first_live = min(warp * TPI + sub, tokens - 1u);
   MUSER_UNROLL_BY((TOKENS >= 64 ? 16 : 4))
   for (uint n = 0; n < uint(MUSER_TILE_F16_OWN(IN, TOKENS, WARPS)) / TPI; ++n) {
