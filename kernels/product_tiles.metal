@@ -30,7 +30,8 @@
 // multiple of 32; of 256 for Q4_K and Q6_K), TOKENS (a multiple of 8), WARPS, CHUNKS, GLU,
 // ACTIVATION, HALF (1: the products in f16 on x's values and the weights' (lib/tiles.metal's
 // f16 form: no scaling per block and token tile); 0: int8 products of the codes, scaled per
-// block).
+// block), BY_TOKEN (HALF 1: the stage written by SIMD groups, a token a load instruction; 0: by
+// items), LAUNCH_THREADS and LAUNCH_MIN_THREADGROUPS (CUDA's launch bounds: the header's).
 #include "lib/tiles.metal"
 const int NT = TOKENS / 8;
 const int SUMS = GLU != 0 ? 2 * NT * 4 : NT * 4;  // a lane's sums (its tile's, then the up projection's)
@@ -73,8 +74,12 @@ for (int i = 0; i < SUMS; ++i) {
 }
 uint raw[2 * RAW];
 uint up_raw[GLU != 0 ? 2 * MUSER_TILE_RAW(FORMAT_B) : 1];
-const int TOP = HALF != 0 ? MUSER_TILE_F16_TOP(IN, TOKENS, WARPS) : 1;
-float top[TOP];  // the f16 stage's M of the SIMD group's tokens (lib/tiles.metal; set at the first span)
+float items[HALF != 0 ? ITEMS : 1];  // the f16 stage's M of this thread's items (set at the first span)
+for (int n = 0; n < (HALF != 0 ? ITEMS : 1); ++n) {
+  items[n] = MUSER_TILE_F16_FLOOR;
+}
+const int TOP = HALF != 0 && BY_TOKEN != 0 ? MUSER_TILE_F16_TOP(IN, TOKENS, WARPS) : 1;
+float top[TOP];  // BY_TOKEN 1: the M of the SIMD group's tokens (lib/tiles.metal; set at the first span)
 for (int r = 0; r < TOP; ++r) {
   top[r] = MUSER_TILE_F16_FLOOR;
 }
@@ -86,16 +91,22 @@ for (uint span = first_span; span < end_span; ++span) {
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // every SIMD group is done with the last span
   if (HALF != 0) {
-    if (span == first_span) {  // M of each token: its items' threads, then the lanes that keep it
-      float items[ITEMS];
+    if (span == first_span) {  // M of each token by items (BY_TOKEN 1: then to the lanes that keep it)
       muser_tile_f16_scales<IN, TOKENS, 32 * WARPS, ITEMS>(items, xd, first_token, tokens, first_span, end_span,
                                                            thread_position_in_threadgroup.x);
-      muser_tile_f16_share<TOKENS, 32 * WARPS, ITEMS>(stage_codes, items, thread_position_in_threadgroup.x);
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      muser_tile_f16_spread<IN, TOKENS, WARPS>(top, stage_codes, warp, lane);
-      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (BY_TOKEN != 0) {
+        muser_tile_f16_share<TOKENS, 32 * WARPS, ITEMS>(stage_codes, items, thread_position_in_threadgroup.x);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        muser_tile_f16_spread<IN, TOKENS, WARPS>(top, stage_codes, warp, lane);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+      }
     }
-    muser_tile_stage_f16<IN, TOKENS, WARPS>(stage_codes, xq, xd, top, first_token, tokens, span, warp, lane);
+    if (BY_TOKEN != 0) {
+      muser_tile_stage_f16_by_token<IN, TOKENS, WARPS>(stage_codes, xq, xd, top, first_token, tokens, span, warp, lane);
+    } else {
+      muser_tile_stage_f16<IN, TOKENS, 32 * WARPS, ITEMS>(stage_codes, xq, xd, items, first_token, tokens, span,
+                                                          thread_position_in_threadgroup.x);
+    }
   } else {
     muser_tile_stage<IN, TOKENS, 32 * WARPS>(stage_codes, stage_scales, xq, xd, xs, first_token, tokens, span,
                                              thread_position_in_threadgroup.x);
@@ -127,7 +138,11 @@ for (uint span = first_span; span < end_span; ++span) {
 }
 if (HALF != 0) {  // M to the store, through the stage
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  muser_tile_f16_keep<IN, TOKENS, WARPS>(stage_codes, top, warp, lane);
+  if (BY_TOKEN != 0) {
+    muser_tile_f16_keep<IN, TOKENS, WARPS>(stage_codes, top, warp, lane);
+  } else {
+    muser_tile_f16_share<TOKENS, 32 * WARPS, ITEMS>(stage_codes, items, thread_position_in_threadgroup.x);
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 if (!active) {

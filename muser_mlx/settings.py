@@ -106,6 +106,12 @@ class Settings:
     # groups an SM (__launch_bounds__: 12 = 3 of 4, at most 168 registers, a few bytes spilled);
     # 0: the compiler's count.
     tile_glu_min_warps: int = 12
+    # The f16 stage written by SIMD groups, one token's whole span a load instruction (2 cache
+    # lines), against the items form's 8 tokens' 8 bytes (8 lines): L1 bound the 64-row step's
+    # ungated products at 72-80 % (H100, ncu). Untimed since its loads were made unconditional
+    # (its first form took them one after another and lost: bench/history/session-48.md). The
+    # next round times it against the items form; the loser goes.
+    tile_stage_by_token: bool = False
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any

@@ -71,11 +71,12 @@ def relative_error(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def tile_settings(half: bool, **fields):
-    """Settings whose tile products (ops.TileProduct) take the f16 form (half) or the int8 form
-    at every count of rows (Settings.tile_half_from), with these other fields."""
+def tile_settings(half, **fields):
+    """Settings whose tile products (ops.TileProduct) take the f16 form (half true; "by token":
+    its stage written by SIMD groups, Settings.tile_stage_by_token) or the int8 form at every
+    count of rows (Settings.tile_half_from), with these other fields."""
     from muser_mlx.settings import Settings
-    return Settings(tile_half_from=1 if half else 1 << 30, **fields)
+    return Settings(tile_half_from=1 if half else 1 << 30, tile_stage_by_token=half == "by token", **fields)
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ PRODUCT_BOUND = 2e-5
 # measured 4e-4 to 8e-4 on random blocks.
 HALF_PRODUCT_BOUND = 3e-3
 # The tile products' two forms (Settings.tile_half_from), for the tests that check both.
-TILE_FORMS = pytest.mark.parametrize("half", [False, True], ids=["int8", "f16"])
+TILE_FORMS = pytest.mark.parametrize("half", [False, True, "by token"], ids=["int8", "f16", "f16-by-token"])
 
 
 def with_products(products: dict, **fields) -> Settings:

@@ -310,7 +310,8 @@ def test_tile_products(rng, rows, first, second, activation, n, half):
     9 chunks of 2 spans; 1024 Q4_K values: 2 chunks of 2 spans); in both forms (f16: spans of
     one block for Q8_0)."""
     launches, a = tile_product_against_numpy(rng, rows, first, second, activation, n, tile_settings(half))
-    assert dict(launches[0][1])["HALF"] == int(half)
+    assert dict(launches[0][1])["HALF"] == int(bool(half))
+    assert dict(launches[0][1])["BY_TOKEN"] == int(half == "by token")
     assert dict(launches[0][1])["CHUNKS"] == {576: 9, 1024: 2}.get(n, 1)
     with pytest.raises(ValueError, match="positive multiple of 8"):
         ops.TileProduct(a)(q8x(rng.standard_normal((12, n)).astype(np.float32))[0])

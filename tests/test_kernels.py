@@ -148,7 +148,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 24 * 16), InputSpec(mx.float32, 2, 24 * 64)],
         [mx.float32],
         [("FORMAT_A", 12), ("ROW_BYTES_A", 288), ("OUT_A", 37), ("FORMAT_B", 14), ("ROW_BYTES_B", 420),
-         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("HALF", 0),
+         ("OUT_B", 45), ("IN", 512), ("TOKENS", 64), ("WARPS", 4), ("HALF", 0), ("BY_TOKEN", 0),
          ("CHUNKS", 2), ("GLU", 0), ("ACTIVATION", 0)]
     ),
     "product_tiles_glu_q8_0": (  # gated, Q8_0, 8 rows of x a threadgroup
@@ -157,7 +157,7 @@ LAUNCHES = {
          InputSpec(mx.float32, 2, 8 * 16), InputSpec(mx.float32, 2, 8 * 64)],
         [mx.float32],
         [("FORMAT_A", 8), ("ROW_BYTES_A", 544), ("OUT_A", 64), ("FORMAT_B", 8), ("ROW_BYTES_B", 544),
-         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("HALF", 0),
+         ("OUT_B", 64), ("IN", 512), ("TOKENS", 8), ("WARPS", 4), ("HALF", 0), ("BY_TOKEN", 0),
          ("CHUNKS", 1), ("GLU", 1), ("ACTIVATION", 1)]
     ),
     "quantize_rows": (
@@ -233,15 +233,20 @@ LAUNCHES = {
 }
 
 
-def _f16_form(launch):
-    """A product_tiles launch of LAUNCHES in its f16 form (template HALF 1)."""
+def _f16_form(launch, by_token: int = 0):
+    """A product_tiles launch of LAUNCHES in its f16 form (template HALF 1; BY_TOKEN: its stage
+    by SIMD groups)."""
     name, specs, output_dtypes, template = launch
-    return name, specs, output_dtypes, [(key, 1 if key == "HALF" else value) for key, value in template]
+    changed = {"HALF": 1, "BY_TOKEN": by_token}
+    return name, specs, output_dtypes, [(key, changed.get(key, value)) for key, value in template]
 
 
-# the f16 form of the same launches: Q4_K and Q6_K in one launch; gated, Q8_0, 8 rows of x
+# the f16 form of the same launches: Q4_K and Q6_K in one launch; gated, Q8_0, 8 rows of x; each
+# with its stage by SIMD groups too
 LAUNCHES["product_tiles_f16"] = _f16_form(LAUNCHES["product_tiles"])
 LAUNCHES["product_tiles_f16_glu_q8_0"] = _f16_form(LAUNCHES["product_tiles_glu_q8_0"])
+LAUNCHES["product_tiles_f16_by_token"] = _f16_form(LAUNCHES["product_tiles"], 1)
+LAUNCHES["product_tiles_f16_by_token_glu_q8_0"] = _f16_form(LAUNCHES["product_tiles_glu_q8_0"], 1)
 
 
 def compile_metal(text: str, tmp_path) -> subprocess.CompletedProcess:
@@ -501,7 +506,7 @@ MUSE_TILE_PRODUCTS = {  # (in, out) and format of A, then of B (None: no B), gat
 }
 
 
-@pytest.mark.parametrize("half", [False, True], ids=["int8", "f16"])
+@pytest.mark.parametrize("half", [False, True, "by token"], ids=["int8", "f16", "f16-by-token"])
 @pytest.mark.parametrize("case", sorted(MUSE_TILE_PRODUCTS))
 def test_tile_product_launches_fit_the_register_file(case, half, tmp_path):
     shape, ggml_type, second_shape, second_type, gated = MUSE_TILE_PRODUCTS[case]

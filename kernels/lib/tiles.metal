@@ -297,9 +297,10 @@ inline void muser_tile_span_product(thread const uint* raw, const threadgroup ui
 // 8t + 7 of a block: the pairs (0, 2), (1, 3), (4, 6), (5, 7)); a block's 4 groups (64 bytes)
 // at slot k ^ (token & 1) of the token's row (rows of 8 blocks: a SIMD group's tokens g and
 // g + 1 then read different banks): TOKENS * 512 bytes, 32 KB for 64 tokens (Metal's limit).
-// M is found by items (muser_tile_f16_scales: i = thread_index + n * THREADS < TOKENS * 4, n <
-// ITEMS, token i / 4's group i % 4 of each block) and the stage written by SIMD groups, a
-// token's whole span a load instruction (muser_tile_stage_f16, below).
+// A thread's items: i = thread_index + n * THREADS < TOKENS * 4 (n < ITEMS), token i / 4's
+// group i % 4 of each block: M is found by items (muser_tile_f16_scales), and the stage written
+// by items (muser_tile_stage_f16) or (BY_TOKEN 1) by SIMD groups, a token's whole span a load
+// instruction (muser_tile_stage_f16_by_token).
 #define MUSER_TILE_F16_SLOT(IN, token, k) (MUSER_TILE_SPAN(IN) > 1 ? ((k) ^ ((token) & 1u)) : (k))
 #define MUSER_TILE_F16_FLOOR 7.888609e-31f  // 2^-100: M of a token whose scales are all 0
 
@@ -353,7 +354,40 @@ inline void muser_tile_f16_codes(thread uint* low, thread uint* high, uint word,
   *high = muser_half_fma(muser_half_fma(((word >> 8) & mask) | 0x64006400u, ONE, bias), scale, least);
 }
 
-// The stage's tokens by SIMD group (muser_tile_stage_f16): a token's span is 32 * SPAN bytes of
+// Every thread of the threadgroup (THREADS of them) stages its items of span `span` of tokens
+// first_token .. first_token + tokens - 1 (top: their M, muser_tile_f16_scales').
+template <int IN, int TOKENS, int THREADS, int ITEMS>
+inline void muser_tile_stage_f16(threadgroup uint4* stage, const device int8_t* xq, const device float* xd,
+                                 thread const float* top, uint first_token, uint tokens, uint span,
+                                 uint thread_index) {
+  const uint SPAN = uint(MUSER_TILE_SPAN(IN));
+  MUSER_UNROLL
+  for (uint n = 0; n < uint(ITEMS); ++n) {
+    uint i = thread_index + n * uint(THREADS);
+    uint token = i / 4u;
+    uint group = i % 4u;
+    if (i < uint(TOKENS) * 4u && token < tokens) {
+      size_t row = size_t(first_token + token);
+      const device uint2* codes = (const device uint2*)(xq + row * uint(IN) + 32u * SPAN * span + 8u * group);
+      const device float* scales = xd + row * uint(IN / 32) + SPAN * span;
+      threadgroup uint4* out = stage + token * SPAN * 4u + group;
+      float inverse = 1.0f / top[n];
+      MUSER_UNROLL
+      for (uint k = 0; k < SPAN; ++k) {
+        float f = scales[k] * inverse;
+        uint factor = muser_half_pair(f, f);
+        uint2 code = codes[4u * k];
+        uint4 pairs;
+        const uint MINUS_1152 = 0xE480E480u;  // 1024 + (code + 128) becomes code
+        muser_tile_f16_codes(&pairs.x, &pairs.y, code.x ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
+        muser_tile_f16_codes(&pairs.z, &pairs.w, code.y ^ 0x80808080u, 0x00FF00FFu, MINUS_1152, factor, 0u);
+        out[4u * MUSER_TILE_F16_SLOT(IN, token, k)] = pairs;
+      }
+    }
+  }
+}
+
+// The stage's tokens by SIMD group (muser_tile_stage_f16_by_token): a token's span is 32 * SPAN bytes of
 // codes, 8 a lane, so one load instruction of a SIMD group covers TPI = 8 / SPAN tokens (1: the
 // whole span of one token, 256 contiguous bytes and its 8 scales: few cache lines an
 // instruction). Instruction i (< TOKENS / TPI) is SIMD group i % WARPS's, its n-th (n = i /
@@ -395,9 +429,10 @@ inline void muser_tile_f16_keep(threadgroup uint4* stage, thread const float* to
 }
 
 // SIMD group `warp` stages its tokens of span `span` (of first_token .. first_token + tokens -
-// 1; top: their M, muser_tile_f16_spread's), every SIMD group of the threadgroup calling it.
+// 1; top: their M, muser_tile_f16_spread's), every SIMD group of the threadgroup calling it
+// (kernel product_tiles' BY_TOKEN 1; Settings.tile_stage_by_token).
 template <int IN, int TOKENS, int WARPS>
-inline void muser_tile_stage_f16(threadgroup uint4* stage, const device int8_t* xq, const device float* xd,
+inline void muser_tile_stage_f16_by_token(threadgroup uint4* stage, const device int8_t* xq, const device float* xd,
                                  thread const float* top, uint first_token, uint tokens, uint span, uint warp,
                                  uint lane) {
   const uint SPAN = uint(MUSER_TILE_SPAN(IN));
@@ -432,8 +467,9 @@ inline void muser_tile_stage_f16(threadgroup uint4* stage, const device int8_t* 
   }
 }
 
-// After the M of the thread's items (muser_tile_f16_scales): written to the stage's floats, where
-// muser_tile_f16_spread reads them. Every thread calls it, between barriers.
+// The M of the thread's items (muser_tile_f16_scales) written to the stage's floats: for
+// muser_tile_f16_spread (BY_TOKEN 1) at the first span, or for the store after the last (BY_TOKEN
+// 0). Every thread calls it, between barriers.
 template <int TOKENS, int THREADS, int ITEMS>
 inline void muser_tile_f16_share(threadgroup uint4* stage, thread const float* top, uint thread_index) {
   MUSER_UNROLL

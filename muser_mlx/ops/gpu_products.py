@@ -299,6 +299,7 @@ class TileProduct:
                           + _weight_template("B", second if second is not None else weight)
                           + [("OUT_B", self.out_b), ("IN", self.in_features)])
         self.half_from = settings.tile_half_from
+        self.by_token = settings.tile_stage_by_token
         self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
         self._launches = {}
 
@@ -326,7 +327,7 @@ class TileProduct:
         chunks = tile_chunks(self.spans, groups * self.blocks, self.activation is not None, self.target)
         threadgroup = (32 * self.warps, 1, 1)
         template = (self._template + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(self.half(rows))),
-                                      ("CHUNKS", chunks)] + self._glu
+                                      ("BY_TOKEN", int(self.by_token)), ("CHUNKS", chunks)] + self._glu
                     + [("LAUNCH_THREADS", threadgroup[0]),
                        ("LAUNCH_MIN_THREADGROUPS", self.least if tokens == TILE_TOKENS else 0)])
         return template, (threadgroup[0] * groups, self.blocks, chunks), threadgroup, chunks
