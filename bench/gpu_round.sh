@@ -11,21 +11,15 @@
 #   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
 #   step, BATCH_ARGS more batch.py options, e.g. "--parts --both"; `tests` may follow it)
 #   (or call 2/3 `before-after`: issue 44's decode figures of two trees in one call, below)
-#   The next round (session 47 measured on an H100 and chose the defaults; its kernel cleanup
-#   ran on the CPU's emulator and nvcc only, bench/history/session-47.md):
+#   The next round (session 48, bench/history/session-48.md: three changes after ncu and a
+#   timeline of the 64-row step, timed only in a form since changed):
 #   1. carry [".device/a"]: bash bench/gpu_round.sh start   (llama.cpp's build starts, ~280 s)
-#   2. carry [".device/b"] (~550 s): ncu of the f16 form's products at B = 64 while llama.cpp
-#      still builds (stall reasons, L2 and shared-memory rates: what bounds it, never measured),
-#      then llama-batched-bench and the step at more counts, each in both tile forms (no
-#      PRE_TESTS: beside llama.cpp's build, session 47's ran one test in 100 s):
-#        NCU_FIRST=1 NCU_SECONDS=200 NCU_KERNEL=product_tiles NCU_SKIP=413 NCU_COUNT=3
-#        NCU_ARGS="--batches 64 --steps 2" BATCH_SECONDS=300 BATCH_ARGS="--batches 8,16,32,48,64,4
-#        --steps 24 --parts --both --variant int8:tile_half_from=1000 --variant f16:tile_half_from=1"
-#        bash bench/gpu_round.sh bench
-#      (B = 48: f16 lost to int8 once, 42.3 against 35.8 ms, where B = 32 and 64 won; B = 4: the
-#      grouped form against the tiles' 8-row threadgroups, for Settings.batch_tiles_from)
-#   3. bash bench/gpu_round.sh timeline: where B = 64's ~9.5 ms beside its products go (~200 s)
-#   4. with time left: TESTS_SECONDS=540 bash bench/gpu_round.sh tests
+#   2. carry [".device/b"]: the default against each change undone (or done), llama.cpp beside:
+#        BATCH_SECONDS=400 BATCH_ARGS="--batches 1,8,32,48,64 --steps 24 --variant
+#        tok:tile_stage_by_token=True --variant glu0:tile_glu_min_warps=0" bash bench/gpu_round.sh bench
+#      (no PRE_TESTS: beside llama.cpp's build the GPU tests crawl)
+#   3. bash bench/gpu_round.sh timeline (64 rows: the wide seams' us a launch against b5bd0c2's
+#      26.1 / 21.5), then TESTS_SECONDS=540 bash bench/gpu_round.sh tests
 #   With little device time (~250 s): call 1 with LLAMA=0, then, carry [".device/b"],
 #   `bash bench/gpu_round.sh reads` (bench/tile_read.py: each tile product of Muse Glimmer's
 #   shapes beside its loads alone and a plain read, per form; random bytes, no model file).
