@@ -147,7 +147,8 @@ class Settings:
         if self.tile_half_from < 1:
             raise ValueError(f"tile_half_from must be at least 1 (rows of x), got {self.tile_half_from}")
         if self.tile_glu_min_warps < 0:
-            raise ValueError(f"tile_glu_min_warps must be at least 0 (SIMD groups an SM), got {self.tile_glu_min_warps}")
+            raise ValueError(f"tile_glu_min_warps must be at least 0 (SIMD groups an SM), "
+                             f"got {self.tile_glu_min_warps}")
         if self.tile_threadgroups < 1:
             raise ValueError(f"tile_threadgroups must be at least 1, got {self.tile_threadgroups}")
         if self.attention_head_group < 1:

@@ -371,6 +371,8 @@ def test_settings_refuse_a_product_config_that_cannot_launch():
         Settings(batch_tiles_from=0)
     with pytest.raises(ValueError, match="tile_half_from must be at least 1"):
         Settings(tile_half_from=0)
+    with pytest.raises(ValueError, match="tile_glu_min_warps must be at least 0"):
+        Settings(tile_glu_min_warps=-1)
 
 
 def test_wide_units_take_at_most_two_tokens_and_fewer_units_at_once(rng):

@@ -522,9 +522,23 @@ def test_tile_product_launches_fit_the_register_file(case, half, tmp_path):
     report = _ptxas_report(kernels.cuda_program("product_tiles", inputs, [mx.float32], template), tmp_path)
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     assert registers * threadgroup[0] <= 65536, (registers, template)
-    # a launch bounded to hold more threadgroups (Settings.tile_glu_min_warps) spills a little
+    # a launch bounded to hold more threadgroups (Settings.tile_glu_min_warps: the gated one at 64
+    # rows) fits them, and spills a little
+    least = dict(template)["LAUNCH_MIN_THREADGROUPS"]
+    assert least == (3 if gated else 0)
+    assert registers * threadgroup[0] * max(least, 1) <= 65536, (registers, least)
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    assert spilled <= (64 if dict(template)["LAUNCH_MIN_THREADGROUPS"] else 0), report
+    assert spilled <= (64 if least else 0), report
+
+
+def test_launch_bounds_go_into_the_cuda_header_alone():
+    # LAUNCH_* template constants become CUDA's __launch_bounds__ in the launch's header (MLX
+    # writes the signature), not constants of the body; a minimum of 0 leaves the kernel as it is
+    template = [("TOKENS", 64), ("LAUNCH_THREADS", 128), ("LAUNCH_MIN_THREADGROUPS", 3)]
+    assert "__launch_bounds__(128, 3)" in kernels.cuda_launch_bounds(template)
+    assert kernels.cuda_constants(template) == "  constexpr int TOKENS = 64;\n\n"
+    assert kernels.cuda_launch_bounds([("LAUNCH_THREADS", 128), ("LAUNCH_MIN_THREADGROUPS", 0)]) == ""
+    assert kernels.cuda_launch_bounds([("TOKENS", 64)]) == ""
 
 
 # The batched step's seams (kernel residual_norm_quant, 64 rows: slices of up to

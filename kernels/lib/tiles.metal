@@ -387,9 +387,9 @@ inline void muser_tile_stage_f16(threadgroup uint4* stage, const device int8_t* 
   }
 }
 
-// The stage's tokens by SIMD group (muser_tile_stage_f16_by_token): a token's span is 32 * SPAN bytes of
-// codes, 8 a lane, so one load instruction of a SIMD group covers TPI = 8 / SPAN tokens (1: the
-// whole span of one token, 256 contiguous bytes and its 8 scales: few cache lines an
+// The stage's tokens by SIMD group (muser_tile_stage_f16_by_token): a token's span is 32 * SPAN
+// bytes of codes, 8 a lane, so one load instruction of a SIMD group covers TPI = 8 / SPAN tokens
+// (1: the whole span of one token, 256 contiguous bytes and its 8 scales: few cache lines an
 // instruction). Instruction i (< TOKENS / TPI) is SIMD group i % WARPS's, its n-th (n = i /
 // WARPS); the n-th instruction's tokens are its SIMD group's tokens n * TPI .. n * TPI + TPI - 1,
 // and lane j holds the M of its SIMD group's tokens j and j + 32 (top[0], top[1]), handed round by
@@ -432,9 +432,9 @@ inline void muser_tile_f16_keep(threadgroup uint4* stage, thread const float* to
 // 1; top: their M, muser_tile_f16_spread's), every SIMD group of the threadgroup calling it
 // (kernel product_tiles' BY_TOKEN 1; Settings.tile_stage_by_token).
 template <int IN, int TOKENS, int WARPS>
-inline void muser_tile_stage_f16_by_token(threadgroup uint4* stage, const device int8_t* xq, const device float* xd,
-                                 thread const float* top, uint first_token, uint tokens, uint span, uint warp,
-                                 uint lane) {
+inline void muser_tile_stage_f16_by_token(threadgroup uint4* stage, const device int8_t* xq,
+                                          const device float* xd, thread const float* top, uint first_token,
+                                          uint tokens, uint span, uint warp, uint lane) {
   const uint SPAN = uint(MUSER_TILE_SPAN(IN));
   const uint TPI = uint(MUSER_TILE_F16_TPI(IN));
   const uint LANES = 4u * SPAN;  // lanes a token

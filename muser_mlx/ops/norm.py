@@ -16,13 +16,17 @@ from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, q8x_shapes, quantize_rows
 # SEAM_SLICE_BLOCKS * 8 <= SEAM_THREADS (a thread holds 4 values of its slice).
 SEAM_SLICE_BLOCKS = 16
 SEAM_THREADS = 256
-# Above SEAM_WIDE_FROM rows (a batched step's), the rows themselves fill the GPU: a row takes
+# From SEAM_WIDE_FROM rows on (a batched step's), the rows themselves fill the GPU: a row takes
 # as few slices as threadgroups of at most 1,024 threads hold (SEAM_WIDE_BLOCKS blocks each),
-# so that each slice's reads of the whole row repeat less: 64 rows of 6,656 values in 13
-# slices, 5 chunks, took 26 us (H100), ~155 MB read from L2; in 2 slices of 104 blocks (832
-# threads), ~24 MB.
+# so that the slices' reads of the whole row repeat less: 64 rows of 6,656 values, 5 chunks,
+# read ~155 MB from L2 in 13 slices, ~24 MB in 2 of 104 blocks (832 threads)
+# (bench/history/session-48.md).
 SEAM_WIDE_FROM = 9
 SEAM_WIDE_BLOCKS = 128
+# residual_norm on a GPU: kernel residual_norm_rows, one launch a seam, a threadgroup a row, of
+# at least ROWS_THREADS threads and more while a thread would hold over ROWS_PER_THREAD values.
+ROWS_THREADS = 256
+ROWS_PER_THREAD = 32
 
 
 def seam_shape(hidden: int, rows: int) -> tuple[int, int]:
@@ -33,10 +37,6 @@ def seam_shape(hidden: int, rows: int) -> tuple[int, int]:
     slices = -(-blocks // SEAM_WIDE_BLOCKS)
     per = -(-blocks // slices)
     return per, -(-per * 8 // 32) * 32
-# residual_norm on a GPU: kernel residual_norm_rows, one launch a seam, a threadgroup a row, of
-# at least ROWS_THREADS threads and more while a thread would hold over ROWS_PER_THREAD values.
-ROWS_THREADS = 256
-ROWS_PER_THREAD = 32
 
 
 def residual_norm(residual: mx.array, branch: mx.array, branch_weight, next_weight: mx.array,
