@@ -21,6 +21,7 @@ position, mid-run) / copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -63,9 +64,11 @@ def kv_bytes_read(model, positions: int, dtype_bytes: int) -> int:
 BUILD_MS = {}  # B -> the host's ms a step to build the batched step's graph
 
 
-def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng, tiles: bool | None = None) -> float:
+def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng, tiles: bool | None = None,
+              timed=contextlib.nullcontext) -> float:
     """Seconds for `steps` steps of `batch` sequences that each hold `prompt` positions (tiles:
-    BatchStep's)."""
+    BatchStep's). timed: a context manager made around the timed steps alone (a profiler's mark:
+    bench/timeline.py leaves out the batch's setup and warm-up steps by it)."""
     vocab = model.config.vocab
     if batch == 1:
         copy = BatchKV(model, prompt_cache[0].dtype)
@@ -93,17 +96,19 @@ def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng, til
     for _ in range(3):
         tokens = mx.argmax(step(tokens, kv), axis=-1).astype(mx.int32)
         tokens.tolist()
-    tic, built = time.perf_counter(), 0.0
-    for _ in range(steps):  # pipelined as BatchGenerator.next(): queue, then read the last step's tokens
-        start = time.perf_counter()
-        queued = mx.argmax(step(tokens, kv), axis=-1).astype(mx.int32)
-        built += time.perf_counter() - start
-        mx.async_eval(queued)
+    with timed():
+        tic, built = time.perf_counter(), 0.0
+        for _ in range(steps):  # pipelined as BatchGenerator.next(): queue, then read the last step's tokens
+            start = time.perf_counter()
+            queued = mx.argmax(step(tokens, kv), axis=-1).astype(mx.int32)
+            built += time.perf_counter() - start
+            mx.async_eval(queued)
+            tokens.tolist()
+            tokens = queued
         tokens.tolist()
-        tokens = queued
-    tokens.tolist()
+        seconds = time.perf_counter() - tic
     BUILD_MS[batch] = 1e3 * built / steps
-    return time.perf_counter() - tic
+    return seconds
 
 
 def median_seconds(run, runs: int) -> float:

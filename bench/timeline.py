@@ -36,9 +36,10 @@ default in the same process, whichever configuration was which. Compare the shor
 defaults (--set), one process each.
 
 --batch B profiles B sequences' batched decode steps instead (bench/batch.py's run_batch: a
---prompt-position prompt each, --steps steps pipelined as BatchGenerator.next(), 3 warm-up steps
-in the profile too): per run the GPU's busy time, gaps and kernels a step, then the kernels by
-time (each --variant again): where a batched step's time goes beside its products.
+--prompt-position prompt each, --steps steps pipelined as BatchGenerator.next(); the store's
+filling and 3 warm-up steps are left out of the figures by a mark): per run the GPU's busy
+time, gaps and kernels a step, then the kernels by time (each --variant again): where a batched
+step's time goes beside its products.
 
 --set loads the model with those muser_mlx.settings.Settings (bench/settings_cli.py), e.g.
 `--set attention_head_group=1`.
@@ -381,6 +382,19 @@ class KernelTally:
                   f"{dur / self.launches[name]:7.2f}  {name[:90]}")
 
 
+TIMED_MARK = "muser_timed_steps"
+
+
+def timed_steps(events: list) -> list:
+    """The events from run_batch's timed steps on: its setup (the store filled: MLX's copies,
+    which session 48's timeline counted as the steps') and warm-up steps end in a wait before the
+    mark begins, so every kernel that starts after the mark's start is a timed step's."""
+    marks = [e["ts"] for e in events if e.get("name") == TIMED_MARK and "ts" in e]
+    if not marks:
+        return events
+    return [e for e in events if e.get("cat") != "kernel" or e.get("ts", 0) >= min(marks)]
+
+
 def batch_profile(args, model, rng) -> None:
     """--runs profiled runs of --steps batched steps of --batch sequences (bench/batch.py's
     run_batch, after one unprofiled run): per run its wall ms a step, the GPU's busy time, gaps
@@ -397,12 +411,13 @@ def batch_profile(args, model, rng) -> None:
     tally = KernelTally()
     for run in range(args.runs):
         with tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA]) as prof:
-            seconds = bench_batch.run_batch(model, prompt_cache, args.batch, args.prompt, args.steps, rng)
-        s = summarize(trace_events(prof))
+            seconds = bench_batch.run_batch(model, prompt_cache, args.batch, args.prompt, args.steps, rng,
+                                            timed=lambda: tp.record_function(TIMED_MARK))
+        s = summarize(timed_steps(trace_events(prof)))
         if not s["kernels"]:
             print(f"run {run}: the profiler recorded no kernel (CUPTI saw none of MLX's)")
             continue
-        n = args.steps + 3  # run_batch's 3 warm-up steps are in the profile too
+        n = args.steps
         sizes = sorted((g[0] for g in s["gaps"]), reverse=True)
         print(f"run {run}: B = {args.batch}, {1e3 * seconds / args.steps:.2f} ms/step (wall, timed steps); GPU: "
               f"{s['kernels'] / n:.0f} kernels, busy {s['busy_us'] / n / 1e3:.2f} ms a step; gaps "
