@@ -272,7 +272,8 @@ def main() -> None:
         print(f"{'B':>3} {'ms/step':>8} {'tokens/s':>9} {'floor ms':>8} {'floor tok/s':>11} {'build ms':>8}  "
               f"(prompt {args.prompt}, {args.steps} steps)")
         llama = llama_speeds(args.llama_jsonl)
-        for batch in [int(b) for b in args.batches.split(",")]:
+        batches = [int(b) for b in args.batches.split(",")]
+        for batch in batches:
             seconds = run_batch(model, prompt_cache, batch, args.prompt, args.steps, rng)
             middle = args.prompt + 3 + args.steps // 2
             floor = (weights + batch * kv_bytes_read(model, middle, dtype_bytes)) / bandwidth
@@ -305,7 +306,7 @@ def main() -> None:
             except Exception as error:
                 print(f"  {name}: failed to build: {type(error).__name__}: {str(error)[:400]}", flush=True)
                 continue
-            for batch in [int(b) for b in args.batches.split(",") if int(b) > 1]:
+            for batch in [b for b in batches if b > 1]:
                 try:
                     seconds = run_batch(variant, prompt_cache, batch, args.prompt, args.steps, rng)
                     line = f"{batch:>3}   {name}: {1e3 * seconds / args.steps:.2f} ms/step, {batch * args.steps / seconds:.1f} tokens/s"

@@ -399,17 +399,23 @@ inline void muser_tile_stage_f16(threadgroup uint4* stage, const device int8_t* 
   ((TOKENS / MUSER_TILE_F16_TPI(IN) + WARPS - 1) / WARPS * MUSER_TILE_F16_TPI(IN))  // tokens a SIMD group stages
 #define MUSER_TILE_F16_TOP(IN, TOKENS, WARPS) ((MUSER_TILE_F16_OWN(IN, TOKENS, WARPS) + 31) / 32)
 
+// The token (of the threadgroup's) that is SIMD group `warp`'s own-th, or TOKENS where it has
+// none (own past its share, or an instruction past the stage's).
+template <int IN, int TOKENS, int WARPS>
+inline uint muser_tile_f16_owned(uint own, uint warp) {
+  const uint TPI = uint(MUSER_TILE_F16_TPI(IN));
+  uint i = warp + (own / TPI) * uint(WARPS);
+  return own < uint(MUSER_TILE_F16_OWN(IN, TOKENS, WARPS)) && i < uint(TOKENS) / TPI ? i * TPI + own % TPI
+                                                                                    : uint(TOKENS);
+}
+
 // Between barriers at the chunk's first span: the M of every token, written to the stage's
 // floats by muser_tile_f16_share, read into the lanes that keep them (top, as above).
 template <int IN, int TOKENS, int WARPS>
 inline void muser_tile_f16_spread(thread float* top, const threadgroup uint4* stage, uint warp, uint lane) {
-  const uint TPI = uint(MUSER_TILE_F16_TPI(IN));
-  const uint OWN = uint(MUSER_TILE_F16_OWN(IN, TOKENS, WARPS));
   for (uint r = 0; r < uint(MUSER_TILE_F16_TOP(IN, TOKENS, WARPS)); ++r) {
-    uint own = lane + 32u * r;
-    uint i = warp + (own / TPI) * uint(WARPS);
-    top[r] = own < OWN && i < uint(TOKENS) / TPI ? ((const threadgroup float*)stage)[i * TPI + own % TPI]
-                                                  : MUSER_TILE_F16_FLOOR;
+    uint token = muser_tile_f16_owned<IN, TOKENS, WARPS>(lane + 32u * r, warp);
+    top[r] = token < uint(TOKENS) ? ((const threadgroup float*)stage)[token] : MUSER_TILE_F16_FLOOR;
   }
 }
 
@@ -417,13 +423,10 @@ inline void muser_tile_f16_spread(thread float* top, const threadgroup uint4* st
 // the store (muser_tile_f16_scale).
 template <int IN, int TOKENS, int WARPS>
 inline void muser_tile_f16_keep(threadgroup uint4* stage, thread const float* top, uint warp, uint lane) {
-  const uint TPI = uint(MUSER_TILE_F16_TPI(IN));
-  const uint OWN = uint(MUSER_TILE_F16_OWN(IN, TOKENS, WARPS));
   for (uint r = 0; r < uint(MUSER_TILE_F16_TOP(IN, TOKENS, WARPS)); ++r) {
-    uint own = lane + 32u * r;
-    uint i = warp + (own / TPI) * uint(WARPS);
-    if (own < OWN && i < uint(TOKENS) / TPI) {
-      ((threadgroup float*)stage)[i * TPI + own % TPI] = top[r];
+    uint token = muser_tile_f16_owned<IN, TOKENS, WARPS>(lane + 32u * r, warp);
+    if (token < uint(TOKENS)) {
+      ((threadgroup float*)stage)[token] = top[r];
     }
   }
 }
@@ -450,9 +453,8 @@ inline void muser_tile_stage_f16_by_token(threadgroup uint4* stage, const device
   for (uint n = 0; n < uint(MUSER_TILE_F16_OWN(IN, TOKENS, WARPS)) / TPI; ++n) {
     uint own = n * TPI + sub;  // (n * TPI + sub) / 32 = n * TPI / 32: top's index is the same in all lanes
     float m = simd_shuffle(top[MUSER_TILE_F16_TOP(IN, TOKENS, WARPS) > 1 ? (n * TPI) / 32u : 0u], ushort(own % 32u));
-    uint i = warp + n * uint(WARPS);
-    uint token = i * TPI + sub;
-    bool live = i < uint(TOKENS) / TPI && token < tokens;
+    uint token = muser_tile_f16_owned<IN, TOKENS, WARPS>(own, warp);
+    bool live = token < tokens;  // (TOKENS where the SIMD group has no such token)
     size_t row = size_t(first_token + (live ? token : first_live));
     uint2 code = *((const device uint2*)(xq + row * uint(IN) + 32u * SPAN * span + 8u * piece));
     float f = xd[row * uint(IN / 32) + SPAN * span + k] * (1.0f / m);

@@ -326,8 +326,9 @@ class TileProduct:
         groups = -(-rows // tokens)
         chunks = tile_chunks(self.spans, groups * self.blocks, self.activation is not None, self.target)
         threadgroup = (32 * self.warps, 1, 1)
-        template = (self._template + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(self.half(rows))),
-                                      ("BY_TOKEN", int(self.by_token)), ("CHUNKS", chunks)] + self._glu
+        half = self.half(rows)
+        template = (self._template + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(half)),
+                                      ("BY_TOKEN", int(half and self.by_token)), ("CHUNKS", chunks)] + self._glu
                     + [("LAUNCH_THREADS", threadgroup[0]),
                        ("LAUNCH_MIN_THREADGROUPS", self.least if tokens == TILE_TOKENS else 0)])
         return template, (threadgroup[0] * groups, self.blocks, chunks), threadgroup, chunks
