@@ -43,8 +43,7 @@ for (int t = 0; t < TOKENS; ++t) {
   for (int r = 0; r < ROWS; ++r) {
     float g = simd_sum(gate[t * ROWS + r]);
     float u = simd_sum(up[t * ROWS + r]);
-    float activated = ACTIVATION == 0 ? g / (1.0f + exp(-g))
-                                      : 0.5f * g * (1.0f + tanh(0.7978845608f * (g + 0.044715f * g * g * g)));
+    float activated = muser_activate<ACTIVATION>(g);
     if (lane == uint(r)) {
       tile[t * 32 + int(warp) * ROWS + r] = activated * u;
     }

@@ -160,9 +160,7 @@ for (int j = 0; j < NT; ++j) {
       float scale = HALF != 0 ? muser_tile_f16_scale(stage_codes, token - first_token) : 1.0f;
       float value = acc[j * 4 + e] * scale;
       if (GLU != 0) {
-        float activated = ACTIVATION == 0 ? value / (1.0f + exp(-value))
-                                          : 0.5f * value * (1.0f + tanh(0.7978845608f * (value + 0.044715f * value * value * value)));
-        value = activated * acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;
+        value = muser_activate<ACTIVATION>(value) * acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;
       }
       out[size_t(token) * WIDTH + column + row] = value;
     }

@@ -112,6 +112,12 @@ class Settings:
     # (its first form took them one after another and lost: bench/history/session-48.md). The
     # next round times it against the items form; the loser goes.
     tile_stage_by_token: bool = False
+    # From this many rows of x on (0: never), a gated tile product runs split: gate and up as one
+    # ungated product (chunks of its input like any other's, no register bound, a lane's sums for
+    # one tile), its halves summed, activated and quantized by kernel quantize_rows (GLU 1): 2 x
+    # rows x FF x 4 bytes written and read again (10 MB a layer at 64 rows of Muse Glimmer) and a
+    # launch, for the fused form's 2 threadgroups an SM. Untimed (bench/history/session-49.md).
+    tile_glu_split_from: int = 0
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any
@@ -149,6 +155,9 @@ class Settings:
         if self.tile_glu_min_warps < 0:
             raise ValueError(f"tile_glu_min_warps must be at least 0 (SIMD groups an SM), "
                              f"got {self.tile_glu_min_warps}")
+        if self.tile_glu_split_from < 0:
+            raise ValueError(f"tile_glu_split_from must be at least 0 (rows of x; 0: never), "
+                             f"got {self.tile_glu_split_from}")
         if self.tile_threadgroups < 1:
             raise ValueError(f"tile_threadgroups must be at least 1, got {self.tile_threadgroups}")
         if self.attention_head_group < 1:

@@ -130,7 +130,14 @@ def test_tile_products_match_numpy(backend, rng, formats_ab, rows, half):
     with kernels.poisoned_outputs():
         glu = np.array(ops.TileProduct(gate, up, "silu", settings=settings)(x))
     g = x_values @ gate_values.T
-    assert relative_error(glu, g / (1 + np.exp(-g)) * (x_values @ up_values.T)) <= bound
+    expected = g / (1 + np.exp(-g)) * (x_values @ up_values.T)
+    assert relative_error(glu, expected) <= bound
+    split = ops.TileProduct(gate, up, "silu", settings=tile_settings(half, tile_glu_split_from=8))
+    with kernels.poisoned_outputs():  # gate and up as one product, quantize_rows' GLU 1 after
+        split_glu = np.array(split(x))
+        f = split.gated_q8x(x)
+    assert relative_error(split_glu, expected) <= bound
+    assert_within_half_a_code(f, split_glu, slack=1e-4)
 
 
 @pytest.mark.parametrize("wide", [0, 1], ids=["units32", "wide"])
@@ -373,6 +380,8 @@ def test_settings_refuse_a_product_config_that_cannot_launch():
         Settings(tile_half_from=0)
     with pytest.raises(ValueError, match="tile_glu_min_warps must be at least 0"):
         Settings(tile_glu_min_warps=-1)
+    with pytest.raises(ValueError, match="tile_glu_split_from must be at least 0"):
+        Settings(tile_glu_split_from=-1)
 
 
 def test_wide_units_take_at_most_two_tokens_and_fewer_units_at_once(rng):

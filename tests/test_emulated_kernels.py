@@ -238,6 +238,56 @@ def test_quantize_rows(rng):
     np.testing.assert_allclose(np.array(out.sums), sums, rtol=1e-6)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_glu_quantize_rows(rng, activation):
+    """Kernel quantize_rows' GLU 1 (ops.glu_quantize_rows): a split gated product's halves, 3
+    chunks of 5 rows of gate (640 values) and up, summed, activated, multiplied and quantized:
+    every value within half a code of the float64 reference (the sums in float32)."""
+    halves = rng.standard_normal((3, 5, 1280)).astype(np.float32) * 2
+    halves[:, 2, 64:96] = 0.0  # a block of zeros in gate: f 0, scale 0
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        out = ops.glu_quantize_rows(mx.array(halves), activation)
+        mx.eval(*out)
+    assert kernel_names(launches) == ["quantize_rows"]
+    assert dict(launches[0][1])["GLU"] == 1 and dict(launches[0][1])["CHUNKS"] == 3
+    summed = halves.astype(np.float64).sum(axis=0)
+    gate, up = summed[:, :640], summed[:, 640:]
+    act = gate / (1 + np.exp(-gate)) if activation == "silu" else (
+        0.5 * gate * (1 + np.tanh(0.7978845608 * (gate + 0.044715 * gate**3))))
+    assert_within_half_a_code(out, act * up)
+    with pytest.raises(ValueError, match="halves must be"):
+        ops.glu_quantize_rows(mx.array(halves[0]), activation)
+
+
+@TILE_FORMS
+@pytest.mark.parametrize("rows", [8, 16])
+def test_split_gated_tile_products(rng, rows, half):
+    """A gated tile product from Settings.tile_glu_split_from rows on (16): gate and up as one
+    ungated launch of product_tiles (GLU 0, up's rows as B, its 1,024 inputs in 2 chunks), then
+    quantize_rows' GLU 1 (the chunks summed, the activation); below it (8 rows) the fused GLU 1
+    launch and a plain quantize_rows. Its q8x f against numpy's act(x G.T) * (x U.T) within the
+    form's bound and half a code; the float form (__call__) within the bound."""
+    gate, gate_values = weight(rng, GGMLType.Q4_K, 1024, 96, "gate")
+    up, up_values = weight(rng, GGMLType.Q6_K, 1024, 96, "up")
+    x, x_values = q8x(rng.standard_normal((rows, 1024)).astype(np.float32))
+    product = ops.TileProduct(gate, up, "gelu_tanh", settings=tile_settings(half, tile_glu_split_from=16))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        f = product.gated_q8x(x)
+        mx.eval(*f)
+        out = np.array(product(x))
+    split = rows >= 16
+    assert kernel_names(launches)[:2] == ["product_tiles", "quantize_rows"]
+    tiles, quantize = dict(launches[0][1]), dict(launches[1][1])
+    assert tiles["GLU"] == int(not split) and quantize["GLU"] == int(split)
+    assert tiles["CHUNKS"] == (2 if split else 1) and quantize["CHUNKS"] == tiles["CHUNKS"]
+    assert tiles["OUT_B"] == 96 and (tiles["LAUNCH_MIN_THREADGROUPS"] == 0 or not split)
+    g = x_values @ gate_values.T
+    expected = 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3))) * (x_values @ up_values.T)
+    bound = HALF_PRODUCT_BOUND if half else PRODUCT_BOUND
+    assert out.shape == expected.shape and relative_error(out, expected) <= bound
+    assert relative_error(f.dequantize(), expected) <= bound + 1 / 127
+
+
 @pytest.mark.parametrize("first, second, tokens", [(GGMLType.Q4_K, None, 3), (GGMLType.Q8_0, GGMLType.Q6_K, 1),
                                                    (GGMLType.Q6_K, GGMLType.Q4_K, 8)],
                          ids=["Q4_K-3", "Q8_0+Q6_K-1", "Q6_K+Q4_K-8"])
@@ -778,11 +828,11 @@ def test_an_endless_loop_is_reported(rng):
 
 # Muse Glimmer's layer (QK norm, attention gate, sliding window); OLMo 2's (q/k norm over the
 # whole projections, no pre-norms); Gemma 2's (attention softcap, here one that bites).
-@pytest.mark.parametrize("chosen, tiles_from, tiles, half",
-                         [(False, 9, False, False), (True, 9, True, False), (None, 3, True, False),
-                          (None, 4, False, False), (True, 9, True, True)],
-                         ids=["grouped", "tiles", "tiles-by-count", "grouped-by-count", "tiles-f16"])
-def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from, tiles, half):
+@pytest.mark.parametrize("chosen, tiles_from, tiles, half, split",
+                         [(False, 9, False, False, False), (True, 9, True, False, False), (None, 3, True, False, False),
+                          (None, 4, False, False, False), (True, 9, True, True, False), (True, 9, True, True, True)],
+                         ids=["grouped", "tiles", "tiles-by-count", "grouped-by-count", "tiles-f16", "tiles-f16-split"])
+def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from, tiles, half, split):
     """BatchStep's GPU form, with its grouped products (kernels product / product_glu) or its tile
     products (kernel product_tiles), chosen or picked by the count of sequences
     (Settings.batch_tiles_from), on a 1-layer tiny Muse Glimmer (Q4_K and Q6_K weights;
@@ -790,11 +840,13 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from,
     padded to 8 rows, against the same step's CPU rendering from the same store: the products sum
     in another order, which may move an int8 code of a later input (test_batch.py's bounds).
     half: the tile products in f16 at these 8 rows (Settings.tile_half_from 1; by default 8 rows
-    take the int8 form), within the same bound."""
+    take the int8 form), within the same bound. split: the gated product split from 8 rows
+    (Settings.tile_glu_split_from: product_tiles GLU 0, then quantize_rows' GLU 1)."""
     path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1, ff=1024)
     from muser_mlx.models.batch_decode import BatchKV, BatchStep
     with gguf.read(path) as file:
-        model = build_model(file, Settings(batch_tiles_from=tiles_from, tile_half_from=1 if half else DEFAULT.tile_half_from))
+        model = build_model(file, Settings(batch_tiles_from=tiles_from, tile_half_from=1 if half else DEFAULT.tile_half_from,
+                                           tile_glu_split_from=8 if split else 0))
         assert BatchStep(model, q8x=True, tiles=chosen).uses_tiles(3) == tiles
         caches = [model.make_cache(mx.float16) for _ in range(3)]
         for n, cache in zip((3, 9, 5), caches):
@@ -813,7 +865,8 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from,
     assert ("product_tiles" in names) == tiles
     assert {"product", "product_glu"}.isdisjoint(names) == tiles
     assert any(dict(launch[1]).get("CHUNKS", 1) > 1 for launch in launches) == tiles
-    assert any(dict(launch[1]).get("GLU", 0) for launch in launches) == tiles
+    assert any(dict(launch[1]).get("GLU", 0) for launch in launches if launch[0] == "product_tiles") == (tiles and not split)
+    assert any(dict(launch[1])["GLU"] for launch in launches if launch[0] == "quantize_rows") == split
     assert all(dict(launch[1])["HALF"] == int(half) for launch in launches if launch[0] == "product_tiles")
     assert np.isfinite(logits).all() and logits.shape == expected.shape
     for row, row_expected in zip(logits, expected):

@@ -164,7 +164,13 @@ LAUNCHES = {
         "quantize_rows",
         [InputSpec(mx.float32, 2, 3 * 512)],
         [mx.int8, mx.float32, mx.float32],
-        [("IN", 512)],
+        [("IN", 512), ("GLU", 0), ("ACTIVATION", 0), ("CHUNKS", 1)],
+    ),
+    "quantize_rows-glu": (
+        "quantize_rows",
+        [InputSpec(mx.float32, 3, 3 * 2 * 2 * 512)],
+        [mx.int8, mx.float32, mx.float32],
+        [("IN", 512), ("GLU", 1), ("ACTIVATION", 1), ("CHUNKS", 3)],
     ),
     "residual_norm_quant": (
         "residual_norm_quant",

@@ -293,3 +293,9 @@ inline uint2 muser_words2(const device uint8_t* base, size_t offset) {
   uint w2 = shift != 0u ? words[2] : 0u;
   return uint2(muser_funnel(w0, w1, shift), muser_funnel(w1, w2, shift));
 }
+
+// A gated FFN's activation of the gate's value: silu (ACTIVATION 0) or tanh-approximated gelu (1).
+template <int ACTIVATION>
+inline float muser_activate(float g) {
+  return ACTIVATION == 0 ? g / (1.0f + exp(-g)) : 0.5f * g * (1.0f + tanh(0.7978845608f * (g + 0.044715f * g * g * g)));
+}

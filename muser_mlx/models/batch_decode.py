@@ -201,13 +201,12 @@ class BatchStep:
     @staticmethod
     def feed_forward(launches: dict, h, summed: bool = True):
         """A layer's gated FFN on q8x h [padded, hidden] with its launches: float32 [padded,
-        hidden]. A tile product's gated half is float32: quantized for the down projection.
+        hidden]. A tile product's gated half comes as q8x for the down projection (gated_q8x).
         summed False: a tile product's down projection as its chunks' partial sums [chunks,
         padded, hidden] (the seam adds them)."""
-        f = launches["gate_up"](h)
         if not isinstance(launches["gate_up"], ops.TileProduct):
-            return launches["down"](f)
-        return launches["down"](ops.quantize_rows(f), summed=summed)
+            return launches["down"](launches["gate_up"](h))
+        return launches["down"](launches["gate_up"].gated_q8x(h), summed=summed)
 
     def __call__(self, tokens: mx.array, kv: BatchKV) -> mx.array:
         model, c = self.model, self.model.config

@@ -44,6 +44,9 @@ def q8x_shapes(lead: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
 
 Q8X_DTYPES = [mx.int8, mx.float32, mx.float32]
 
+# A gated FFN's activations (the kernels' ACTIVATION constant).
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
 
 def quantize_rows(x: mx.array) -> Q8X:
     """x [..., n] float (n a multiple of 32) as q8x: kernel quantize_rows on a GPU, the same
@@ -59,10 +62,37 @@ def quantize_rows(x: mx.array) -> Q8X:
     codes, scales, sums = kernels.launch(
         "quantize_rows",
         inputs=[rows],
-        template=[("IN", n)],
+        template=[("IN", n), ("GLU", 0), ("ACTIVATION", 0), ("CHUNKS", 1)],
         grid=(rows.shape[0] * n, 1, 1),  # a SIMD group per 32 values
         threadgroup=(256, 1, 1),
         output_shapes=q8x_shapes(lead, n),
+        output_dtypes=Q8X_DTYPES,
+    )
+    return Q8X(codes, scales, sums)
+
+
+def glu_quantize_rows(halves: mx.array, activation: str) -> Q8X:
+    """A gated FFN's f = act(gate) * up as q8x [rows, n], from its two halves as a tile product
+    writes them unsummed: halves float32 [chunks, rows, 2n] (gate's n columns, then up's; the
+    chunks' partial sums added here). Kernel quantize_rows' GLU 1 on a GPU; MLX ops on the CPU."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    if halves.ndim != 3 or halves.shape[-1] % (2 * Q8X_BLOCK) or 0 in halves.shape:
+        raise ValueError(f"glu_quantize_rows: halves must be [chunks, rows, 2n] with n whole {Q8X_BLOCK}-value "
+                         f"blocks, got {list(halves.shape)}")
+    chunks, rows, width = halves.shape
+    n = width // 2
+    halves = halves.astype(mx.float32)
+    if kernels.backend() == "cpu":
+        summed = halves.sum(axis=0)
+        return quantize_rows_mlx(glu(summed[:, :n], summed[:, n:], activation))
+    codes, scales, sums = kernels.launch(
+        "quantize_rows",
+        inputs=[halves],
+        template=[("IN", n), ("GLU", 1), ("ACTIVATION", ACTIVATIONS[activation]), ("CHUNKS", chunks)],
+        grid=(rows * n, 1, 1),  # a SIMD group per 32 values of f
+        threadgroup=(256, 1, 1),
+        output_shapes=q8x_shapes((rows,), n),
         output_dtypes=Q8X_DTYPES,
     )
     return Q8X(codes, scales, sums)
@@ -114,3 +144,15 @@ def weave(x: Q8X, woven: bool = True) -> Q8X:
     code_order, sum_order = _woven_order(n, woven)
     return (WovenQ8X if woven else Q8X)(mx.take(x.codes, code_order, axis=-1), x.scales,
                                        mx.take(x.sums, sum_order, axis=-1))
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """gelu with tanh's approximation, as the kernel computes it."""
+    return 0.5 * x * (1.0 + mx.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
+
+
+def glu(gate: mx.array, up: mx.array, activation: str) -> mx.array:
+    """act(gate) * up, act silu or gelu_tanh, as MLX ops (kernel product_tiles' GLU 1 math)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    return (gate * mx.sigmoid(gate) if activation == "silu" else gelu_tanh(gate)) * up

@@ -10,15 +10,14 @@ import mlx.core as mx
 
 from muser_mlx import kernels
 from muser_mlx.formats import GGMLType, block_format
-from muser_mlx.ops.activations import Q8X, Q8X_DTYPES, WovenQ8X, q8x_shapes, quantize_rows_mlx
+from muser_mlx.ops.activations import (ACTIVATIONS, Q8X, Q8X_DTYPES, WovenQ8X, gelu_tanh, glu, glu_quantize_rows,
+                                      q8x_shapes, quantize_rows, quantize_rows_mlx)
 from muser_mlx.ops.cpu_products import MATVEC_MAX_TOKENS
 from muser_mlx.ops.products import linear
 from muser_mlx.settings import DEFAULT, ProductConfig, Settings
 
 # Formats the q8x product kernels read (kernels/lib/q8x.metal: muser_load_x_unit / muser_unit_dot).
 PRODUCT_FORMATS = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
-
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 def _config(ggml_type, in_features: int, tokens: int, glu: bool, settings: Settings) -> ProductConfig:
@@ -300,6 +299,9 @@ class TileProduct:
                           + [("OUT_B", self.out_b), ("IN", self.in_features)])
         self.half_from = settings.tile_half_from
         self.by_token = settings.tile_stage_by_token
+        # A gated product of this many rows or more runs as an ungated one of gate and up (its
+        # input split in chunks like any other's, no bound), the activation in quantize_rows
+        self.split_from = settings.tile_glu_split_from if glu else 0
         self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
         self._launches = {}
 
@@ -314,8 +316,15 @@ class TileProduct:
         Settings.tile_half_from)."""
         return rows >= self.half_from
 
+    def split(self, rows: int) -> bool:
+        """Whether a gated product of `rows` rows of x runs split (Settings.tile_glu_split_from):
+        gate and up as one ungated product, its halves [chunks, rows, 2 out] for
+        ops.glu_quantize_rows."""
+        return 0 < self.split_from <= rows
+
     def launch_arguments(self, rows: int):
-        """(template, grid, threadgroup, chunks) for `rows` rows of x (made once for each count)."""
+        """(template, grid, threadgroup, chunks, width) for `rows` rows of x (made once for each
+        count): width, the columns the kernel writes."""
         made = self._launches.get(rows)
         if made is None:
             made = self._launches[rows] = self._launch_arguments(rows)
@@ -324,21 +333,31 @@ class TileProduct:
     def _launch_arguments(self, rows: int):
         tokens = self.tokens(rows)
         groups = -(-rows // tokens)
-        chunks = tile_chunks(self.spans, groups * self.blocks, self.activation is not None, self.target)
+        gated = self.activation is not None and not self.split(rows)
+        split_tiles = 2 * -(-self.out_a // 16)  # split: gate's tiles, then up's
+        blocks = self.blocks if gated or self.activation is None else -(-split_tiles // self.warps)
+        chunks = tile_chunks(self.spans, groups * blocks, gated, self.target)
         threadgroup = (32 * self.warps, 1, 1)
         half = self.half(rows)
-        template = (self._template + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(half)),
-                                      ("BY_TOKEN", int(half and self.by_token)), ("CHUNKS", chunks)] + self._glu
+        out_b = self.out_a if self.split(rows) else self.out_b
+        template = ([(k, out_b if k == "OUT_B" else v) for k, v in self._template]
+                    + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(half)),
+                       ("BY_TOKEN", int(half and self.by_token)), ("CHUNKS", chunks)]
+                    + (self._glu if gated else [("GLU", 0), ("ACTIVATION", 0)])
                     + [("LAUNCH_THREADS", threadgroup[0]),
-                       ("LAUNCH_MIN_THREADGROUPS", self.least if tokens == TILE_TOKENS else 0)])
-        return template, (threadgroup[0] * groups, self.blocks, chunks), threadgroup, chunks
+                       ("LAUNCH_MIN_THREADGROUPS", self.least if gated and tokens == TILE_TOKENS else 0)])
+        width = self.out_a if gated else self.out_a + out_b
+        return template, (threadgroup[0] * groups, blocks, chunks), threadgroup, chunks, width
+
+    def _check(self, x: Q8X):
+        if len(x.shape) != 2 or x.shape[1] != self.in_features or x.shape[0] % 8 or x.shape[0] == 0:
+            raise ValueError(f"product_tiles: x must be [rows, {self.in_features}] with rows a positive multiple "
+                             f"of 8, got {list(x.shape)}")
 
     def __call__(self, x: Q8X, summed: bool = True) -> mx.array:
         """summed False: the chunks' partial sums [chunks, rows, out] as the kernel writes them
         (for a consumer that adds them itself: ops.residual_norm_quant's chunked)."""
-        if len(x.shape) != 2 or x.shape[1] != self.in_features or x.shape[0] % 8 or x.shape[0] == 0:
-            raise ValueError(f"product_tiles: x must be [rows, {self.in_features}] with rows a positive multiple "
-                             f"of 8, got {list(x.shape)}")
+        self._check(x)
         if kernels.backend() == "cpu":
             values = x.dequantize()
             y = linear(values, self.weight)
@@ -347,17 +366,37 @@ class TileProduct:
                 y = mx.concatenate([y, other], axis=-1) if self.activation is None else glu(y, other, self.activation)
             return y if summed else y[None]  # one chunk
         rows = x.shape[0]
-        template, grid, threadgroup, chunks = self.launch_arguments(rows)
+        if self.split(rows):  # the halves, then the activation as MLX ops
+            halves = self._launch(x, summed=True)
+            f = glu(halves[:, : self.out_a], halves[:, self.out_a :], self.activation)
+            return f if summed else f[None]
+        return self._launch(x, summed)
+
+    def _launch(self, x: Q8X, summed: bool) -> mx.array:
+        rows = x.shape[0]
+        template, grid, threadgroup, chunks, width = self.launch_arguments(rows)
         (y,) = kernels.launch(
             "product_tiles",
             inputs=[self.weight.data, (self.second if self.second is not None else self.weight).data, *x],
             template=template,
             grid=grid,
             threadgroup=threadgroup,
-            output_shapes=[(chunks, rows, self.out_features)],
+            output_shapes=[(chunks, rows, width)],
             output_dtypes=[mx.float32],
         )
         return y if not summed else y[0] if chunks == 1 else y.sum(axis=0)
+
+    def gated_q8x(self, x: Q8X) -> Q8X:
+        """A gated product's f = act(x A.T) * (x B.T) as q8x (the down projection's input): from
+        kernel product_tiles' GLU 1, or (split, Settings.tile_glu_split_from) its ungated form's
+        halves through ops.glu_quantize_rows. The CPU: MLX ops, as __call__'s."""
+        if self.activation is None:
+            raise ValueError("gated_q8x: an ungated product (no activation)")
+        rows = x.shape[0]
+        if kernels.backend() == "cpu" or not self.split(rows):
+            return quantize_rows(self(x))
+        self._check(x)
+        return glu_quantize_rows(self._launch(x, summed=False), self.activation)
 
 
 def product(x: Q8X, weight, second=None, head: tuple[float, float] | None = None, settings: Settings = DEFAULT):
@@ -388,15 +427,3 @@ def greedy(best: mx.array) -> mx.array:
         output_dtypes=[mx.int32],
     )
     return token[:tokens]
-
-
-def gelu_tanh(x: mx.array) -> mx.array:
-    """gelu with tanh's approximation, as the kernel computes it."""
-    return 0.5 * x * (1.0 + mx.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
-
-
-def glu(gate: mx.array, up: mx.array, activation: str) -> mx.array:
-    """act(gate) * up, act silu or gelu_tanh, as MLX ops (kernel product_tiles' GLU 1 math)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    return (gate * mx.sigmoid(gate) if activation == "silu" else gelu_tanh(gate)) * up
