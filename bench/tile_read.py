@@ -103,7 +103,7 @@ def _kernel(name: str):
 
 def tiles_read(product, rows: int) -> mx.array:
     """The weight loads of `product` (ops.TileProduct) for `rows` rows of x, alone."""
-    template, grid, threadgroup, _ = product.launch_arguments(rows)
+    template, grid, threadgroup, *_ = product.launch_arguments(rows)
     second = product.second if product.second is not None else product.weight
     threads = grid[0] * grid[1] * grid[2]
     template = template + [("GRID_X", grid[0] // threadgroup[0]), ("GRID_Y", grid[1])]
@@ -185,9 +185,10 @@ def main() -> None:
             mx.eval(*x)
             for form, settings in forms.items():
                 product = ops.TileProduct(a, b, "silu" if gated else None, settings=settings)
-                ms = _median_ms(lambda: mx.eval([product(x, summed=False) for _ in range(20)]))
+                ms = _median_ms(lambda: mx.eval([product.gated_q8x(x) if gated else product(x, summed=False)
+                                                  for _ in range(20)]))
                 loads = _median_ms(lambda: mx.eval([tiles_read(product, rows) for _ in range(20)]))
-                template, grid, _, chunks = product.launch_arguments(rows)
+                template, grid, _, chunks, _ = product.launch_arguments(rows)
                 print(f"  {rows:>2} rows {form:<8} product {ms:7.3f} ms ({nbytes / ms / 1e6:5.0f} GB/s)  "
                       f"its loads alone {loads:7.3f} ms ({nbytes / loads / 1e6:5.0f} GB/s)  "
                       f"[{grid[0] // (32 * product.warps)} x {grid[1]} x {chunks} threadgroups, "
