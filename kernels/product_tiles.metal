@@ -11,6 +11,9 @@
 //          (no B when OUT_B is 0); the caller adds the chunks.
 //   GLU 1: y [rows, OUT_A] = act(x A.T) * (x B.T), A the gate and B the up projection (OUT_B =
 //          OUT_A), act silu (ACTIVATION 0) or tanh-approximated gelu (1); CHUNKS 1.
+//   GLU 2: y [CHUNKS, rows, 2 OUT_A] = [x A.T | x B.T] over chunk c's share, each SIMD group
+//          taking the same rows of A and B as GLU 1 (one read of each x tile for both), no
+//          activation (a split gated product: quantize_rows' GLU 1 finishes it).
 // Grid: threadgroup (token group, row block, chunk) of WARPS SIMD groups. SIMD group w takes the
 // 16-row tile WARPS * (row block) + w of A (then of B; with GLU the same rows of both) and the
 // TOKENS rows of x from TOKENS * (token group), over the spans of chunk c (IN's spans split in
@@ -148,7 +151,7 @@ if (HALF != 0) {  // M to the store, through the stage
 if (!active) {
   return;
 }
-const uint WIDTH = GLU != 0 ? uint(OUT_A) : uint(OUT_A + OUT_B);
+const uint WIDTH = GLU == 1 ? uint(OUT_A) : GLU == 2 ? uint(2 * OUT_A) : uint(OUT_A + OUT_B);
 uint out_rows = in_a ? uint(OUT_A) : uint(OUT_B);
 uint column = in_a ? 0u : uint(OUT_A);
 device float* out = y + size_t(chunk) * rows * WIDTH;
@@ -159,8 +162,10 @@ for (int j = 0; j < NT; ++j) {
     if (uint(j) < live && row < out_rows) {
       float scale = HALF != 0 ? muser_tile_f16_scale(stage_codes, token - first_token) : 1.0f;
       float value = acc[j * 4 + e] * scale;
-      if (GLU != 0) {
+      if (GLU == 1) {
         value = muser_activate<ACTIVATION>(value) * acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;
+      } else if (GLU == 2) {
+        out[size_t(token) * WIDTH + uint(OUT_A) + row] = acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;
       }
       out[size_t(token) * WIDTH + column + row] = value;
     }

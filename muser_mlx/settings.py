@@ -112,12 +112,16 @@ class Settings:
     # (its first form took them one after another and lost: bench/history/session-48.md). The
     # next round times it against the items form; the loser goes.
     tile_stage_by_token: bool = False
-    # From this many rows of x on (0: never), a gated tile product runs split: gate and up as one
-    # ungated product (chunks of its input like any other's, no register bound, a lane's sums for
-    # one tile), its halves summed, activated and quantized by kernel quantize_rows (GLU 1): 2 x
-    # rows x FF x 4 bytes written and read again (10 MB a layer at 64 rows of Muse Glimmer) and a
-    # launch, for the fused form's 2 threadgroups an SM. Untimed (bench/history/session-49.md).
+    # From this many rows of x on (0: never), a gated tile product runs split: its input in
+    # chunks like an ungated product's (the fused form's 312 threadgroups at 64 rows ran in 1.18
+    # waves), its halves summed, activated and quantized by kernel quantize_rows (GLU 1): chunks x
+    # 2 x rows x FF x 4 bytes written and read again (10 MB a chunk and layer at 64 rows of Muse
+    # Glimmer) and a launch. With tile_glu_split_pairs a SIMD group takes the same rows of gate
+    # and up, as the fused form (product_tiles GLU 2: each x tile read from the stage once for
+    # 32 weight rows, the bound of tile_glu_min_warps); without, gate and up are one ungated
+    # product (GLU 0: a lane's sums for one tile, no bound). Untimed (bench/history/session-49.md).
     tile_glu_split_from: int = 0
+    tile_glu_split_pairs: bool = True
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any

@@ -260,17 +260,20 @@ def test_glu_quantize_rows(rng, activation):
 
 
 @TILE_FORMS
+@pytest.mark.parametrize("pairs", [True, False], ids=["pairs", "one-tile"])
 @pytest.mark.parametrize("rows", [8, 16])
-def test_split_gated_tile_products(rng, rows, half):
-    """A gated tile product from Settings.tile_glu_split_from rows on (16): gate and up as one
-    ungated launch of product_tiles (GLU 0, up's rows as B, its 1,024 inputs in 2 chunks), then
-    quantize_rows' GLU 1 (the chunks summed, the activation); below it (8 rows) the fused GLU 1
-    launch and a plain quantize_rows. Its q8x f against numpy's act(x G.T) * (x U.T) within the
-    form's bound and half a code; the float form (__call__) within the bound."""
+def test_split_gated_tile_products(rng, rows, pairs, half):
+    """A gated tile product from Settings.tile_glu_split_from rows on (16): product_tiles' GLU 2
+    (pairs: gate's and up's same rows a SIMD group) or gate and up as one ungated launch (GLU 0),
+    its 1,024 inputs in 2 chunks either way, then quantize_rows' GLU 1 (the chunks summed, the
+    activation); below it (8 rows) the fused GLU 1 launch and a plain quantize_rows. Its q8x f
+    against numpy's act(x G.T) * (x U.T) within the form's bound and half a code; the float form
+    (__call__) within the bound."""
     gate, gate_values = weight(rng, GGMLType.Q4_K, 1024, 96, "gate")
     up, up_values = weight(rng, GGMLType.Q6_K, 1024, 96, "up")
     x, x_values = q8x(rng.standard_normal((rows, 1024)).astype(np.float32))
-    product = ops.TileProduct(gate, up, "gelu_tanh", settings=tile_settings(half, tile_glu_split_from=16))
+    product = ops.TileProduct(gate, up, "gelu_tanh", settings=tile_settings(half, tile_glu_split_from=16,
+                                                                                 tile_glu_split_pairs=pairs))
     with emulated_gpu() as launches, kernels.poisoned_outputs():
         f = product.gated_q8x(x)
         mx.eval(*f)
@@ -278,7 +281,7 @@ def test_split_gated_tile_products(rng, rows, half):
     split = rows >= 16
     assert kernel_names(launches)[:2] == ["product_tiles", "quantize_rows"]
     tiles, quantize = dict(launches[0][1]), dict(launches[1][1])
-    assert tiles["GLU"] == int(not split) and quantize["GLU"] == int(split)
+    assert tiles["GLU"] == ((2 if pairs else 0) if split else 1) and quantize["GLU"] == int(split)
     assert tiles["CHUNKS"] == (2 if split else 1) and quantize["CHUNKS"] == tiles["CHUNKS"]
     assert tiles["OUT_B"] == 96 and (tiles["LAUNCH_MIN_THREADGROUPS"] == 0 or not split)
     g = x_values @ gate_values.T
@@ -865,7 +868,8 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from,
     assert ("product_tiles" in names) == tiles
     assert {"product", "product_glu"}.isdisjoint(names) == tiles
     assert any(dict(launch[1]).get("CHUNKS", 1) > 1 for launch in launches) == tiles
-    assert any(dict(launch[1]).get("GLU", 0) for launch in launches if launch[0] == "product_tiles") == (tiles and not split)
+    glus = {dict(launch[1])["GLU"] for launch in launches if launch[0] == "product_tiles"}
+    assert (1 in glus) == (tiles and not split) and (2 in glus) == split  # split: GLU 2 (the pairs' default)
     assert any(dict(launch[1])["GLU"] for launch in launches if launch[0] == "quantize_rows") == split
     assert all(dict(launch[1])["HALF"] == int(half) for launch in launches if launch[0] == "product_tiles")
     assert np.isfinite(logits).all() and logits.shape == expected.shape

@@ -508,6 +508,7 @@ MUSE_TILE_PRODUCTS = {  # (in, out) and format of A, then of B (None: no B), gat
     "attn_output": ((4096, 6656), GGMLType.Q4_K, None, None, False),
     "gate+up": ((6656, 19968), GGMLType.Q4_K, (6656, 19968), GGMLType.Q4_K, True),
     "gate+up split": ((6656, 19968), GGMLType.Q4_K, (6656, 19968), GGMLType.Q4_K, "split"),
+    "gate+up split one-tile": ((6656, 19968), GGMLType.Q4_K, (6656, 19968), GGMLType.Q4_K, "one-tile"),
     "ffn_down Q4_K": ((19968, 6656), GGMLType.Q4_K, None, None, False),
     "ffn_down Q6_K": ((19968, 6656), GGMLType.Q6_K, None, None, False),
 }
@@ -519,7 +520,8 @@ def test_tile_product_launches_fit_the_register_file(case, half, tmp_path):
     shape, ggml_type, second_shape, second_type, gated = MUSE_TILE_PRODUCTS[case]
     second = _stand_in(second_shape, second_type, "b") if second_shape else None
     product = ops.TileProduct(_stand_in(shape, ggml_type, "a"), second, "silu" if gated else None,
-                              settings=tile_settings(half, tile_glu_split_from=64 if gated == "split" else 0))
+                              settings=tile_settings(half, tile_glu_split_from=64 if gated in ("split", "one-tile") else 0,
+                                                    tile_glu_split_pairs=gated != "one-tile"))
     template, grid, threadgroup, chunks, _ = product.launch_arguments(64)
     values = dict(template)
     inputs = [InputSpec(mx.uint8, 2, product.out_a * values["ROW_BYTES_A"]),
@@ -532,7 +534,7 @@ def test_tile_product_launches_fit_the_register_file(case, half, tmp_path):
     # a launch bounded to hold more threadgroups (Settings.tile_glu_min_warps: the gated one at 64
     # rows) fits them, and spills a little
     least = dict(template)["LAUNCH_MIN_THREADGROUPS"]
-    assert least == (3 if gated is True else 0)
+    assert least == (3 if gated in (True, "split") else 0)
     assert registers * threadgroup[0] * max(least, 1) <= 65536, (registers, least)
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     assert spilled <= (64 if least else 0), report

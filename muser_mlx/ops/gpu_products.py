@@ -302,6 +302,7 @@ class TileProduct:
         # A gated product of this many rows or more runs as an ungated one of gate and up (its
         # input split in chunks like any other's, no bound), the activation in quantize_rows
         self.split_from = settings.tile_glu_split_from if glu else 0
+        self.pairs = settings.tile_glu_split_pairs  # split: gate's and up's same rows a SIMD group (GLU 2)
         self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
         self._launches = {}
 
@@ -318,8 +319,9 @@ class TileProduct:
 
     def split(self, rows: int) -> bool:
         """Whether a gated product of `rows` rows of x runs split (Settings.tile_glu_split_from):
-        gate and up as one ungated product, its halves [chunks, rows, 2 out] for
-        ops.glu_quantize_rows."""
+        its halves [chunks, rows, 2 out] (gate's sums, then up's) for ops.glu_quantize_rows, from
+        kernel product_tiles' GLU 2 (Settings.tile_glu_split_pairs: a SIMD group takes the same
+        rows of both, as the fused form) or GLU 0 (gate and up as one ungated product)."""
         return 0 < self.split_from <= rows
 
     def launch_arguments(self, rows: int):
@@ -333,20 +335,20 @@ class TileProduct:
     def _launch_arguments(self, rows: int):
         tokens = self.tokens(rows)
         groups = -(-rows // tokens)
-        gated = self.activation is not None and not self.split(rows)
-        split_tiles = 2 * -(-self.out_a // 16)  # split: gate's tiles, then up's
-        blocks = self.blocks if gated or self.activation is None else -(-split_tiles // self.warps)
+        split = self.split(rows)
+        gated = self.activation is not None and not split  # GLU 1
+        paired = self.activation is not None and (gated or self.pairs)  # GLU 1 or 2: gate's and up's rows a SIMD group
+        tiles = 2 * -(-self.out_a // 16)  # GLU 0 split: gate's tiles, then up's, one a SIMD group
+        blocks = self.blocks if paired or self.activation is None else -(-tiles // self.warps)
         chunks = tile_chunks(self.spans, groups * blocks, gated, self.target)
         threadgroup = (32 * self.warps, 1, 1)
         half = self.half(rows)
-        out_b = self.out_a if self.split(rows) else self.out_b
-        template = ([(k, out_b if k == "OUT_B" else v) for k, v in self._template]
-                    + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(half)),
-                       ("BY_TOKEN", int(half and self.by_token)), ("CHUNKS", chunks)]
-                    + (self._glu if gated else [("GLU", 0), ("ACTIVATION", 0)])
+        glu = [("GLU", 2 if split and paired else 0), ("ACTIVATION", 0)] if not gated else self._glu
+        template = (self._template + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(half)),
+                                      ("BY_TOKEN", int(half and self.by_token)), ("CHUNKS", chunks)] + glu
                     + [("LAUNCH_THREADS", threadgroup[0]),
-                       ("LAUNCH_MIN_THREADGROUPS", self.least if gated and tokens == TILE_TOKENS else 0)])
-        width = self.out_a if gated else self.out_a + out_b
+                       ("LAUNCH_MIN_THREADGROUPS", self.least if paired and tokens == TILE_TOKENS else 0)])
+        width = self.out_a if gated else self.out_a + self.out_b
         return template, (threadgroup[0] * groups, blocks, chunks), threadgroup, chunks, width
 
     def _check(self, x: Q8X):
