@@ -65,10 +65,10 @@ BUILD_MS = {}  # B -> the host's ms a step to build the batched step's graph
 
 
 def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng, tiles: bool | None = None,
-              timed=contextlib.nullcontext) -> float:
-    """Seconds for `steps` steps of `batch` sequences that each hold `prompt` positions (tiles:
-    BatchStep's). timed: a context manager made around the timed steps alone (a profiler's mark:
-    bench/timeline.py leaves out the batch's setup and warm-up steps by it)."""
+              timed=contextlib.nullcontext, launch_settings=None) -> float:
+    """Seconds for `steps` steps of `batch` sequences that each hold `prompt` positions (tiles,
+    launch_settings: BatchStep's). timed: a context manager made around the timed steps alone (a
+    profiler's mark: bench/timeline.py leaves out the batch's setup and warm-up steps by it)."""
     vocab = model.config.vocab
     if batch == 1:
         copy = BatchKV(model, prompt_cache[0].dtype)
@@ -88,7 +88,7 @@ def run_batch(model, prompt_cache, batch: int, prompt: int, steps: int, rng, til
             token = queued
         token.item()
         return time.perf_counter() - tic
-    step = BatchStep(model, tiles=tiles)
+    step = BatchStep(model, tiles=tiles, launch_settings=launch_settings)
     kv = BatchKV(model, prompt_cache[0].dtype)
     for _ in range(batch):
         kv.add(prompt_cache)
@@ -302,17 +302,25 @@ def main() -> None:
                         print(each, flush=True)
         for name, changes in variants.items():  # one variant's model at a time: each holds its own stacked tables
             try:  # a variant that fails (a kernel that does not compile) is reported; the others still run
-                variant = rebuilt(model, settings_from(changes, settings))
+                changed = settings_from(changes, settings)
+                # a variant of the batched step's launches alone (tile_* fields, batch_tiles_from) runs on
+                # this model, every weight shared: a rebuilt model's step ran slower even where its
+                # settings did not apply (bench/history/session-48.md)
+                launches_only = all(field.startswith("tile_") or field == "batch_tiles_from"
+                                    for field, value in vars(changed).items() if getattr(settings, field) != value)
+                variant = model if launches_only else rebuilt(model, changed)
+                launch_settings = changed if launches_only else None
             except Exception as error:
                 print(f"  {name}: failed to build: {type(error).__name__}: {str(error)[:400]}", flush=True)
                 continue
             for batch in [b for b in batches if b > 1]:
                 try:
-                    seconds = run_batch(variant, prompt_cache, batch, args.prompt, args.steps, rng)
+                    seconds = run_batch(variant, prompt_cache, batch, args.prompt, args.steps, rng,
+                                        launch_settings=launch_settings)
                     line = f"{batch:>3}   {name}: {1e3 * seconds / args.steps:.2f} ms/step, {batch * args.steps / seconds:.1f} tokens/s"
                     if batch in llama:
                         line += f" ({batch * args.steps / seconds / llama[batch]:.2f}x llama.cpp)"
-                    if args.parts:
+                    if args.parts and not launches_only:
                         line += f" (products alone {products_ms(variant, batch):.2f} ms)"
                 except Exception as error:
                     line = f"{batch:>3}   {name}: failed: {type(error).__name__}: {str(error)[:400]}"

@@ -154,11 +154,14 @@ class BatchStep:
     """`model`'s batched decode step: tokens int32 [B] (may be lazy; in range) and a BatchKV
     with B rows -> float32 logits [B, vocab]; the rows' lengths advance by one."""
 
-    def __init__(self, model, q8x: bool | None = None, tiles: bool | None = None):
+    def __init__(self, model, q8x: bool | None = None, tiles: bool | None = None, launch_settings=None):
         """q8x: the GPU form (int8 x, tile or grouped products); None: where the fused step
         runs. tiles: its products as tile products (True) or grouped (False) at every B; None:
-        tiles from Settings.batch_tiles_from sequences on."""
+        tiles from Settings.batch_tiles_from sequences on. launch_settings: the Settings its
+        products' launches and form are made from (default the model's; benchmarks compare
+        launch shapes on one model with it: every weight shared)."""
         self.model = model
+        self.launch_settings = model.settings if launch_settings is None else launch_settings
         self.q8x = model.fused if q8x is None else q8x
         self.tiles = tiles
         self._launches = {}
@@ -172,13 +175,13 @@ class BatchStep:
 
     def uses_tiles(self, batch: int) -> bool:
         """Whether a step of `batch` sequences runs tile products."""
-        return self.tiles if self.tiles is not None else batch >= self.model.settings.batch_tiles_from
+        return self.tiles if self.tiles is not None else batch >= self.launch_settings.batch_tiles_from
 
     def launches(self, tiles: bool):
         """The products of every layer and the LM head, built on first use of each form: tile
         products (ops.TileProduct), or kernel product's and product_glu's grouped form."""
         if tiles not in self._launches:
-            model, settings = self.model, self.model.settings
+            model, settings = self.model, self.launch_settings
             grouped = dict(tokens=GROUP, settings=settings, grouped=True)
 
             def product(weight, second=None):
