@@ -264,8 +264,9 @@ class TileProduct:
     Called with q8x x [rows, in] (rows a multiple of 8): float32 [rows, out] = [x A.T | x B.T]
     for weight A and, if given, `second` B of the same input (formats Q4_K, Q6_K, Q8_0); with
     `activation` ("silu" or "gelu_tanh"), act(x A.T) * (x B.T), A the gate and B the up
-    projection. Products of few rows split the input over several threadgroups (tile_chunks)
-    and add their sums after. On the CPU: the same math on x's dequantized values (MLX ops)."""
+    projection (or split, from Settings.tile_glu_split_from rows: gated_q8x). Products of few
+    rows split the input over several threadgroups (tile_chunks) and add their sums after. On
+    the CPU: the same math on x's dequantized values (MLX ops)."""
 
     def __init__(self, weight, second=None, activation: str | None = None, settings: Settings = DEFAULT):
         self.formats = [_format(weight, "product_tiles")]
@@ -299,8 +300,8 @@ class TileProduct:
                           + [("OUT_B", self.out_b), ("IN", self.in_features)])
         self.half_from = settings.tile_half_from
         self.by_token = settings.tile_stage_by_token
-        # A gated product of this many rows or more runs as an ungated one of gate and up (its
-        # input split in chunks like any other's, no bound), the activation in quantize_rows
+        # A gated product of this many rows or more runs split (its input in chunks like an
+        # ungated product's, the activation in quantize_rows: split())
         self.split_from = settings.tile_glu_split_from if glu else 0
         self.pairs = settings.tile_glu_split_pairs  # split: gate's and up's same rows a SIMD group (GLU 2)
         self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
