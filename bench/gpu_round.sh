@@ -11,18 +11,22 @@
 #   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
 #   step, BATCH_ARGS more batch.py options, e.g. "--parts --both"; `tests` may follow it)
 #   (or call 2/3 `before-after`: issue 44's decode figures of two trees in one call, below)
-#   The next round (session 48, bench/history/session-48.md: three changes after ncu and a
-#   timeline of the 64-row step, timed only in a form since changed):
+#   The next round (sessions 48-49, bench/history/session-49.md: no machine could be started in
+#   session 49; the forms below are built and tested on the emulator, untimed):
 #   1. carry [".device/a"]: bash bench/gpu_round.sh start   (llama.cpp's build starts, ~280 s)
-#   2. carry [".device/b"]: the default against each change undone (or done), llama.cpp beside:
+#   2. carry [".device/b"]: the default against each untimed form, llama.cpp beside (the
+#      variants are launch settings alone: they run on the default's model, every weight shared):
 #        BATCH_SECONDS=400 BATCH_ARGS="--batches 1,8,32,48,64 --steps 24 --variant
-#        tok:tile_stage_by_token=True --variant glu0:tile_glu_min_warps=0" bash bench/gpu_round.sh bench
+#        split:tile_glu_split_from=17 --variant one:tile_glu_split_from=17,tile_glu_split_pairs=False
+#        --variant tok:tile_stage_by_token=True --variant glu0:tile_glu_min_warps=0" bash bench/gpu_round.sh bench
 #      (no PRE_TESTS: beside llama.cpp's build the GPU tests crawl)
 #   3. bash bench/gpu_round.sh timeline (64 rows: the wide seams' us a launch against b5bd0c2's
 #      26.1 / 21.5), then TESTS_SECONDS=540 bash bench/gpu_round.sh tests
 #   With little device time (~250 s): call 1 with LLAMA=0, then, carry [".device/b"],
-#   `bash bench/gpu_round.sh reads` (bench/tile_read.py: each tile product of Muse Glimmer's
-#   shapes beside its loads alone and a plain read, per form; random bytes, no model file).
+#   READS_ONLY="gate+up Q4_K,down Q4_K" READS_ARGS="--rows 64,32 --variant split:tile_glu_split_from=17
+#   --variant one:tile_glu_split_from=17,tile_glu_split_pairs=False --variant tok:tile_stage_by_token=True"
+#   bash bench/gpu_round.sh reads (bench/tile_read.py: each tile product of Muse Glimmer's shapes
+#   beside its loads alone and a plain read, per form; random bytes, no model file).
 #   Where a batched step's time goes beside its products (CUPTI kernels a step, gaps):
 #     bash bench/gpu_round.sh timeline   (TIMELINE_ARGS: timeline.py's, default --batch 64)
 #   Where a product's time goes (stall reasons, occupancy, DRAM rate): NCU_* as above with `ncu`.
@@ -95,7 +99,8 @@ bench)
   ;;
 reads)  # the shortest useful round (carry .device/b): what bounds each tile product, no model file
   install_wheels || exit 1
-  timeout "${READS_SECONDS:-150}" python3 bench/tile_read.py ${READS_ARGS:---rows 8,32,64 --variant int8:tile_half_from=1000 --variant f16:tile_half_from=1} \
+  timeout "${READS_SECONDS:-150}" python3 bench/tile_read.py ${READS_ONLY:+--only "$READS_ONLY"} \
+    ${READS_ARGS:---rows 8,32,64 --variant int8:tile_half_from=1000 --variant f16:tile_half_from=1} \
     2>&1 | tee "$OUT/tile_read.txt"
   ;;
 check)  # the wheels installed (carry .device/b), then PRE_TESTS alone (a short round)
