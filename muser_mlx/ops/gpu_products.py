@@ -288,12 +288,11 @@ class TileProduct:
         self.out_a, self.out_b = weight.shape[1], second.shape[1] if second is not None else 0
         self.out_features = self.out_a if activation else self.out_a + self.out_b
         glu = activation is not None
-        tiles = -(-self.out_a // 16) + (0 if glu else -(-self.out_b // 16))
+        self.tiles_a, self.tiles_b = -(-self.out_a // 16), -(-self.out_b // 16)  # 16-row tiles of A and B
         self.warps, self.target = settings.tile_warps, settings.tile_threadgroups
         # A gated product's 64-row threadgroups an SM holds at once, at least (CUDA: registers
         # capped; Settings.tile_glu_min_warps)
         self.least = max(1, settings.tile_glu_min_warps // self.warps) if glu and settings.tile_glu_min_warps else 0
-        self.blocks = -(-tiles // self.warps)
         self.spans = self.in_features // (256 if self.in_features % 256 == 0 else 32)
         self._template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
                           + _weight_template("B", second if second is not None else weight)
@@ -304,7 +303,6 @@ class TileProduct:
         # ungated product's, the activation in quantize_rows: split())
         self.split_from = settings.tile_glu_split_from if glu else 0
         self.pairs = settings.tile_glu_split_pairs  # split: gate's and up's same rows a SIMD group (GLU 2)
-        self._glu = [("GLU", int(glu)), ("ACTIVATION", ACTIVATIONS[activation] if glu else 0)]
         self._launches = {}
 
     @staticmethod
@@ -336,20 +334,20 @@ class TileProduct:
     def _launch_arguments(self, rows: int):
         tokens = self.tokens(rows)
         groups = -(-rows // tokens)
+        # kernel product_tiles' GLU: 1 fused, 2 split in pairs, 0 ungated or split one tile a SIMD group
         split = self.split(rows)
-        gated = self.activation is not None and not split  # GLU 1
-        paired = self.activation is not None and (gated or self.pairs)  # GLU 1 or 2: gate's and up's rows a SIMD group
-        tiles = 2 * -(-self.out_a // 16)  # GLU 0 split: gate's tiles, then up's, one a SIMD group
-        blocks = self.blocks if paired or self.activation is None else -(-tiles // self.warps)
-        chunks = tile_chunks(self.spans, groups * blocks, gated, self.target)
+        glu = 0 if self.activation is None or (split and not self.pairs) else 2 if split else 1
+        # GLU 1 and 2: a SIMD group takes the same rows of A and B (A's tiles); GLU 0: every tile of both
+        blocks = -(-(self.tiles_a if glu else self.tiles_a + self.tiles_b) // self.warps)
+        chunks = tile_chunks(self.spans, groups * blocks, glu == 1, self.target)
         threadgroup = (32 * self.warps, 1, 1)
         half = self.half(rows)
-        glu = [("GLU", 2 if split and paired else 0), ("ACTIVATION", 0)] if not gated else self._glu
         template = (self._template + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(half)),
-                                      ("BY_TOKEN", int(half and self.by_token)), ("CHUNKS", chunks)] + glu
-                    + [("LAUNCH_THREADS", threadgroup[0]),
-                       ("LAUNCH_MIN_THREADGROUPS", self.least if paired and tokens == TILE_TOKENS else 0)])
-        width = self.out_a if gated else self.out_a + self.out_b
+                                      ("BY_TOKEN", int(half and self.by_token)), ("CHUNKS", chunks), ("GLU", glu),
+                                      ("ACTIVATION", ACTIVATIONS[self.activation] if glu == 1 else 0),
+                                      ("LAUNCH_THREADS", threadgroup[0]),
+                                      ("LAUNCH_MIN_THREADGROUPS", self.least if glu and tokens == TILE_TOKENS else 0)])
+        width = self.out_a if glu == 1 else self.out_a + self.out_b
         return template, (threadgroup[0] * groups, blocks, chunks), threadgroup, chunks, width
 
     def _check(self, x: Q8X):
