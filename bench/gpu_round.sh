@@ -11,20 +11,27 @@
 #   args" runs those tests first, NCU_SECONDS=N adds ncu sections of a few products of a 64-row
 #   step, BATCH_ARGS more batch.py options, e.g. "--parts --both"; `tests` may follow it)
 #   (or call 2/3 `before-after`: issue 44's decode figures of two trees in one call, below)
-#   The next round (sessions 48-49, bench/history/session-49.md: no machine could be started in
-#   session 49; the forms below are built and tested on the emulator, untimed):
+#   The next round (sessions 48-50, bench/history/session-50.md: no machine in sessions 49 and 50;
+#   the forms below are built and tested on the emulator, untimed):
 #   1. carry [".device/a"]: bash bench/gpu_round.sh start   (llama.cpp's build starts, ~280 s)
 #   2. carry [".device/b"]: the default against each untimed form, llama.cpp beside (the
-#      variants are launch settings alone: they run on the default's model, every weight shared):
-#        BATCH_SECONDS=400 BATCH_ARGS="--batches 1,8,32,48,64 --steps 24 --variant
-#        split:tile_glu_split_from=17 --variant one:tile_glu_split_from=17,tile_glu_split_pairs=False
-#        --variant tok:tile_stage_by_token=True --variant glu0:tile_glu_min_warps=0" bash bench/gpu_round.sh bench
+#      variants are launch settings alone: they run on the default's model, every weight shared;
+#      the likeliest first, in case the time runs out):
+#        BATCH_SECONDS=500 BATCH_ARGS="--batches 1,8,32,64 --steps 24 --variant
+#        tok:tile_stage_by_token=True --variant tokpairs:tile_stage_by_token=True,tile_pairs_from=17
+#        --variant tokpairs364:tile_stage_by_token=True,tile_pairs_from=17,tile_threadgroups=364
+#        --variant split:tile_glu_split_from=17 --variant one:tile_glu_split_from=17,tile_glu_split_pairs=False"
+#        bash bench/gpu_round.sh bench
+#      (tokpairs364: pairs hold 3 threadgroups an SM, 396 a wave of 132 SMs; 64-row down and
+#      o-projection take 7 chunks of 52 = 364, one wave, where the default's 10 x 52 = 520 is 1.31)
 #      (no PRE_TESTS: beside llama.cpp's build the GPU tests crawl)
 #   3. bash bench/gpu_round.sh timeline (64 rows: the wide seams' us a launch against b5bd0c2's
 #      26.1 / 21.5), then TESTS_SECONDS=540 bash bench/gpu_round.sh tests
 #   With little device time (~250 s): call 1 with LLAMA=0, then, carry [".device/b"],
-#   READS_ONLY="gate+up Q4_K,down Q4_K" READS_ARGS="--rows 64,32 --variant split:tile_glu_split_from=17
-#   --variant one:tile_glu_split_from=17,tile_glu_split_pairs=False --variant tok:tile_stage_by_token=True"
+#   READS_ONLY="gate+up Q4_K,down Q4_K,head Q6_K" READS_ARGS="--rows 64,32 --variant tok:tile_stage_by_token=True
+#   --variant tokpairs:tile_stage_by_token=True,tile_pairs_from=17
+#   --variant tokpairs364:tile_stage_by_token=True,tile_pairs_from=17,tile_threadgroups=364
+#   --variant split:tile_glu_split_from=17 --variant one:tile_glu_split_from=17,tile_glu_split_pairs=False"
 #   bash bench/gpu_round.sh reads (bench/tile_read.py: each tile product of Muse Glimmer's shapes
 #   beside its loads alone and a plain read, per form; random bytes, no model file).
 #   Where a batched step's time goes beside its products (CUPTI kernels a step, gaps):

@@ -104,10 +104,9 @@ def _kernel(name: str):
 def tiles_read(product, rows: int) -> mx.array:
     """The weight loads of `product` (ops.TileProduct) for `rows` rows of x, alone."""
     template, grid, threadgroup, *_ = product.launch_arguments(rows)
-    second = product.second if product.second is not None else product.weight
     threads = grid[0] * grid[1] * grid[2]
     template = template + [("GRID_X", grid[0] // threadgroup[0]), ("GRID_Y", grid[1])]
-    (y,) = _kernel("tiles_read")(inputs=[product.weight.data, second.data], template=template, grid=grid,
+    (y,) = _kernel("tiles_read")(inputs=list(product.launch_inputs(rows)), template=template, grid=grid,
                                  threadgroup=threadgroup, output_shapes=[(threads,)], output_dtypes=[mx.uint32])
     return y
 

@@ -13,7 +13,8 @@
 //          OUT_A), act silu (ACTIVATION 0) or tanh-approximated gelu (1); CHUNKS 1.
 //   GLU 2: y [CHUNKS, rows, 2 OUT_A] = [x A.T | x B.T] over chunk c's share, each SIMD group
 //          taking the same rows of A and B as GLU 1 (one read of each x tile for both), no
-//          activation (a split gated product: quantize_rows' GLU 1 finishes it).
+//          activation (a split gated product: quantize_rows' GLU 1 finishes it; or an ungated
+//          product in pairs, A and B the two halves of one weight's rows: y is then x W.T).
 // Grid: threadgroup (token group, row block, chunk) of WARPS SIMD groups. SIMD group w takes the
 // 16-row tile WARPS * (row block) + w of A (then of B; with GLU the same rows of both) and the
 // TOKENS rows of x from TOKENS * (token group), over the spans of chunk c (IN's spans split in

@@ -122,6 +122,14 @@ class Settings:
     # product (GLU 0: a lane's sums for one tile, no bound). Untimed (bench/history/session-49.md).
     tile_glu_split_from: int = 0
     tile_glu_split_pairs: bool = True
+    # From this many rows of x on (0: never), an ungated f16 tile product of one weight whose
+    # rows split in two halves of whole 16-row tiles (Muse Glimmer's o-projection, down and head)
+    # runs in pairs: a SIMD group takes tile i of the first half and tile i of the second, the
+    # halves as A and B of kernel product_tiles' GLU 2 (views of the weight, no copy), so each x
+    # tile is read from the stage once for 32 weight rows, not 16 (the stage's reads were ~1,024
+    # of a 64-row threadgroup-span's ~2,600 L1 wavefronts: bench/history/session-48.md), with
+    # the bound of tile_glu_min_warps. Untimed (bench/history/session-50.md).
+    tile_pairs_from: int = 0
 
     # -- GPU prefill (models/transformer.py, ops/dequantize.py, ops/pacer.py) --
     # Attention inputs padded to multiples of these (keys, query rows) so that prompts of any
@@ -162,6 +170,8 @@ class Settings:
         if self.tile_glu_split_from < 0:
             raise ValueError(f"tile_glu_split_from must be at least 0 (rows of x; 0: never), "
                              f"got {self.tile_glu_split_from}")
+        if self.tile_pairs_from < 0:
+            raise ValueError(f"tile_pairs_from must be at least 0 (rows of x; 0: never), got {self.tile_pairs_from}")
         if self.tile_threadgroups < 1:
             raise ValueError(f"tile_threadgroups must be at least 1, got {self.tile_threadgroups}")
         if self.attention_head_group < 1:

@@ -138,6 +138,10 @@ def test_tile_products_match_numpy(backend, rng, formats_ab, rows, half):
         f = split.gated_q8x(x)
     assert relative_error(split_glu, expected) <= bound
     assert_within_half_a_code(f, split_glu, slack=1e-4)
+    pairs = ops.TileProduct(gate, settings=tile_settings(half, tile_pairs_from=8))  # f16: 2 halves of 48 rows
+    with kernels.poisoned_outputs():
+        paired = np.array(pairs(x))
+    assert pairs.pair(rows) == bool(half) and relative_error(paired, g) <= bound
 
 
 @pytest.mark.parametrize("wide", [0, 1], ids=["units32", "wide"])
@@ -382,6 +386,8 @@ def test_settings_refuse_a_product_config_that_cannot_launch():
         Settings(tile_glu_min_warps=-1)
     with pytest.raises(ValueError, match="tile_glu_split_from must be at least 0"):
         Settings(tile_glu_split_from=-1)
+    with pytest.raises(ValueError, match="tile_pairs_from must be at least 0"):
+        Settings(tile_pairs_from=-1)
 
 
 def test_wide_units_take_at_most_two_tokens_and_fewer_units_at_once(rng):

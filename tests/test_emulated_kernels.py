@@ -295,6 +295,37 @@ def test_split_gated_tile_products(rng, rows, pairs, half):
     assert relative_error(f.dequantize(), expected) <= bound + rounding * (1 + 1e-3)
 
 
+@pytest.mark.parametrize("first, out, rows", [(GGMLType.Q4_K, 96, 16), (GGMLType.Q6_K, 160, 24),
+                                              (GGMLType.Q4_K, 96, 8), (GGMLType.Q8_0, 40, 16)],
+                         ids=["Q4_K-96-16", "Q6_K-160-24", "Q4_K-96-8-below", "Q8_0-40-16-odd-halves"])
+@TILE_FORMS
+def test_tile_products_in_pairs(rng, first, out, rows, half):
+    """Settings.tile_pairs_from (16): an ungated f16 product of one weight from 16 rows of x on
+    runs kernel product_tiles' GLU 2 over its two halves of rows (views of the weight: A rows
+    0..out/2-1, B the rest), 1,024 inputs in 2 chunks; below 16 rows, in the int8 form, or where
+    the halves are not whole 16-row tiles (40 rows: 20 and 20), GLU 0 over the whole weight.
+    Against numpy within the form's bound, summed and as the kernel's chunks."""
+    a, a_values = weight(rng, first, 1024, out, "a")
+    x, x_values = q8x(rng.standard_normal((rows, 1024)).astype(np.float32))
+    product = ops.TileProduct(a, settings=tile_settings(half, tile_pairs_from=16))
+    with emulated_gpu() as launches, kernels.poisoned_outputs():
+        summed = np.array(product(x))
+        chunks = np.array(product(x, summed=False))
+    paired = bool(half) and rows >= 16 and out % 32 == 0
+    template = dict(launches[0][1])
+    assert kernel_names(launches) == ["product_tiles"] * 2 and product.pair(rows) == paired
+    assert template["GLU"] == (2 if paired else 0) and template["CHUNKS"] == 2
+    assert (template["OUT_A"], template["OUT_B"]) == ((out // 2, out // 2) if paired else (out, 0))
+    if paired:
+        halves = product.launch_inputs(rows)
+        assert [h.shape[0] for h in halves] == [out // 2] * 2
+        np.testing.assert_array_equal(np.concatenate([np.array(h) for h in halves]), np.array(a.data))
+    expected = x_values @ a_values.T
+    bound = HALF_PRODUCT_BOUND if half else PRODUCT_BOUND
+    assert summed.shape == expected.shape and relative_error(summed, expected) <= bound
+    assert chunks.shape == (2, *expected.shape) and relative_error(chunks.sum(axis=0), expected) <= bound
+
+
 @pytest.mark.parametrize("first, second, tokens", [(GGMLType.Q4_K, None, 3), (GGMLType.Q8_0, GGMLType.Q6_K, 1),
                                                    (GGMLType.Q6_K, GGMLType.Q4_K, 8)],
                          ids=["Q4_K-3", "Q8_0+Q6_K-1", "Q6_K+Q4_K-8"])
@@ -837,8 +868,10 @@ def test_an_endless_loop_is_reported(rng):
 # whole projections, no pre-norms); Gemma 2's (attention softcap, here one that bites).
 @pytest.mark.parametrize("chosen, tiles_from, tiles, half, split",
                          [(False, 9, False, False, False), (True, 9, True, False, False), (None, 3, True, False, False),
-                          (None, 4, False, False, False), (True, 9, True, True, False), (True, 9, True, True, True)],
-                         ids=["grouped", "tiles", "tiles-by-count", "grouped-by-count", "tiles-f16", "tiles-f16-split"])
+                          (None, 4, False, False, False), (True, 9, True, True, False), (True, 9, True, True, True),
+                          (True, 9, True, True, "pairs")],
+                         ids=["grouped", "tiles", "tiles-by-count", "grouped-by-count", "tiles-f16", "tiles-f16-split",
+                              "tiles-f16-pairs"])
 def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from, tiles, half, split):
     """BatchStep's GPU form, with its grouped products (kernels product / product_glu) or its tile
     products (kernel product_tiles), chosen or picked by the count of sequences
@@ -848,12 +881,15 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from,
     in another order, which may move an int8 code of a later input (test_batch.py's bounds).
     half: the tile products in f16 at these 8 rows (Settings.tile_half_from 1; by default 8 rows
     take the int8 form), within the same bound. split: the gated product split from 8 rows
-    (Settings.tile_glu_split_from: product_tiles GLU 0, then quantize_rows' GLU 1)."""
+    (Settings.tile_glu_split_from: product_tiles GLU 0, then quantize_rows' GLU 1); "pairs": the
+    ungated products of one weight in pairs from 8 rows (Settings.tile_pairs_from: GLU 2 over
+    the weight's halves; the gated product fused)."""
     path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1, ff=1024)
     from muser_mlx.models.batch_decode import BatchKV, BatchStep
     with gguf.read(path) as file:
         model = build_model(file, Settings(batch_tiles_from=tiles_from, tile_half_from=1 if half else DEFAULT.tile_half_from,
-                                           tile_glu_split_from=8 if split else 0))
+                                           tile_glu_split_from=8 if split is True else 0,
+                                           tile_pairs_from=8 if split == "pairs" else 0))
         assert BatchStep(model, q8x=True, tiles=chosen).uses_tiles(3) == tiles
         caches = [model.make_cache(mx.float16) for _ in range(3)]
         for n, cache in zip((3, 9, 5), caches):
@@ -873,8 +909,11 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from,
     assert {"product", "product_glu"}.isdisjoint(names) == tiles
     assert any(dict(launch[1]).get("CHUNKS", 1) > 1 for launch in launches) == tiles
     glus = {dict(launch[1])["GLU"] for launch in launches if launch[0] == "product_tiles"}
-    assert (1 in glus) == (tiles and not split) and (2 in glus) == split  # split: GLU 2 (the pairs' default)
-    assert any(dict(launch[1])["GLU"] for launch in launches if launch[0] == "quantize_rows") == split
+    # split: GLU 2 (the split's pairs' default); pairs: GLU 2 for the ungated products of one weight
+    assert (1 in glus) == (tiles and split is not True) and (2 in glus) == bool(split)
+    assert any(dict(launch[1])["GLU"] for launch in launches if launch[0] == "quantize_rows") == (split is True)
+    if split == "pairs":  # o-projection and down (256 rows: halves as A and B); not the head's 326 rows
+        assert sum(dict(launch[1])["GLU"] == 2 for launch in launches if launch[0] == "product_tiles") == 2
     assert all(dict(launch[1])["HALF"] == int(half) for launch in launches if launch[0] == "product_tiles")
     assert np.isfinite(logits).all() and logits.shape == expected.shape
     for row, row_expected in zip(logits, expected):

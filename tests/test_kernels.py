@@ -511,6 +511,9 @@ MUSE_TILE_PRODUCTS = {  # (in, out) and format of A, then of B (None: no B), gat
     "gate+up split one-tile": ((6656, 19968), GGMLType.Q4_K, (6656, 19968), GGMLType.Q4_K, "one-tile"),
     "ffn_down Q4_K": ((19968, 6656), GGMLType.Q4_K, None, None, False),
     "ffn_down Q6_K": ((19968, 6656), GGMLType.Q6_K, None, None, False),
+    "ffn_down Q4_K pairs": ((19968, 6656), GGMLType.Q4_K, None, None, "pairs"),
+    "ffn_down Q6_K pairs": ((19968, 6656), GGMLType.Q6_K, None, None, "pairs"),
+    "attn_output pairs": ((4096, 6656), GGMLType.Q4_K, None, None, "pairs"),
 }
 
 
@@ -519,9 +522,11 @@ MUSE_TILE_PRODUCTS = {  # (in, out) and format of A, then of B (None: no B), gat
 def test_tile_product_launches_fit_the_register_file(case, half, tmp_path):
     shape, ggml_type, second_shape, second_type, gated = MUSE_TILE_PRODUCTS[case]
     second = _stand_in(second_shape, second_type, "b") if second_shape else None
-    product = ops.TileProduct(_stand_in(shape, ggml_type, "a"), second, "silu" if gated else None,
+    product = ops.TileProduct(_stand_in(shape, ggml_type, "a"), second,
+                              "silu" if gated and gated != "pairs" else None,
                               settings=tile_settings(half, tile_glu_split_from=64 if gated in ("split", "one-tile") else 0,
-                                                    tile_glu_split_pairs=gated != "one-tile"))
+                                                    tile_glu_split_pairs=gated != "one-tile",
+                                                    tile_pairs_from=64 if gated == "pairs" else 0))
     template, grid, threadgroup, chunks, _ = product.launch_arguments(64)
     values = dict(template)
     inputs = [InputSpec(mx.uint8, 2, product.out_a * values["ROW_BYTES_A"]),
@@ -532,9 +537,9 @@ def test_tile_product_launches_fit_the_register_file(case, half, tmp_path):
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     assert registers * threadgroup[0] <= 65536, (registers, template)
     # a launch bounded to hold more threadgroups (Settings.tile_glu_min_warps: the gated one at 64
-    # rows) fits them, and spills a little
+    # rows, and one in pairs in the f16 form) fits them, and spills a little
     least = dict(template)["LAUNCH_MIN_THREADGROUPS"]
-    assert least == (3 if gated in (True, "split") else 0)
+    assert least == (3 if gated in (True, "split") or (gated == "pairs" and half) else 0)
     assert registers * threadgroup[0] * max(least, 1) <= 65536, (registers, least)
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     assert spilled <= (64 if least else 0), report

@@ -264,7 +264,8 @@ class TileProduct:
     Called with q8x x [rows, in] (rows a multiple of 8): float32 [rows, out] = [x A.T | x B.T]
     for weight A and, if given, `second` B of the same input (formats Q4_K, Q6_K, Q8_0); with
     `activation` ("silu" or "gelu_tanh"), act(x A.T) * (x B.T), A the gate and B the up
-    projection (or split, from Settings.tile_glu_split_from rows: gated_q8x). Products of few
+    projection (or split, from Settings.tile_glu_split_from rows: gated_q8x). An ungated product
+    of one weight may run in pairs (Settings.tile_pairs_from: pair()). Products of few
     rows split the input over several threadgroups (tile_chunks) and add their sums after. On
     the CPU: the same math on x's dequantized values (MLX ops)."""
 
@@ -290,19 +291,34 @@ class TileProduct:
         glu = activation is not None
         self.tiles_a, self.tiles_b = -(-self.out_a // 16), -(-self.out_b // 16)  # 16-row tiles of A and B
         self.warps, self.target = settings.tile_warps, settings.tile_threadgroups
-        # A gated product's 64-row threadgroups an SM holds at once, at least (CUDA: registers
-        # capped; Settings.tile_glu_min_warps)
-        self.least = max(1, settings.tile_glu_min_warps // self.warps) if glu and settings.tile_glu_min_warps else 0
+        # From this many rows of x (0: never), an ungated f16 product of one weight whose rows
+        # split in two halves of whole tiles runs in pairs (Settings.tile_pairs_from: pair())
+        self.pairs_from = settings.tile_pairs_from if second is None and not glu and self.out_a % 32 == 0 else 0
+        # The 64-row threadgroups an SM holds at once, at least, of a launch whose lanes hold two
+        # tiles' sums (gated or pairs; CUDA: registers capped; Settings.tile_glu_min_warps)
+        self.least = (max(1, settings.tile_glu_min_warps // self.warps)
+                      if (glu or self.pairs_from) and settings.tile_glu_min_warps else 0)
         self.spans = self.in_features // (256 if self.in_features % 256 == 0 else 32)
         self._template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
                           + _weight_template("B", second if second is not None else weight)
                           + [("OUT_B", self.out_b), ("IN", self.in_features)])
         self.half_from = settings.tile_half_from
+        self._halves = None  # pairs: the weight's two halves of rows, A and B of GLU 2
+        if self.pairs_from:
+            half = self.out_a // 2
+            self._pair_template = (_weight_template("A", weight) + [("OUT_A", half)] + _weight_template("B", weight)
+                                   + [("OUT_B", half), ("IN", self.in_features)])
+            data = getattr(weight, "data", None)  # (None: a stand-in that only makes launch arguments)
+            if data is not None:
+                # evaluated now, views of the weight's bytes (no copy), as gguf.stack_rows' are: a
+                # lazy array belongs to the stream of the thread that made it
+                self._halves = (data[:half], data[half:])
+                mx.eval(self._halves)
         self.by_token = settings.tile_stage_by_token
         # A gated product of this many rows or more runs split (its input in chunks like an
         # ungated product's, the activation in quantize_rows: split())
         self.split_from = settings.tile_glu_split_from if glu else 0
-        self.pairs = settings.tile_glu_split_pairs  # split: gate's and up's same rows a SIMD group (GLU 2)
+        self.split_pairs = settings.tile_glu_split_pairs  # split: gate's and up's same rows a SIMD group (GLU 2)
         self._launches = {}
 
     @staticmethod
@@ -323,6 +339,19 @@ class TileProduct:
         rows of both, as the fused form) or GLU 0 (gate and up as one ungated product)."""
         return 0 < self.split_from <= rows
 
+    def pair(self, rows: int) -> bool:
+        """Whether `rows` rows of x run this ungated product in pairs (Settings.tile_pairs_from;
+        the f16 form only: kernel product_tiles' GLU 2 over the weight's two halves of rows)."""
+        return 0 < self.pairs_from <= rows and self.half(rows)
+
+    def launch_inputs(self, rows: int) -> tuple[mx.array, mx.array]:
+        """The weight arrays kernel product_tiles takes as A and B for `rows` rows of x."""
+        if self.pair(rows):
+            if self._halves is None:
+                raise ValueError(f"product_tiles: {self.weight.name!r} has no data to launch in pairs")
+            return self._halves
+        return self.weight.data, (self.second if self.second is not None else self.weight).data
+
     def launch_arguments(self, rows: int):
         """(template, grid, threadgroup, chunks, width) for `rows` rows of x (made once for each
         count): width, the columns the kernel writes."""
@@ -334,15 +363,17 @@ class TileProduct:
     def _launch_arguments(self, rows: int):
         tokens = self.tokens(rows)
         groups = -(-rows // tokens)
-        # kernel product_tiles' GLU: 1 fused, 2 split in pairs, 0 ungated or split one tile a SIMD group
-        split = self.split(rows)
-        glu = 0 if self.activation is None or (split and not self.pairs) else 2 if split else 1
+        # kernel product_tiles' GLU: 1 fused, 2 split in pairs or an ungated product in pairs (A and
+        # B its halves), 0 ungated or split one tile a SIMD group
+        split, pair = self.split(rows), self.pair(rows)
+        glu = 2 if pair else 0 if self.activation is None or (split and not self.split_pairs) else 2 if split else 1
         # GLU 1 and 2: a SIMD group takes the same rows of A and B (A's tiles); GLU 0: every tile of both
-        blocks = -(-(self.tiles_a if glu else self.tiles_a + self.tiles_b) // self.warps)
+        tiles = self.tiles_a // 2 if pair else self.tiles_a if glu else self.tiles_a + self.tiles_b
+        blocks = -(-tiles // self.warps)
         chunks = tile_chunks(self.spans, groups * blocks, glu == 1, self.target)
         threadgroup = (32 * self.warps, 1, 1)
         half = self.half(rows)
-        template = (self._template + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(half)),
+        template = ((self._pair_template if pair else self._template) + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(half)),
                                       ("BY_TOKEN", int(half and self.by_token)), ("CHUNKS", chunks), ("GLU", glu),
                                       ("ACTIVATION", ACTIVATIONS[self.activation] if glu == 1 else 0),
                                       ("LAUNCH_THREADS", threadgroup[0]),
@@ -378,7 +409,7 @@ class TileProduct:
         template, grid, threadgroup, chunks, width = self.launch_arguments(rows)
         (y,) = kernels.launch(
             "product_tiles",
-            inputs=[self.weight.data, (self.second if self.second is not None else self.weight).data, *x],
+            inputs=[*self.launch_inputs(rows), *x],
             template=template,
             grid=grid,
             threadgroup=threadgroup,
