@@ -366,18 +366,24 @@ class TileProduct:
         # kernel product_tiles' GLU: 1 fused, 2 split in pairs or an ungated product in pairs (A and
         # B its halves), 0 ungated or split one tile a SIMD group
         split, pair = self.split(rows), self.pair(rows)
-        glu = 2 if pair else 0 if self.activation is None or (split and not self.split_pairs) else 2 if split else 1
+        if pair:
+            glu = 2
+        elif self.activation is None or (split and not self.split_pairs):
+            glu = 0
+        else:
+            glu = 2 if split else 1
         # GLU 1 and 2: a SIMD group takes the same rows of A and B (A's tiles); GLU 0: every tile of both
         tiles = self.tiles_a // 2 if pair else self.tiles_a if glu else self.tiles_a + self.tiles_b
         blocks = -(-tiles // self.warps)
         chunks = tile_chunks(self.spans, groups * blocks, glu == 1, self.target)
         threadgroup = (32 * self.warps, 1, 1)
         half = self.half(rows)
-        template = ((self._pair_template if pair else self._template) + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(half)),
-                                      ("BY_TOKEN", int(half and self.by_token)), ("CHUNKS", chunks), ("GLU", glu),
-                                      ("ACTIVATION", ACTIVATIONS[self.activation] if glu == 1 else 0),
-                                      ("LAUNCH_THREADS", threadgroup[0]),
-                                      ("LAUNCH_MIN_THREADGROUPS", self.least if glu and tokens == TILE_TOKENS else 0)])
+        weights = self._pair_template if pair else self._template
+        template = (weights + [("TOKENS", tokens), ("WARPS", self.warps), ("HALF", int(half)),
+                               ("BY_TOKEN", int(half and self.by_token)), ("CHUNKS", chunks), ("GLU", glu),
+                               ("ACTIVATION", ACTIVATIONS[self.activation] if glu == 1 else 0),
+                               ("LAUNCH_THREADS", threadgroup[0]),
+                               ("LAUNCH_MIN_THREADGROUPS", self.least if glu and tokens == TILE_TOKENS else 0)])
         width = self.out_a if glu == 1 else self.out_a + self.out_b
         return template, (threadgroup[0] * groups, blocks, chunks), threadgroup, chunks, width
 
