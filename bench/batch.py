@@ -303,10 +303,10 @@ def main() -> None:
         for name, changes in variants.items():  # one variant's model at a time: each holds its own stacked tables
             try:  # a variant that fails (a kernel that does not compile) is reported; the others still run
                 changed = settings_from(changes, settings)
-                # a variant of the batched step's launches alone (tile_* fields, batch_tiles_from) runs on
+                # a variant of the batched step's launches alone (tile_* and batch_* fields) runs on
                 # this model, every weight shared: a rebuilt model's step ran slower even where its
                 # settings did not apply (bench/history/session-48.md)
-                launches_only = all(field.startswith("tile_") or field == "batch_tiles_from"
+                launches_only = all(field.startswith(("tile_", "batch_"))
                                     for field, value in vars(changed).items() if getattr(settings, field) != value)
                 variant = model if launches_only else rebuilt(model, changed)
                 launch_settings = changed if launches_only else None

@@ -80,6 +80,14 @@ class Settings:
     # tiles took 13.5 ms a step (H100) where the grouped form had taken 24.9 (H200)
     # (bench/history/session-47.md). One sequence alone runs generate()'s step (BatchGenerator).
     batch_tiles_from: int = 2
+    # The batched GPU step's attention (kernel attention_decode over its rows): 0, the splits of
+    # a cache attention_splits aims for, at every count of rows; N, N / (the rows of x a tile
+    # product's threadgroup takes: 8, 16, 32, 64; ops.TileProduct.tokens), at least 1, so that
+    # the step's SIMD groups stay near one row's at N splits. At 64 rows of Muse Glimmer (16
+    # SIMD groups a split; 256-slot stores: 8 splits) attention_decode's 2,048 threadgroups,
+    # 2 an SM by registers, ran in 7.8 waves; 128 makes 2 splits (1.9 waves). Untimed
+    # (bench/history/session-50.md).
+    batch_attention_splits: int = 0
     # The tile products' launch shape (kernel product_tiles): 16-row weight tiles a threadgroup
     # (one a SIMD group, sharing the threadgroup's copy of x), and the threadgroups a launch aims
     # for, products of few rows splitting their input into chunks to reach them (ops.tile_chunks).
@@ -158,6 +166,9 @@ class Settings:
         if not 1 <= self.attention_splits <= 128:
             raise ValueError(f"attention_splits must be 1..128 (attention_combine's lanes hold 4 each), "
                              f"got {self.attention_splits}")
+        if self.batch_attention_splits < 0:
+            raise ValueError(f"batch_attention_splits must be at least 0 (0: attention_splits at every count of "
+                             f"rows), got {self.batch_attention_splits}")
         if self.batch_tiles_from < 1:
             raise ValueError(f"batch_tiles_from must be at least 1 (sequences), got {self.batch_tiles_from}")
         if not 1 <= self.tile_warps <= 8:

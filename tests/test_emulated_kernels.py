@@ -921,6 +921,36 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from,
     assert stores[1].lengths == stores[0].lengths == [4, 10, 6]
 
 
+@pytest.mark.parametrize("aim, splits", [(0, 128), (16, 2), (4, 1)], ids=["default", "16", "4"])
+def test_the_batched_steps_attention_splits_follow_its_rows(tmp_path, rng, aim, splits):
+    """Settings.batch_attention_splits: kernel attention_decode's MAX_SPLITS in a batched step of
+    3 sequences (padded to 8 rows) is the model's attention_splits (0), or the aim over 8 (16: 2
+    splits of a 256-slot store, 128 slots each; 4: 1), and the step's logits stay within the
+    batched step's bound of the default's (the splits merge in another order)."""
+    path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1)
+    from muser_mlx.models.batch_decode import BatchKV, BatchStep
+    with gguf.read(path) as file:
+        model = build_model(file)
+        caches = [model.make_cache(mx.float16) for _ in range(3)]
+        for n, cache in zip((40, 9, 150), caches):
+            mx.eval(model.hidden(mx.array(rng.integers(0, model.config.vocab, size=(1, n))), cache))
+        stores = [BatchKV(model, mx.float16) for _ in range(2)]
+        for kv in stores:
+            for cache in caches:
+                kv.add(cache)
+        tokens = mx.array(rng.integers(0, model.config.vocab, size=3), dtype=mx.int32)
+        with emulated_gpu() as launches, kernels.poisoned_outputs():
+            expected = np.array(BatchStep(model, q8x=True, tiles=True)(tokens, stores[0]))
+            step = BatchStep(model, q8x=True, tiles=True, launch_settings=Settings(batch_attention_splits=aim))
+            logits = np.array(step(tokens, stores[1]))
+    attention = [dict(launch[1]) for launch in launches if launch[0] == "attention_decode"]
+    assert [a["MAX_SPLITS"] for a in attention] == [128, splits]
+    assert step.attention_splits(8) == splits
+    assert np.isfinite(logits).all() and logits.shape == expected.shape
+    for row, row_expected in zip(logits, expected):
+        assert relative_error(row, row_expected) <= FUSED_NUMERICS_BOUND
+
+
 def test_the_batched_steps_write_their_store_in_place_on_the_emulated_gpu(tmp_path, rng):
     """BatchStep's GPU form over 10 steps: its attention kernels (attention_decode with rows)
     write each row's key and value into the store in place, and the store's own MLX ops (a row

@@ -173,6 +173,14 @@ class BatchStep:
         # node over B rows, compiled as that step (SmolLM2 8 rows: 16.7 ms against 19.8).
         self.layer_nodes = self.compiled_attention and model.cpu_step.takes_rows
 
+    def attention_splits(self, padded: int) -> int:
+        """The splits of a cache kernel attention_decode aims for in a step of `padded` rows
+        (Settings.batch_attention_splits; 0: the model's attention_splits)."""
+        aim = self.launch_settings.batch_attention_splits
+        if not aim:
+            return self.model.settings.attention_splits
+        return max(1, min(128, aim // ops.TileProduct.tokens(padded)))
+
     def uses_tiles(self, batch: int) -> bool:
         """Whether a step of `batch` sequences runs tile products."""
         return self.tiles if self.tiles is not None else batch >= self.launch_settings.batch_tiles_from
@@ -413,7 +421,7 @@ class _Q8XPieces:
             bias=attention.qkv_bias if c.qkv_bias else None, rope=c.rope(index), eps=c.eps,
             scale=c.attention_scale, woven=getattr(launches["output"], "x_woven", False),
             qk_norm_whole=c.qk_norm_whole, softcap=c.attn_softcap, rows=self.batch, out_rows=self.padded,
-            splits=self.step.model.settings.attention_splits,
+            splits=self.step.attention_splits(self.padded),
             head_group=self.step.model.settings.attention_head_group)
         return _unsummed(launches["output"], o), kv
 
