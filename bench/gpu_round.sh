@@ -18,14 +18,15 @@
 #      variants are launch settings alone: they run on the default's model, every weight shared;
 #      the likeliest first, in case the time runs out):
 #        BATCH_SECONDS=500 BATCH_ARGS="--batches 1,8,32,64 --steps 24 --variant
-#        tok:tile_stage_by_token=True --variant asplit:batch_attention_splits=128
+#        tok:tile_stage_by_token=True --variant asplit:batch_attention_splits=128 --variant q4:tile_min_warps=16
 #        --variant tokpairs:tile_stage_by_token=True,tile_pairs_from=17
 #        --variant tokpairs364:tile_stage_by_token=True,tile_pairs_from=17,tile_threadgroups=364
 #        --variant split:tile_glu_split_from=17 --variant one:tile_glu_split_from=17,tile_glu_split_pairs=False"
 #        bash bench/gpu_round.sh bench
 #      (tokpairs364: pairs hold 3 threadgroups an SM, 396 a wave of 132 SMs; 64-row down and
 #      o-projection take 7 chunks of 52 = 364, one wave, where the default's 10 x 52 = 520 is 1.31;
-#      asplit: the batched step's attention in 128 / 64 = 2 splits at 64 rows, not 8)
+#      asplit: the batched step's attention in 128 / 64 = 2 splits at 64 rows, not 8; q4: 64-row
+#      ungated launches bounded to 4 threadgroups an SM, q+gate|k+v's 135 registers capped at 128)
 #      (no PRE_TESTS: beside llama.cpp's build the GPU tests crawl)
 #   3. bash bench/gpu_round.sh timeline (64 rows: the wide seams' us a launch against b5bd0c2's
 #      26.1 / 21.5), then TESTS_SECONDS=540 bash bench/gpu_round.sh tests

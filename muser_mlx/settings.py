@@ -114,6 +114,12 @@ class Settings:
     # groups an SM (__launch_bounds__: 12 = 3 of 4, at most 168 registers, a few bytes spilled);
     # 0: the compiler's count.
     tile_glu_min_warps: int = 12
+    # The same bound for 64-row launches whose lanes hold one tile's sums (0: none). ptxas gave
+    # q+gate|k+v 135 registers (3 threadgroups an SM: its 544 threadgroups in 1.37 waves; 79.3
+    # us, 2.3 us a MB where down Q4_K, 4 an SM in 0.98 waves, took 1.4: session-48.md); 16
+    # caps it at 128 (24 bytes spilled, 4 an SM) and leaves down and the o-projection as they are.
+    # Untimed (bench/history/session-50.md).
+    tile_min_warps: int = 0
     # The f16 stage written by SIMD groups, one token's whole span a load instruction (2 cache
     # lines), against the items form's 8 tokens' 8 bytes (8 lines): L1 bound the 64-row step's
     # ungated products at 72-80 % (H100, ncu). Untimed since its loads were made unconditional
@@ -178,6 +184,8 @@ class Settings:
         if self.tile_glu_min_warps < 0:
             raise ValueError(f"tile_glu_min_warps must be at least 0 (SIMD groups an SM), "
                              f"got {self.tile_glu_min_warps}")
+        if self.tile_min_warps < 0:
+            raise ValueError(f"tile_min_warps must be at least 0 (SIMD groups an SM), got {self.tile_min_warps}")
         if self.tile_glu_split_from < 0:
             raise ValueError(f"tile_glu_split_from must be at least 0 (rows of x; 0: never), "
                              f"got {self.tile_glu_split_from}")

@@ -388,6 +388,8 @@ def test_settings_refuse_a_product_config_that_cannot_launch():
         Settings(tile_glu_split_from=-1)
     with pytest.raises(ValueError, match="tile_pairs_from must be at least 0"):
         Settings(tile_pairs_from=-1)
+    with pytest.raises(ValueError, match="tile_min_warps must be at least 0"):
+        Settings(tile_min_warps=-1)
     with pytest.raises(ValueError, match="batch_attention_splits must be at least 0"):
         Settings(batch_attention_splits=-1)
 

@@ -545,6 +545,28 @@ def test_tile_product_launches_fit_the_register_file(case, half, tmp_path):
     assert spilled <= (64 if least else 0), report
 
 
+@pytest.mark.parametrize("case", ["q+gate|k+v", "attn_output", "ffn_down Q4_K", "ffn_down Q6_K"])
+def test_ungated_tile_launches_bounded_by_the_settings_fit_four_an_sm(case, tmp_path):
+    """Settings.tile_min_warps 16: a 64-row ungated f16 launch of Muse Glimmer's shapes is bounded
+    to 4 threadgroups an SM (LAUNCH_MIN_THREADGROUPS 4), holds them in the register file, and
+    spills at most a few bytes (q+gate|k+v took 135 registers unbounded)."""
+    shape, ggml_type, second_shape, second_type, _ = MUSE_TILE_PRODUCTS[case]
+    second = _stand_in(second_shape, second_type, "b") if second_shape else None
+    product = ops.TileProduct(_stand_in(shape, ggml_type, "a"), second, settings=tile_settings(True, tile_min_warps=16))
+    template, _, threadgroup, _, _ = product.launch_arguments(64)
+    values = dict(template)
+    assert values["LAUNCH_MIN_THREADGROUPS"] == 4 and values["GLU"] == 0
+    assert dict(product.launch_arguments(32)[0])["LAUNCH_MIN_THREADGROUPS"] == 0  # 64-row launches only
+    inputs = [InputSpec(mx.uint8, 2, product.out_a * values["ROW_BYTES_A"]),
+              InputSpec(mx.uint8, 2, max(product.out_b, 1) * values["ROW_BYTES_B"]),
+              InputSpec(mx.int8, 2, 64 * shape[0]), InputSpec(mx.float32, 2, 64 * shape[0] // 32),
+              InputSpec(mx.float32, 2, 64 * shape[0] // 8)]
+    report = _ptxas_report(kernels.cuda_program("product_tiles", inputs, [mx.float32], template), tmp_path)
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert registers * threadgroup[0] * 4 <= 65536, registers
+    assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) <= 64, report
+
+
 def test_launch_bounds_go_into_the_cuda_header_alone():
     # LAUNCH_* template constants become CUDA's __launch_bounds__ in the launch's header (MLX
     # writes the signature), not constants of the body; a minimum of 0 leaves the kernel as it is

@@ -294,10 +294,12 @@ class TileProduct:
         # From this many rows of x (0: never), an ungated f16 product of one weight whose rows
         # split in two halves of whole tiles runs in pairs (Settings.tile_pairs_from: pair())
         self.pairs_from = settings.tile_pairs_from if second is None and not glu and self.out_a % 32 == 0 else 0
-        # The 64-row threadgroups an SM holds at once, at least, of a launch whose lanes hold two
-        # tiles' sums (gated or pairs; CUDA: registers capped; Settings.tile_glu_min_warps)
+        # The 64-row threadgroups an SM holds at once, at least (CUDA: registers capped), of a
+        # launch whose lanes hold two tiles' sums (gated or pairs; Settings.tile_glu_min_warps)
+        # and of one whose lanes hold one tile's (Settings.tile_min_warps)
         self.least = (max(1, settings.tile_glu_min_warps // self.warps)
                       if (glu or self.pairs_from) and settings.tile_glu_min_warps else 0)
+        self.least_one = max(1, settings.tile_min_warps // self.warps) if settings.tile_min_warps else 0
         self.spans = self.in_features // (256 if self.in_features % 256 == 0 else 32)
         self._template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
                           + _weight_template("B", second if second is not None else weight)
@@ -383,7 +385,8 @@ class TileProduct:
                                ("BY_TOKEN", int(half and self.by_token)), ("CHUNKS", chunks), ("GLU", glu),
                                ("ACTIVATION", ACTIVATIONS[self.activation] if glu == 1 else 0),
                                ("LAUNCH_THREADS", threadgroup[0]),
-                               ("LAUNCH_MIN_THREADGROUPS", self.least if glu and tokens == TILE_TOKENS else 0)])
+                               ("LAUNCH_MIN_THREADGROUPS", (self.least if glu else self.least_one)
+                                if tokens == TILE_TOKENS else 0)])
         width = self.out_a if glu == 1 else self.out_a + self.out_b
         return template, (threadgroup[0] * groups, blocks, chunks), threadgroup, chunks, width
 
