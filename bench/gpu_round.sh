@@ -28,8 +28,10 @@
 #      asplit: the batched step's attention in 128 / 64 = 2 splits at 64 rows, not 8; q4: 64-row
 #      ungated launches bounded to 4 threadgroups an SM, q+gate|k+v's 135 registers capped at 128)
 #      (no PRE_TESTS: beside llama.cpp's build the GPU tests crawl)
-#   3. bash bench/gpu_round.sh timeline (64 rows: the wide seams' us a launch against b5bd0c2's
-#      26.1 / 21.5), then TESTS_SECONDS=540 bash bench/gpu_round.sh tests
+#   3. TIMELINE_ARGS="--batch 64 --runs 2 --steps 16 --kernels 24 --variant asplit:batch_attention_splits=128"
+#      bash bench/gpu_round.sh timeline (64 rows: the wide seams' us a launch against b5bd0c2's
+#      26.1 / 21.5; attention_decode's us a launch in 8 splits and in 2), then
+#      TESTS_SECONDS=540 bash bench/gpu_round.sh tests
 #   With little device time (~250 s): call 1 with LLAMA=0, then, carry [".device/b"],
 #   READS_ONLY="gate+up Q4_K,down Q4_K,head Q6_K" READS_ARGS="--rows 64,32 --variant tok:tile_stage_by_token=True
 #   --variant tokpairs:tile_stage_by_token=True,tile_pairs_from=17
