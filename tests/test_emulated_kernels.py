@@ -864,6 +864,20 @@ def test_an_endless_loop_is_reported(rng):
 # ---------------------------------------------------------------------------------------------
 
 
+def _two_stores_of_the_same_sequences(model, rng, lengths):
+    """Two BatchKV stores of the same sequences (random prompts of these lengths, prefilled once)
+    and a random next token for each: (stores, tokens int32 [sequences])."""
+    from muser_mlx.models.batch_decode import BatchKV
+    caches = [model.make_cache(mx.float16) for _ in lengths]
+    for n, cache in zip(lengths, caches):
+        mx.eval(model.hidden(mx.array(rng.integers(0, model.config.vocab, size=(1, n))), cache))
+    stores = [BatchKV(model, mx.float16) for _ in range(2)]
+    for kv in stores:
+        for cache in caches:
+            kv.add(cache)
+    return stores, mx.array(rng.integers(0, model.config.vocab, size=len(lengths)), dtype=mx.int32)
+
+
 # Muse Glimmer's layer (QK norm, attention gate, sliding window); OLMo 2's (q/k norm over the
 # whole projections, no pre-norms); Gemma 2's (attention softcap, here one that bites).
 @pytest.mark.parametrize("chosen, tiles_from, tiles, half, split",
@@ -885,20 +899,13 @@ def test_the_batched_step_on_the_emulated_gpu(tmp_path, rng, chosen, tiles_from,
     ungated products of one weight in pairs from 8 rows (Settings.tile_pairs_from: GLU 2 over
     the weight's halves; the gated product fused)."""
     path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1, ff=1024)
-    from muser_mlx.models.batch_decode import BatchKV, BatchStep
+    from muser_mlx.models.batch_decode import BatchStep
     with gguf.read(path) as file:
         model = build_model(file, Settings(batch_tiles_from=tiles_from, tile_half_from=1 if half else DEFAULT.tile_half_from,
                                            tile_glu_split_from=8 if split is True else 0,
                                            tile_pairs_from=8 if split == "pairs" else 0))
         assert BatchStep(model, q8x=True, tiles=chosen).uses_tiles(3) == tiles
-        caches = [model.make_cache(mx.float16) for _ in range(3)]
-        for n, cache in zip((3, 9, 5), caches):
-            mx.eval(model.hidden(mx.array(rng.integers(0, model.config.vocab, size=(1, n))), cache))
-        stores = [BatchKV(model, mx.float16) for _ in range(2)]
-        for kv in stores:
-            for cache in caches:
-                kv.add(cache)
-        tokens = mx.array(rng.integers(0, model.config.vocab, size=3), dtype=mx.int32)
+        stores, tokens = _two_stores_of_the_same_sequences(model, rng, (3, 9, 5))
         step = BatchStep(model, q8x=True, tiles=chosen)
         expected = np.array(step(tokens, stores[0]))
         with emulated_gpu() as launches, kernels.poisoned_outputs():
@@ -928,17 +935,10 @@ def test_the_batched_steps_attention_splits_follow_its_rows(tmp_path, rng, aim, 
     splits of a 256-slot store, 128 slots each; 4: 1), and the step's logits stay within the
     batched step's bound of the default's (the splits merge in another order)."""
     path = testing.tiny_model(tmp_path / "m.gguf", "muse-glimmer", rng, weights="Q4_K_M", layers=1)
-    from muser_mlx.models.batch_decode import BatchKV, BatchStep
+    from muser_mlx.models.batch_decode import BatchStep
     with gguf.read(path) as file:
         model = build_model(file)
-        caches = [model.make_cache(mx.float16) for _ in range(3)]
-        for n, cache in zip((40, 9, 150), caches):
-            mx.eval(model.hidden(mx.array(rng.integers(0, model.config.vocab, size=(1, n))), cache))
-        stores = [BatchKV(model, mx.float16) for _ in range(2)]
-        for kv in stores:
-            for cache in caches:
-                kv.add(cache)
-        tokens = mx.array(rng.integers(0, model.config.vocab, size=3), dtype=mx.int32)
+        stores, tokens = _two_stores_of_the_same_sequences(model, rng, (40, 9, 150))
         with emulated_gpu() as launches, kernels.poisoned_outputs():
             expected = np.array(BatchStep(model, q8x=True, tiles=True)(tokens, stores[0]))
             step = BatchStep(model, q8x=True, tiles=True, launch_settings=Settings(batch_attention_splits=aim))

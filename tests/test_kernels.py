@@ -517,6 +517,19 @@ MUSE_TILE_PRODUCTS = {  # (in, out) and format of A, then of B (None: no B), gat
 }
 
 
+def _tile_launch_report(product, in_features: int, tmp_path):
+    """(ptxas's report, registers a thread, template values, threadgroup) of `product`'s
+    (ops.TileProduct) 64-row launch, compiled for sm_90 as MLX would assemble it."""
+    template, _, threadgroup, _, _ = product.launch_arguments(64)
+    values = dict(template)
+    inputs = [InputSpec(mx.uint8, 2, product.out_a * values["ROW_BYTES_A"]),
+              InputSpec(mx.uint8, 2, max(product.out_b, 1) * values["ROW_BYTES_B"]),
+              InputSpec(mx.int8, 2, 64 * in_features), InputSpec(mx.float32, 2, 64 * in_features // 32),
+              InputSpec(mx.float32, 2, 64 * in_features // 8)]
+    report = _ptxas_report(kernels.cuda_program("product_tiles", inputs, [mx.float32], template), tmp_path)
+    return report, int(re.search(r"Used (\d+) registers", report).group(1)), values, threadgroup
+
+
 @pytest.mark.parametrize("half", [False, True, "by token"], ids=["int8", "f16", "f16-by-token"])
 @pytest.mark.parametrize("case", sorted(MUSE_TILE_PRODUCTS))
 def test_tile_product_launches_fit_the_register_file(case, half, tmp_path):
@@ -527,18 +540,11 @@ def test_tile_product_launches_fit_the_register_file(case, half, tmp_path):
                               settings=tile_settings(half, tile_glu_split_from=64 if gated in ("split", "one-tile") else 0,
                                                     tile_glu_split_pairs=gated != "one-tile",
                                                     tile_pairs_from=64 if gated == "pairs" else 0))
-    template, grid, threadgroup, chunks, _ = product.launch_arguments(64)
-    values = dict(template)
-    inputs = [InputSpec(mx.uint8, 2, product.out_a * values["ROW_BYTES_A"]),
-              InputSpec(mx.uint8, 2, max(product.out_b, 1) * values["ROW_BYTES_B"]),
-              InputSpec(mx.int8, 2, 64 * shape[0]), InputSpec(mx.float32, 2, 64 * shape[0] // 32),
-              InputSpec(mx.float32, 2, 64 * shape[0] // 8)]
-    report = _ptxas_report(kernels.cuda_program("product_tiles", inputs, [mx.float32], template), tmp_path)
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    assert registers * threadgroup[0] <= 65536, (registers, template)
+    report, registers, values, threadgroup = _tile_launch_report(product, shape[0], tmp_path)
+    assert registers * threadgroup[0] <= 65536, (registers, values)
     # a launch bounded to hold more threadgroups (Settings.tile_glu_min_warps: the gated one at 64
     # rows, and one in pairs in the f16 form) fits them, and spills a little
-    least = dict(template)["LAUNCH_MIN_THREADGROUPS"]
+    least = values["LAUNCH_MIN_THREADGROUPS"]
     assert least == (3 if gated in (True, "split") or (gated == "pairs" and half) else 0)
     assert registers * threadgroup[0] * max(least, 1) <= 65536, (registers, least)
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
@@ -553,16 +559,9 @@ def test_ungated_tile_launches_bounded_by_the_settings_fit_four_an_sm(case, tmp_
     shape, ggml_type, second_shape, second_type, _ = MUSE_TILE_PRODUCTS[case]
     second = _stand_in(second_shape, second_type, "b") if second_shape else None
     product = ops.TileProduct(_stand_in(shape, ggml_type, "a"), second, settings=tile_settings(True, tile_min_warps=16))
-    template, _, threadgroup, _, _ = product.launch_arguments(64)
-    values = dict(template)
+    report, registers, values, threadgroup = _tile_launch_report(product, shape[0], tmp_path)
     assert values["LAUNCH_MIN_THREADGROUPS"] == 4 and values["GLU"] == 0
     assert dict(product.launch_arguments(32)[0])["LAUNCH_MIN_THREADGROUPS"] == 0  # 64-row launches only
-    inputs = [InputSpec(mx.uint8, 2, product.out_a * values["ROW_BYTES_A"]),
-              InputSpec(mx.uint8, 2, max(product.out_b, 1) * values["ROW_BYTES_B"]),
-              InputSpec(mx.int8, 2, 64 * shape[0]), InputSpec(mx.float32, 2, 64 * shape[0] // 32),
-              InputSpec(mx.float32, 2, 64 * shape[0] // 8)]
-    report = _ptxas_report(kernels.cuda_program("product_tiles", inputs, [mx.float32], template), tmp_path)
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
     assert registers * threadgroup[0] * 4 <= 65536, registers
     assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) <= 64, report
 
