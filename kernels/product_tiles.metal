@@ -163,10 +163,11 @@ for (int j = 0; j < NT; ++j) {
     if (uint(j) < live && row < out_rows) {
       float scale = HALF != 0 ? muser_tile_f16_scale(stage_codes, token - first_token) : 1.0f;
       float value = acc[j * 4 + e] * scale;
+      float up = acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;  // GLU: B's same row
       if (GLU == 1) {
-        value = muser_activate<ACTIVATION>(value) * acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;
+        value = muser_activate<ACTIVATION>(value) * up;
       } else if (GLU == 2) {
-        out[size_t(token) * WIDTH + uint(OUT_A) + row] = acc[GLU != 0 ? NT * 4 + j * 4 + e : 0] * scale;
+        out[size_t(token) * WIDTH + uint(OUT_A) + row] = up;
       }
       out[size_t(token) * WIDTH + column + row] = value;
     }

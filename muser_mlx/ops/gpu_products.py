@@ -293,7 +293,7 @@ class TileProduct:
         self.warps, self.target = settings.tile_warps, settings.tile_threadgroups
         # From this many rows of x (0: never), an ungated f16 product of one weight whose rows
         # split in two halves of whole tiles runs in pairs (Settings.tile_pairs_from: pair())
-        self.pairs_from = settings.tile_pairs_from if second is None and not glu and self.out_a % 32 == 0 else 0
+        self.pairs_from = settings.tile_pairs_from if second is None and self.out_a % 32 == 0 else 0
         # The 64-row threadgroups an SM holds at once, at least (CUDA: registers capped), of a
         # launch whose lanes hold two tiles' sums (gated or pairs; Settings.tile_glu_min_warps)
         # and of one whose lanes hold one tile's (Settings.tile_min_warps)
@@ -301,15 +301,17 @@ class TileProduct:
                       if (glu or self.pairs_from) and settings.tile_glu_min_warps else 0)
         self.least_one = max(1, settings.tile_min_warps // self.warps) if settings.tile_min_warps else 0
         self.spans = self.in_features // (256 if self.in_features % 256 == 0 else 32)
-        self._template = (_weight_template("A", weight) + [("OUT_A", self.out_a)]
-                          + _weight_template("B", second if second is not None else weight)
-                          + [("OUT_B", self.out_b), ("IN", self.in_features)])
+
+        def weights(b, out_a: int, out_b: int) -> list:  # the template's weights: A (`weight`), then B
+            return (_weight_template("A", weight) + [("OUT_A", out_a)] + _weight_template("B", b)
+                    + [("OUT_B", out_b), ("IN", self.in_features)])
+
+        self._template = weights(second if second is not None else weight, self.out_a, self.out_b)
         self.half_from = settings.tile_half_from
         self._halves = None  # pairs: the weight's two halves of rows, A and B of GLU 2
         if self.pairs_from:
             half = self.out_a // 2
-            self._pair_template = (_weight_template("A", weight) + [("OUT_A", half)] + _weight_template("B", weight)
-                                   + [("OUT_B", half), ("IN", self.in_features)])
+            self._pair_template = weights(weight, half, half)
             data = getattr(weight, "data", None)  # (None: a stand-in that only makes launch arguments)
             if data is not None:
                 # evaluated now, views of the weight's bytes (no copy), as gguf.stack_rows' are: a
